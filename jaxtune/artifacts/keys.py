@@ -1,0 +1,88 @@
+"""Cache keys and content digests: what makes two artifacts the same."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+KEY_LENGTH = 20
+CHUNK_BYTES = 1 << 20
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not allowed in a cache key: {value!r}")
+
+
+def plain_config(config: Mapping[str, Any] | BaseModel | None) -> Any:
+    """The JSON form of a config section, as stored in manifests and hashed into keys."""
+    if config is None:
+        return None
+    if isinstance(config, BaseModel):
+        return config.model_dump(mode="json")
+    if isinstance(config, Mapping):
+        return json.loads(canonical_json(config))
+    raise TypeError(f"config must be a mapping, a pydantic model or None, not {type(config).__name__}")
+
+
+def canonical_json(value: Any) -> str:
+    """One fixed text per value: sorted keys, no whitespace, so equal values hash equally."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=_json_default)
+
+
+def artifact_key(
+    stage: str,
+    code_version: str,
+    config: Mapping[str, Any] | BaseModel | None,
+    inputs: Mapping[str, str],
+) -> str:
+    """Key of a stage output: sha256 of the stage, its code version, its config section and its input keys."""
+    payload = {
+        "stage": stage,
+        "code_version": code_version,
+        "config": plain_config(config),
+        "inputs": {str(name): str(key) for name, key in inputs.items()},
+    }
+    return hashlib.sha256(canonical_json(payload).encode("utf-8")).hexdigest()[:KEY_LENGTH]
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 hex of a file's bytes, read in 1 MiB chunks so large weights never sit in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tree_files(folder: str | Path, exclude: Collection[str] = frozenset()) -> list[str]:
+    """Sorted relative posix paths of the files under `folder`, skipping any path with a part in `exclude`."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root} is not a directory")
+    found = []
+    for current, dirs, files in os.walk(root):
+        dirs[:] = [name for name in dirs if name not in exclude]
+        for name in files:
+            path = Path(current, name)
+            if name not in exclude and path.is_file():
+                found.append(path.relative_to(root).as_posix())
+    return sorted(found)
+
+
+def tree_digest(folder: str | Path, exclude: Collection[str] = frozenset()) -> str:
+    """sha256 over the sorted relative paths and contents of a folder; mtimes and permissions do not count."""
+    root = Path(folder)
+    digest = hashlib.sha256()
+    for relative in tree_files(root, exclude):
+        digest.update(f"{relative}\0{file_digest(root / relative)}\n".encode("utf-8"))
+    return digest.hexdigest()

@@ -1,0 +1,171 @@
+"""Typed, frozen configuration: one YAML file maps to one `JaxtuneConfig`.
+
+Unknown keys and bad values raise errors that name the key. Each section is what one
+stage's cache key hashes, so a setting lives in the section of the stage it changes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+OFFLINE = "offline"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(Section):
+    """Where rows come from and how they become token sequences."""
+
+    source: str = Field(OFFLINE, description="'offline' (bundled data), a hub dataset id, or a local .jsonl/.json/.parquet/.csv file")
+    hub_split: str = Field("train", description="split to read from a hub dataset")
+    revision: str = Field("main", description="hub dataset revision (part of the cache key)")
+    format: Literal["dolly", "alpaca", "prompt_completion", "messages"] = Field("dolly", description="row schema")
+    columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names, e.g. {instruction: question}")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of rows held out for eval")
+    max_train_rows: int | None = Field(None, gt=0, description="keep at most this many training rows (None: all)")
+    max_eval_rows: int | None = Field(None, gt=0, description="keep at most this many eval rows (None: all)")
+    max_length: int = Field(512, ge=8, description="rows longer than this many tokens are dropped, not truncated")
+    train_on_prompt: bool = Field(False, description="also compute loss on prompt tokens")
+    seed: int = Field(0, description="seed of the train/eval split")
+
+
+class TinyModelConfig(Section):
+    """Shape of the random Gemma 3 model the offline default builds."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    sliding_window: int = 64
+    vocab_size: int = Field(1024, description="size of the BPE tokenizer trained on the bundled data")
+    seed: int = 0
+
+
+class ModelConfig(Section):
+    """The base model: a hub id, a local HF model dir, or 'offline' (built from `tiny`)."""
+
+    name: str = Field(OFFLINE, description="'offline', a hub id such as google/gemma-3-1b-it, or a local model directory")
+    revision: str = Field("main", description="hub revision (part of the cache key)")
+    trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype on the device")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+
+
+class LoraConfig(Section):
+    """PEFT LoRA settings, used when train.method is 'lora'."""
+
+    r: int = Field(8, gt=0)
+    alpha: int = Field(16, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    modules_to_save: tuple[str, ...] = ()
+
+
+class TrainConfig(Section):
+    """Optimisation: optax AdamW, warmup-cosine schedule, global-norm clipping."""
+
+    method: Literal["lora", "full"] = "lora"
+    learning_rate: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    max_steps: int = Field(100, gt=0)
+    batch_size: int = Field(8, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    seed: int = 0
+    log_every: int = Field(10, gt=0)
+
+
+class EvalConfig(Section):
+    batch_size: int = Field(16, gt=0)
+
+
+class GenerateConfig(Section):
+    """Greedy decoding on held-out prompts, scored by exact match against the reference."""
+
+    num_prompts: int = Field(64, gt=0, description="eval prompts to decode before and after training")
+    max_new_tokens: int = Field(32, gt=0)
+    batch_size: int = Field(16, gt=0)
+
+
+class ExportConfig(Section):
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the exported tensors")
+
+
+class MeshConfig(Section):
+    """Device mesh: the batch is split over `data`; parameters are replicated."""
+
+    data: int = Field(-1, description="devices on the data axis (-1: all)")
+
+
+class StoreConfig(Section):
+    root: str = Field(".jaxtune/store", description="artifact store folder; not part of any cache key")
+
+
+class JaxtuneConfig(Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+
+    @model_validator(mode="after")
+    def _offline_pairs(self) -> JaxtuneConfig:
+        if (self.model.name == OFFLINE) != (self.data.source == OFFLINE):
+            # The offline model's tokenizer is trained on the offline data; the two only make sense together.
+            raise ValueError("model.name and data.source must both be 'offline' or both be real sources")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not validate; the message names the key."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JaxtuneConfig:
+    """Read YAML (or the built-in defaults when `path` is None) and apply `section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item)
+    try:
+        return JaxtuneConfig.model_validate(raw)
+    except ValidationError as e:
+        where = f"{path}: " if path else ""
+        lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(where + "invalid config\n  " + "\n  ".join(lines)) from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+    node[leaf] = yaml.safe_load(value)  # YAML typing: 3 -> int, true -> bool, [a, b] -> list
+
+
+def section_dict(section: BaseModel) -> dict[str, Any]:
+    """The canonical JSON form of a section, as hashed into cache keys."""
+    return section.model_dump(mode="json")
