@@ -1,0 +1,119 @@
+"""Greedy decoding compiled as one XLA program: a prefill, then a `while_loop` of one-token
+steps (it stops early once every row has emitted end-of-sequence) over a static KV cache built from transformers 5's `StaticLayer`s.
+
+Every layer gets a full-length `StaticLayer` (sliding-window layers too): the sliding
+window is then applied by the attention mask rather than by rolling the cache, which keeps
+all shapes and control flow static, so prefill and decode compile once per shape.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from jaxtune.runtime.model import JaxModel
+
+
+def kv_shape(model: JaxModel, batch: int, length: int) -> tuple[int, int, int, int]:
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return (batch, heads, length, head_dim)
+
+
+def _static_cache(kv: list[tuple[torch.Tensor, torch.Tensor]], start: torch.Tensor) -> Cache:
+    """A transformers Cache over existing key/value tensors, writing from slot `start`."""
+    layers = []
+    for keys, values in kv:
+        layer = StaticLayer(max_cache_len=keys.shape[2])
+        layer.keys, layer.values = keys, values
+        layer.device = keys.device
+        layer.batch_size, layer.num_heads, _, layer.k_head_dim = keys.shape
+        layer.v_head_dim = values.shape[-1]
+        layer.cumulative_length = start.clone()  # StaticLayer writes at cumulative_length, not cache_position
+        layer.is_initialized = True
+        layers.append(layer)
+    return Cache(layers=layers)
+
+
+def _cached_forward(module: torch.nn.Module) -> Callable:
+    """(weights, buffers, kv, ids, mask, cache_position, position_ids) -> (last logits, new kv)."""
+
+    def forward(weights, buffers, kv, ids, mask, cache_position, position_ids):
+        cache = _static_cache(kv, cache_position[0])
+        out = torch.func.functional_call(
+            module,
+            (weights, buffers),
+            args=(),
+            kwargs={
+                "input_ids": ids,
+                "attention_mask": mask,
+                "past_key_values": cache,
+                "cache_position": cache_position,
+                "position_ids": position_ids,
+                "use_cache": True,
+                "logits_to_keep": 1,
+            },
+        )
+        return out.logits[:, -1], [(layer.keys, layer.values) for layer in cache.layers]
+
+    return forward
+
+
+def make_generate(model: JaxModel, max_new_tokens: int, eos_id: int) -> Callable:
+    """generate(weights, buffers, prompt_ids, prompt_mask) -> (b, max_new_tokens) token ids.
+
+    Prompts are left-padded (b, p); rows that emitted `eos_id` keep emitting it.
+    """
+    from torchax import interop
+
+    forward = _cached_forward(model.module)
+    n_layers = model.config.num_hidden_layers
+    env = model.env
+
+    def step(*args):
+        with env:
+            return interop.jax_view(forward(*interop.torch_view(args)))
+
+    def generate(weights, buffers, prompt_ids, prompt_mask):
+        b, p = prompt_ids.shape
+        total = p + max_new_tokens
+        dtype = next(iter(weights.values())).dtype
+        kv = [(jnp.zeros(kv_shape(model, b, total), dtype),) * 2 for _ in range(n_layers)]
+        # Future slots are marked valid: the causal mask already hides them until they are written.
+        mask = jnp.concatenate([prompt_mask, jnp.ones((b, max_new_tokens), prompt_mask.dtype)], axis=1)
+        positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)  # (b, p): left padding shifts positions
+        logits, kv = step(weights, buffers, kv, prompt_ids, mask, jnp.arange(p), positions)
+        first = jnp.argmax(logits, -1).astype(prompt_ids.dtype)
+
+        def unfinished(state):
+            i, _, _, _, done, _ = state
+            return (i < max_new_tokens) & ~jnp.all(done)
+
+        def one_token(state):
+            i, tokens, kv, last, done, position = state
+            logits, kv = step(weights, buffers, kv, last[:, None], mask, (p + i - 1)[None], position[:, None])
+            nxt = jnp.where(done, eos_id, jnp.argmax(logits, -1).astype(last.dtype))
+            return i + 1, tokens.at[:, i].set(nxt), kv, nxt, done | (nxt == eos_id), position + 1
+
+        tokens = jnp.full((b, max_new_tokens), eos_id, prompt_ids.dtype).at[:, 0].set(first)
+        state = (jnp.int32(1), tokens, kv, first, first == eos_id, positions[:, -1] + 1)
+        return jax.lax.while_loop(unfinished, one_token, state)[1]
+
+    return jax.jit(generate)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """(b, p) ids and mask, p rounded up to `multiple` so few prompt shapes compile."""
+    p = -(-max(len(x) for x in prompts) // multiple) * multiple
+    ids = np.full((len(prompts), p), pad_id, np.int32)
+    mask = np.zeros((len(prompts), p), np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, p - len(prompt) :] = prompt
+        mask[row, p - len(prompt) :] = 1
+    return ids, mask

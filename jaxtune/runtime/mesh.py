@@ -1,0 +1,36 @@
+"""Device mesh and shardings: batches split over the `data` axis, parameters replicated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxtune.config import MeshConfig
+
+
+@dataclass(frozen=True)
+class Placement:
+    mesh: Mesh
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.shape["data"]
+
+    def replicate(self, array: jax.Array) -> jax.Array:
+        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
+
+    def shard_batch(self, array) -> jax.Array:
+        """Split the leading (batch) dimension over the data axis."""
+        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec("data")))
+
+
+def make_placement(cfg: MeshConfig) -> Placement:
+    devices = jax.devices()
+    size = len(devices) if cfg.data == -1 else cfg.data
+    if size > len(devices):
+        raise ValueError(f"mesh.data={cfg.data} but only {len(devices)} devices are visible")
+    # Auto axes: sharded gathers (embedding lookups) raise under Explicit axes.
+    mesh = jax.make_mesh((size,), ("data",), axis_types=(AxisType.Auto,), devices=devices[:size])
+    return Placement(mesh=mesh)
