@@ -1,0 +1,1 @@
+"""Data layer: raw rows -> normalized chat examples (`rows`) -> token tables (`tokenize`)."""

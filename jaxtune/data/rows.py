@@ -1,0 +1,255 @@
+"""Read raw rows (local file or hub dataset) and normalize them to chat examples.
+
+A normalized example is `{"messages": [...prompt turns...], "response": str, "category": str}`:
+the prompt turns exclude the final assistant answer, which is `response`. Text is stripped of
+surrounding whitespace: chat templates trim it anyway (Gemma's does), and generations are scored
+against `response` by exact match.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from jaxtune.config import OFFLINE, DataConfig
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
+OFFLINE_DATA = Path(__file__).resolve().parents[1] / "offline" / "data" / "dolly_offline.jsonl"
+DEFAULT_CATEGORY = "general"
+ROLES = ("system", "user", "assistant")
+
+# (required, optional) source names per format; `category` is optional everywhere.
+FORMAT_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "dolly": (("instruction", "response"), ("context", "category")),
+    "alpaca": (("instruction", "output"), ("input", "category")),
+    "prompt_completion": (("prompt", "completion"), ("category",)),
+    "messages": (("messages",), ("category",)),
+}
+# instruction, context, response field of each instruction-style format.
+_FIELDS = {
+    "dolly": ("instruction", "context", "response"),
+    "alpaca": ("instruction", "input", "output"),
+    "prompt_completion": ("prompt", None, "completion"),
+}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file (or dataset) and the row or line."""
+
+
+Record = tuple[str, Any]  # (location such as "data.jsonl line 7", raw row)
+
+
+def read_rows(cfg: DataConfig, path_or_id: str | Path | None = None) -> list[dict]:
+    """Read `path_or_id` (default: `cfg.source`; 'offline' is the bundled Dolly file) as normalized examples."""
+    source = cfg.source if path_or_id is None else str(path_or_id)
+    if source == OFFLINE:
+        if not OFFLINE_DATA.exists():
+            raise DataError(f"{OFFLINE_DATA}: the bundled offline data file is missing")
+        source = str(OFFLINE_DATA)
+    _check_columns(cfg)
+    examples = [normalize_row(row, cfg, where) for where, row in _records(source, cfg)]
+    if not examples:
+        raise DataError(f"{source}: no rows")
+    return examples
+
+
+def normalize_row(row: Any, cfg: DataConfig, where: str) -> dict:
+    """One raw row -> normalized example; `where` prefixes error messages."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with named columns, got {_type_name(row)}")
+    row = _rename(row, cfg.columns)
+    _require_columns(row, cfg, where)
+    category = _category(row, where)
+    if cfg.format == "messages":
+        messages, response = _split_messages(row["messages"], where)
+        return {"messages": messages, "response": response, "category": category}
+    key_instruction, key_context, key_response = _FIELDS[cfg.format]
+    instruction = _string(row, key_instruction, where, required=True, non_empty=True)
+    context = _string(row, key_context, where) if key_context else ""
+    response = _string(row, key_response, where, required=True)  # may be empty: dropped and counted later
+    content = f"{instruction}\n\n{context}" if context else instruction
+    return {"messages": [{"role": "user", "content": content}], "response": response, "category": category}
+
+
+def _records(source: str, cfg: DataConfig) -> Iterator[Record]:
+    """Raw rows of a local file or hub dataset, each with its location for error messages."""
+    path = Path(source)
+    if not path.exists():
+        if _HUB_ID.fullmatch(source) and path.suffix.lower() not in SUPPORTED_EXTENSIONS:
+            return _hub_records(source, cfg)
+        raise DataError(f"{source}: no such file, and not a hub dataset id of the form 'owner/name'")
+    suffix = path.suffix.lower()
+    if path.is_dir() or suffix not in SUPPORTED_EXTENSIONS:
+        supported = ", ".join(SUPPORTED_EXTENSIONS)
+        raise DataError(f"{source}: unsupported file type {suffix or '(none)'!r}; supported: {supported}")
+    if path.stat().st_size == 0:
+        raise DataError(f"{source}: file is empty")
+    readers = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _parquet_records, ".csv": _csv_records}
+    return readers[suffix](path)
+
+
+def _jsonl_records(path: Path) -> Iterator[Record]:
+    """One JSON object per line; blank lines are skipped but still counted."""
+    with path.open("rb") as f:  # bytes, so a bad encoding is reported with its line too
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} line {number}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield f"{path} line {number}", row
+
+
+def _json_records(path: Path) -> Iterator[Record]:
+    """A JSON list of objects, or an object holding that list under 'data' or 'train'."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(doc, dict):
+        key = next((k for k in ("data", "train") if isinstance(doc.get(k), list)), None)
+        if key is None:
+            keys = ", ".join(map(str, doc)) or "(none)"
+            raise DataError(f"{path}: expected a list of rows, or an object with a 'data' or 'train' list; got keys {keys}")
+        doc = doc[key]
+    if not isinstance(doc, list):
+        raise DataError(f"{path}: expected a list of rows, got {_type_name(doc)}")
+    return _numbered(str(path), doc)
+
+
+def _parquet_records(path: Path) -> Iterator[Record]:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({e})") from None
+    return _numbered(str(path), table.to_pylist())
+
+
+def _csv_records(path: Path) -> Iterator[Record]:
+    """CSV cells are read as text (no type inference), so '007' stays '007' and empty cells are ''."""
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            header = next(csv.reader(f), [])
+        convert = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
+        table = pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True), convert_options=convert)
+    except (pa.ArrowException, OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{path}: not a readable CSV file ({e})") from None
+    return _numbered(str(path), table.to_pylist())
+
+
+def _hub_records(dataset_id: str, cfg: DataConfig) -> Iterator[Record]:
+    """Rows of a Hugging Face hub dataset split at the configured revision."""
+    import datasets  # slow import; only needed for hub sources
+
+    try:
+        ds = datasets.load_dataset(dataset_id, split=cfg.hub_split, revision=cfg.revision)
+    except Exception as e:  # the hub raises many unrelated types; all mean "could not load"
+        raise DataError(f"{dataset_id}: could not load hub dataset (split {cfg.hub_split!r}, revision {cfg.revision!r}): {e}") from e
+    return _numbered(dataset_id, ds)
+
+
+def _numbered(name: str, rows: Any) -> Iterator[Record]:
+    for number, row in enumerate(rows, start=1):
+        yield f"{name} row {number}", row
+
+
+def _check_columns(cfg: DataConfig) -> None:
+    """`cfg.columns` maps the format's column names to source column names."""
+    required, optional = FORMAT_COLUMNS[cfg.format]
+    allowed = required + optional
+    for name in cfg.columns:
+        if name not in allowed:
+            raise DataError(
+                f"data.columns: {name!r} is not a column of format {cfg.format!r} ({', '.join(allowed)}); "
+                f"keys are the format's names and values the source columns, e.g. {{{allowed[0]}: my_column}}"
+            )
+
+
+def _rename(row: dict, columns: dict[str, str]) -> dict:
+    """Copy of `row` where each mapped format name takes its source column's value (absent if that is)."""
+    if not columns:
+        return row
+    # Built afresh so swaps such as {instruction: response, response: instruction} work.
+    renamed = {k: v for k, v in row.items() if k not in columns and k not in columns.values()}
+    renamed.update({name: row[source] for name, source in columns.items() if source in row})
+    return renamed
+
+
+def _require_columns(row: dict, cfg: DataConfig, where: str) -> None:
+    required, _ = FORMAT_COLUMNS[cfg.format]
+    for name in required:
+        if name not in row:
+            source = cfg.columns.get(name)
+            label = f"{source!r} (mapped to {name!r} by data.columns)" if source else repr(name)
+            raise DataError(
+                f"{where}: missing column {label} (format {cfg.format!r} needs {', '.join(required)}; "
+                f"columns present: {', '.join(map(str, row)) or '(none)'})"
+            )
+
+
+def _string(row: dict, key: str, where: str, required: bool = False, non_empty: bool = False) -> str:
+    """`row[key]` as a string; a missing or null optional field is ''."""
+    value = row.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or (non_empty and not value.strip()):
+        got = "an empty string" if isinstance(value, str) else _type_name(value)
+        raise DataError(f"{where}: {key!r} must be a {'non-empty ' if non_empty else ''}string, got {got}")
+    return value.strip()
+
+
+def _category(row: dict, where: str) -> str:
+    value = row.get("category")
+    if value is None or value == "":
+        return DEFAULT_CATEGORY
+    if not isinstance(value, str):
+        raise DataError(f"{where}: 'category' must be a string, got {_type_name(value)}")
+    return value
+
+
+def _split_messages(messages: Any, where: str) -> tuple[list[dict], str]:
+    """Prompt turns and the final assistant answer of a `messages` row."""
+    if isinstance(messages, str):  # CSV cells hold the list as JSON text
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: 'messages' is text but not valid JSON ({e.msg})") from None
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {_type_name(messages)}")
+    turns = [_message(m, where, i) for i, m in enumerate(messages, start=1)]
+    if turns[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the last message must be the 'assistant' answer, got role {turns[-1]['role']!r}")
+    prompt = turns[:-1]
+    if not any(t["role"] == "user" for t in prompt):
+        raise DataError(f"{where}: 'messages' has no 'user' turn before the assistant answer")
+    return prompt, turns[-1]["content"]
+
+
+def _message(message: Any, where: str, index: int) -> dict:
+    if not isinstance(message, dict):
+        raise DataError(f"{where}: message {index} must be an object with role and content, got {_type_name(message)}")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise DataError(f"{where}: message {index} has role {role!r}; expected one of {', '.join(ROLES)}")
+    if not isinstance(content, str):
+        raise DataError(f"{where}: message {index} 'content' must be a string, got {_type_name(content)}")
+    return {"role": role, "content": content.strip()}
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__

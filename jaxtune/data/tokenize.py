@@ -1,0 +1,191 @@
+"""Normalized chat examples -> token rows (ids + loss labels), a train/eval split, and Arrow tables.
+
+Sequences are built with the tokenizer's own chat template and are not padded here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from tqdm import tqdm
+
+from jaxtune.config import DataConfig
+from jaxtune.data.rows import DataError
+
+IGNORE_INDEX = -100  # label value the loss skips
+DROP_REASONS = ("duplicate_of_train", "empty_response", "too_long", "max_train_rows", "max_eval_rows")
+ARROW_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.int32())),
+        ("length", pa.int32()),
+        ("prompt_length", pa.int32()),
+        ("category", pa.string()),
+        ("prompt_text", pa.string()),
+        ("response", pa.string()),
+    ]
+)
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot separate prompt tokens from answer tokens."""
+
+
+def encode_example(example: dict, tokenizer: Any, train_on_prompt: bool) -> dict | None:
+    """Token ids and labels of one example (labels -100 on the prompt unless `train_on_prompt`); None if the response is empty."""
+    response = example["response"]
+    if not response.strip():
+        return None
+    prompt_messages = example["messages"]
+    prompt_ids = _chat_ids(tokenizer, prompt_messages, add_generation_prompt=True)
+    full_ids = _chat_ids(tokenizer, [*prompt_messages, {"role": "assistant", "content": response}], add_generation_prompt=False)
+    n = len(prompt_ids)
+    if full_ids[:n] != prompt_ids or len(full_ids) == n:
+        raise ChatTemplateError(_prefix_message(tokenizer, prompt_messages, response))
+    labels = list(full_ids) if train_on_prompt else [IGNORE_INDEX] * n + full_ids[n:]
+    return {
+        "input_ids": full_ids,
+        "labels": labels,
+        "length": len(full_ids),
+        "prompt_length": n,
+        "category": example["category"],
+        "prompt_text": _prompt_text(prompt_messages),
+        "response": response,
+    }
+
+
+def tokenize_dataset(examples: Sequence[dict], tokenizer: Any, cfg: DataConfig) -> tuple[list[dict], list[dict], dict]:
+    """Shuffle with `cfg.seed`, split off eval rows, encode, filter and cap; returns (train, eval, stats)."""
+    if len(examples) < 2:
+        raise DataError(f"need at least 2 rows to split into train and eval, got {len(examples)}")
+    train_ex, eval_ex = split_examples(examples, cfg.eval_fraction, cfg.seed)
+    dropped = Counter({reason: 0 for reason in DROP_REASONS})
+    train_prompts = {_prompt_key(e) for e in train_ex}
+    kept_eval = [e for e in eval_ex if _prompt_key(e) not in train_prompts]
+    dropped["duplicate_of_train"] = len(eval_ex) - len(kept_eval)
+
+    encoded = _encode_all([*train_ex, *kept_eval], tokenizer, cfg, dropped)
+    train_rows = [row for row in encoded[: len(train_ex)] if row is not None]
+    eval_rows = [row for row in encoded[len(train_ex) :] if row is not None]
+    train_rows = _cap(train_rows, cfg.max_train_rows, "max_train_rows", dropped)
+    eval_rows = _cap(eval_rows, cfg.max_eval_rows, "max_eval_rows", dropped)
+    for name, rows in (("train", train_rows), ("eval", eval_rows)):
+        if not rows:
+            raise DataError(f"no {name} rows left after filtering {len(examples)} rows (dropped: {dict(dropped)})")
+    return train_rows, eval_rows, _stats(len(examples), train_rows, eval_rows, dropped)
+
+
+def split_examples(examples: Sequence[dict], eval_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """Deterministic shuffle, then eval = the first max(1, round(eval_fraction * n)) rows, train = the rest."""
+    shuffled = list(examples)
+    random.Random(seed).shuffle(shuffled)
+    n_eval = min(max(1, round(eval_fraction * len(shuffled))), len(shuffled) - 1)
+    return shuffled[n_eval:], shuffled[:n_eval]
+
+
+def write_arrow(rows: Sequence[dict], path: str | Path) -> None:
+    """Write token rows as an Arrow IPC file (Feather v2); the file appears atomically."""
+    path = Path(path)
+    table = pa.Table.from_pylist(list(rows), schema=ARROW_SCHEMA)
+    tmp = path.with_name(path.name + ".tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, ARROW_SCHEMA) as writer:
+        writer.write_table(table)
+    os.replace(tmp, path)
+
+
+def read_arrow(path: str | Path) -> pa.Table:
+    """Read a table written by `write_arrow`, checking that it has the token-table columns."""
+    with pa.OSFile(str(path), "rb") as source:
+        table = pa.ipc.open_file(source).read_all()
+    missing = [name for name in ARROW_SCHEMA.names if name not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: not a token table (missing columns: {', '.join(missing)})")
+    return table
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids from `apply_chat_template`, which may return a list or a BatchEncoding depending on version."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return [int(i) for i in out]
+
+
+def _prefix_message(tokenizer: Any, prompt_messages: list[dict], response: str) -> str:
+    prompt = tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template([*prompt_messages, {"role": "assistant", "content": response}], tokenize=False)
+    return (
+        f"chat template of tokenizer {getattr(tokenizer, 'name_or_path', '?')!r}: the prompt rendered with "
+        f"add_generation_prompt=True does not tokenize to a strict prefix of the conversation with the answer, "
+        f"so prompt and answer tokens cannot be told apart.\n  prompt: {prompt!r}\n  full:   {full!r}"
+    )
+
+
+def _prompt_text(messages: list[dict]) -> str:
+    """The last user turn, shown next to generations in reports."""
+    return next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+
+
+def _prompt_key(example: dict) -> str:
+    return json.dumps(example["messages"], sort_keys=True, ensure_ascii=False)
+
+
+def _encode_all(examples: list[dict], tokenizer: Any, cfg: DataConfig, dropped: Counter) -> list[dict | None]:
+    """Encode each example, or None (counted in `dropped`) when its response is empty or it is too long."""
+    out: list[dict | None] = []
+    for example in tqdm(examples, desc="tokenize", unit="row", disable=None):
+        row = encode_example(example, tokenizer, cfg.train_on_prompt)
+        if row is None:
+            dropped["empty_response"] += 1
+        elif row["length"] > cfg.max_length:
+            dropped["too_long"] += 1
+            row = None
+        out.append(row)
+    return out
+
+
+def _cap(rows: list[dict], cap: int | None, reason: str, dropped: Counter) -> list[dict]:
+    if cap is None or len(rows) <= cap:
+        return rows
+    dropped[reason] += len(rows) - cap
+    return rows[:cap]
+
+
+def _stats(rows_in: int, train: list[dict], eval_: list[dict], dropped: Counter) -> dict:
+    """Counts, token totals, length percentiles and category histograms of the kept rows."""
+    lengths = sorted(row["length"] for row in [*train, *eval_])
+    return {
+        "rows_in": rows_in,
+        "train_rows": len(train),
+        "eval_rows": len(eval_),
+        "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
+        "tokens": {"train": sum(r["length"] for r in train), "eval": sum(r["length"] for r in eval_)},
+        "response_tokens": {
+            "train": sum(r["length"] - r["prompt_length"] for r in train),
+            "eval": sum(r["length"] - r["prompt_length"] for r in eval_),
+        },
+        "length_percentiles": {
+            "p50": _percentile(lengths, 50),
+            "p90": _percentile(lengths, 90),
+            "p99": _percentile(lengths, 99),
+            "max": lengths[-1],
+        },
+        "categories": {"train": _histogram(train), "eval": _histogram(eval_)},
+    }
+
+
+def _percentile(sorted_values: list[int], q: float) -> int:
+    """Nearest-rank percentile: the smallest value with at least q% of values at or below it."""
+    rank = max(1, -(-len(sorted_values) * q // 100))
+    return sorted_values[int(rank) - 1]
+
+
+def _histogram(rows: list[dict]) -> dict[str, int]:
+    return dict(sorted(Counter(row["category"] for row in rows).items()))

@@ -1,0 +1,150 @@
+"""Prompt masking, the train/eval split, filters and caps, stats, and the Arrow round trip."""
+
+from __future__ import annotations
+
+import copy
+
+import pyarrow as pa
+import pytest
+
+from jaxtune.config import DataConfig
+from jaxtune.data.rows import DataError, normalize_row
+from jaxtune.data.tokenize import (
+    ARROW_SCHEMA,
+    IGNORE_INDEX,
+    ChatTemplateError,
+    encode_example,
+    read_arrow,
+    tokenize_dataset,
+    write_arrow,
+)
+
+
+@pytest.fixture
+def examples(make_dolly):
+    """examples(n, seed): `n` generated Dolly rows, normalized."""
+
+    def make(n: int, seed: int = 0) -> list[dict]:
+        return [normalize_row(r, DataConfig(), f"row {i}") for i, r in enumerate(make_dolly(n, seed), start=1)]
+
+    return make
+
+
+def prompt_keys(rows: list[dict]) -> set[tuple]:
+    return {tuple(r["input_ids"][: r["prompt_length"]]) for r in rows}
+
+
+def test_labels_mask_the_prompt(examples, tokenizer):
+    example = examples(3)[1]
+    row = encode_example(example, tokenizer, train_on_prompt=False)
+    n = row["prompt_length"]
+    prompt_ids = tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert row["input_ids"][:n] == prompt_ids
+    assert row["labels"][:n] == [IGNORE_INDEX] * n
+    assert row["labels"][n:] == row["input_ids"][n:]
+    assert tokenizer.decode(row["input_ids"][n:]) == example["response"] + "<end_of_turn>"
+    assert row["length"] == len(row["input_ids"]) == len(row["labels"])
+    assert row["input_ids"].count(tokenizer.bos_token_id) == 1 and row["input_ids"][0] == tokenizer.bos_token_id
+    assert row["prompt_text"] == example["messages"][0]["content"]
+    assert row["category"] == example["category"] and row["response"] == example["response"]
+
+
+def test_train_on_prompt_labels_every_token(examples, tokenizer):
+    row = encode_example(examples(1)[0], tokenizer, train_on_prompt=True)
+    assert row["labels"] == row["input_ids"]
+
+
+def test_empty_response_encodes_to_none(examples, tokenizer):
+    example = dict(examples(1)[0], response="  \n")
+    assert encode_example(example, tokenizer, train_on_prompt=False) is None
+
+
+def test_prompt_text_is_the_last_user_turn(tokenizer):
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Name a colour"},
+    ]
+    row = encode_example({"messages": turns, "response": "Blue", "category": "chat"}, tokenizer, train_on_prompt=False)
+    assert row["prompt_text"] == "Name a colour"
+    assert tokenizer.decode(row["input_ids"][row["prompt_length"] :]) == "Blue<end_of_turn>"
+
+
+def test_template_whose_prompt_is_not_a_prefix_is_rejected(examples, tokenizer):
+    bad = copy.deepcopy(tokenizer)
+    bad.chat_template = (
+        "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>assistant-reply\n{% endif %}"
+    )
+    with pytest.raises(ChatTemplateError, match="chat template of tokenizer"):
+        encode_example(examples(1)[0], bad, train_on_prompt=False)
+
+
+def test_split_is_deterministic_per_seed(examples, tokenizer):
+    data = examples(60)
+    cfg = DataConfig(eval_fraction=0.2, seed=3)
+    first = tokenize_dataset(data, tokenizer, cfg)
+    assert tokenize_dataset(data, tokenizer, cfg) == first
+    other = tokenize_dataset(data, tokenizer, DataConfig(eval_fraction=0.2, seed=4))
+    assert prompt_keys(other[1]) != prompt_keys(first[1])
+    assert first[2]["eval_rows"] == 12 and first[2]["train_rows"] == 48
+
+
+def test_eval_prompts_never_appear_in_train(examples, tokenizer):
+    base = examples(30)
+    # Every prompt twice, with different answers: most eval rows have a twin in train.
+    data = base + [dict(e, response=e["response"] + " Indeed.") for e in base]
+    train, eval_, stats = tokenize_dataset(data, tokenizer, DataConfig(eval_fraction=0.25, seed=0))
+    assert prompt_keys(train).isdisjoint(prompt_keys(eval_))
+    assert stats["dropped"]["duplicate_of_train"] == 15 - len(eval_) > 0
+
+
+def test_caps_and_drops_are_counted(examples, tokenizer):
+    data = examples(80)
+    data[0] = dict(data[0], response="")
+    lengths = sorted(encode_example(e, tokenizer, False)["length"] for e in data[1:])
+    max_length = lengths[len(lengths) // 2]
+    too_long = sum(length > max_length for length in lengths)
+    cfg = DataConfig(eval_fraction=0.25, max_length=max_length, max_train_rows=5, max_eval_rows=2)
+    train, eval_, stats = tokenize_dataset(data, tokenizer, cfg)
+    dropped = stats["dropped"]
+    assert (len(train), len(eval_)) == (5, 2) == (stats["train_rows"], stats["eval_rows"])
+    assert dropped["too_long"] == too_long and dropped["empty_response"] == 1
+    assert dropped["max_train_rows"] > 0 and dropped["max_eval_rows"] > 0
+    assert sum(dropped.values()) + 5 + 2 == stats["rows_in"] == 80
+    assert all(r["length"] <= max_length for r in train + eval_)
+
+
+def test_stats(examples, tokenizer):
+    train, eval_, stats = tokenize_dataset(examples(40), tokenizer, DataConfig(eval_fraction=0.25))
+    assert stats["tokens"] == {"train": sum(r["length"] for r in train), "eval": sum(r["length"] for r in eval_)}
+    assert stats["response_tokens"]["train"] == sum(sum(label != IGNORE_INDEX for label in r["labels"]) for r in train)
+    assert sum(stats["categories"]["train"].values()) == len(train)
+    assert sum(stats["categories"]["eval"].values()) == len(eval_)
+    p = stats["length_percentiles"]
+    assert p["p50"] <= p["p90"] <= p["p99"] <= p["max"] == max(r["length"] for r in train + eval_)
+
+
+def test_too_few_rows(examples, tokenizer):
+    with pytest.raises(DataError, match="at least 2 rows"):
+        tokenize_dataset(examples(1), tokenizer, DataConfig())
+
+
+def test_arrow_round_trip(examples, tokenizer, tmp_path):
+    train, _, _ = tokenize_dataset(examples(20), tokenizer, DataConfig())
+    path = tmp_path / "train.arrow"
+    write_arrow(train, path)
+    table = read_arrow(path)
+    assert table.schema.equals(ARROW_SCHEMA)
+    assert table.to_pylist() == train
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_read_arrow_rejects_other_tables(tmp_path):
+    path = tmp_path / "other.arrow"
+    table = pa.table({"input_ids": [[1, 2]]})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(DataError, match="not a token table"):
+        read_arrow(path)
