@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 OFFLINE = "offline"
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "offline.yaml"
 
 
 class Section(BaseModel):
@@ -46,6 +47,7 @@ class TinyModelConfig(Section):
     head_dim: int = 32
     sliding_window: int = 64
     vocab_size: int = Field(1024, description="size of the BPE tokenizer trained on the bundled data")
+    tie_word_embeddings: bool = Field(False, description="untied, so LoRA's modules_to_save can train input and output embeddings apart")
     seed: int = 0
 
 
@@ -133,22 +135,20 @@ class ConfigError(ValueError):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JaxtuneConfig:
-    """Read YAML (or the built-in defaults when `path` is None) and apply `section.key=value` overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"{path}: {e}") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    """Read YAML (the bundled offline demo when `path` is None) and apply `section.key=value` overrides."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
     for item in overrides:
         _apply_override(raw, item)
     try:
         return JaxtuneConfig.model_validate(raw)
     except ValidationError as e:
-        where = f"{path}: " if path else ""
+        where = f"{path}: "
         lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
         raise ConfigError(where + "invalid config\n  " + "\n  ".join(lines)) from None
 

@@ -65,16 +65,17 @@ def _cached_forward(module: torch.nn.Module) -> Callable:
     return forward
 
 
-def make_generate(model: JaxModel, max_new_tokens: int, eos_id: int) -> Callable:
+def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]) -> Callable:
     """generate(weights, buffers, prompt_ids, prompt_mask) -> (b, max_new_tokens) token ids.
 
-    Prompts are left-padded (b, p); rows that emitted `eos_id` keep emitting it.
+    Prompts are left-padded (b, p); a row that emitted any of `eos_ids` keeps emitting the first.
     """
     from torchax import interop
 
     forward = _cached_forward(model.module)
     n_layers = model.config.num_hidden_layers
     env = model.env
+    eos_id, stop_ids = eos_ids[0], jnp.asarray(eos_ids)
 
     def step(*args):
         with env:
@@ -83,7 +84,7 @@ def make_generate(model: JaxModel, max_new_tokens: int, eos_id: int) -> Callable
     def generate(weights, buffers, prompt_ids, prompt_mask):
         b, p = prompt_ids.shape
         total = p + max_new_tokens
-        dtype = next(iter(weights.values())).dtype
+        dtype = _param_dtype(weights, buffers)
         kv = [(jnp.zeros(kv_shape(model, b, total), dtype),) * 2 for _ in range(n_layers)]
         # Future slots are marked valid: the causal mask already hides them until they are written.
         mask = jnp.concatenate([prompt_mask, jnp.ones((b, max_new_tokens), prompt_mask.dtype)], axis=1)
@@ -99,13 +100,21 @@ def make_generate(model: JaxModel, max_new_tokens: int, eos_id: int) -> Callable
             i, tokens, kv, last, done, position = state
             logits, kv = step(weights, buffers, kv, last[:, None], mask, (p + i - 1)[None], position[:, None])
             nxt = jnp.where(done, eos_id, jnp.argmax(logits, -1).astype(last.dtype))
-            return i + 1, tokens.at[:, i].set(nxt), kv, nxt, done | (nxt == eos_id), position + 1
+            return i + 1, tokens.at[:, i].set(nxt), kv, nxt, done | jnp.isin(nxt, stop_ids), position + 1
 
         tokens = jnp.full((b, max_new_tokens), eos_id, prompt_ids.dtype).at[:, 0].set(first)
-        state = (jnp.int32(1), tokens, kv, first, first == eos_id, positions[:, -1] + 1)
+        state = (jnp.int32(1), tokens, kv, first, jnp.isin(first, stop_ids), positions[:, -1] + 1)
         return jax.lax.while_loop(unfinished, one_token, state)[1]
 
     return jax.jit(generate)
+
+
+def _param_dtype(weights, buffers):
+    """The cache holds keys/values in the parameters' dtype; a base model may have no trainable weights."""
+    for value in (*weights.values(), *buffers.values()):
+        if jnp.issubdtype(value.dtype, jnp.floating):
+            return value.dtype
+    return jnp.float32
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:

@@ -44,16 +44,35 @@ class JaxModel:
         return {name: np.asarray(jax.device_get(value)) for name, value in self.weights.items()}
 
 
-def load_torch_model(path: str, cfg: ModelConfig) -> PreTrainedModel:
+def load_torch_model(name: str, revision: str | None, trust_remote_code: bool) -> PreTrainedModel:
     """`from_pretrained` on CPU, torchax not involved; eager attention for exact parity across backends."""
     model = AutoModelForCausalLM.from_pretrained(
-        path,
-        revision=cfg.revision,
+        name,
+        revision=revision,
         dtype=torch.float32,
         attn_implementation="eager",
-        trust_remote_code=cfg.trust_remote_code,
+        trust_remote_code=trust_remote_code,
     )
     return model.eval()
+
+
+def open_model(
+    name: str,
+    revision: str | None,
+    cfg: ModelConfig,
+    placement: Placement,
+    lora: LoraConfig | None = None,
+    trained: Path | None = None,
+) -> JaxModel:
+    """The model a stage computes with: base weights, LoRA attached when given, trained weights loaded."""
+    module = load_torch_model(name, revision, cfg.trust_remote_code)
+    if lora is not None:
+        module = attach_lora(module, lora)
+    weights = load_weights(trained) if trained is not None else None
+    if weights is None and lora is None:
+        # A base model is only evaluated: nothing needs a gradient, so everything is a frozen buffer.
+        module.requires_grad_(False)
+    return to_jax(module, cfg, placement, weights)
 
 
 def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:

@@ -58,7 +58,7 @@ def test_greedy_decode_matches_generate_with_left_padding(torch_model, jax_model
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, n).tolist() for n in (11, 23, 5)]
     ids, mask = decode.left_pad(prompts, pad_id=0)
-    generate = decode.make_generate(jax_model, max_new_tokens=24, eos_id=1)
+    generate = decode.make_generate(jax_model, max_new_tokens=24, eos_ids=(1,))
     tokens = np.asarray(generate(jax_model.weights, jax_model.buffers, ids, mask))
     for row, prompt in enumerate(prompts):
         expected = torch_model.generate(

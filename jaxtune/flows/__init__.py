@@ -1,0 +1,1 @@
+"""Prefect flows: they only wire stages together."""

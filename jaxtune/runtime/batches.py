@@ -1,0 +1,51 @@
+"""Token rows -> padded numpy batches. Lengths round up to a bucket so few shapes compile."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+IGNORE = -100
+
+
+def bucket_length(longest: int, bucket: int, cap: int | None = None) -> int:
+    """`longest` rounded up to a multiple of `bucket`, but never past `cap` (when one is given)."""
+    rounded = -(-longest // bucket) * bucket
+    return rounded if cap is None else min(rounded, max(cap, longest))
+
+
+def pad_batch(
+    input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int, length: int, rows: int
+) -> dict[str, np.ndarray]:
+    """Right-pad to (rows, length); padding rows beyond the data have no scored tokens."""
+    ids = np.full((rows, length), pad_id, np.int32)
+    mask = np.zeros((rows, length), np.int32)
+    lab = np.full((rows, length), IGNORE, np.int32)
+    for r, (seq, seq_labels) in enumerate(zip(input_ids, labels)):
+        n = len(seq)
+        ids[r, :n], mask[r, :n], lab[r, :n] = seq, 1, seq_labels
+    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
+
+
+def epoch_order(n_rows: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n_rows)
+
+
+def train_batches(n_rows: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+    """Endless row indices, reshuffled each epoch; the last partial batch of an epoch is dropped."""
+    if n_rows < batch_size:
+        raise ValueError(f"{n_rows} training rows is fewer than one batch of {batch_size}")
+    epoch = 0
+    while True:
+        order = epoch_order(n_rows, seed, epoch)
+        for start in range(0, n_rows - batch_size + 1, batch_size):
+            yield order[start : start + batch_size]
+        epoch += 1
+
+
+def eval_batches(lengths: Sequence[int], batch_size: int) -> Iterator[np.ndarray]:
+    """Rows sorted by length, so each batch pads little."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    for start in range(0, len(order), batch_size):
+        yield order[start : start + batch_size]

@@ -1,0 +1,84 @@
+"""Host loops around the compiled eval step and greedy decoder."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxtune.runtime import decode, steps
+from jaxtune.runtime.batches import bucket_length, eval_batches, pad_batch
+from jaxtune.runtime.model import JaxModel
+
+BUCKET = 16
+
+
+def evaluate(
+    model: JaxModel,
+    input_ids: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    categories: Sequence[str],
+    batch_size: int,
+    pad_id: int,
+) -> dict:
+    """Token-weighted loss and perplexity over all rows, and the same per category."""
+    eval_step = steps.make_eval_step(model)
+    rows_per_batch = -(-batch_size // model.placement.data_size) * model.placement.data_size
+    nll = np.zeros(len(input_ids))
+    count = np.zeros(len(input_ids))
+    pending = []
+    for rows in tqdm(list(eval_batches([len(x) for x in input_ids], rows_per_batch)), desc="eval", unit="batch"):
+        length = bucket_length(max(len(input_ids[r]) for r in rows), BUCKET)
+        batch = pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, rows_per_batch)
+        labels_arr = model.placement.shard_batch(batch.pop("labels"))
+        batch = {k: model.placement.shard_batch(v) for k, v in batch.items()}
+        pending.append((rows, eval_step(model.weights, model.buffers, batch, labels_arr)))
+    for rows, (batch_nll, batch_count) in pending:
+        nll[rows] = np.asarray(batch_nll)[: len(rows)]
+        count[rows] = np.asarray(batch_count)[: len(rows)]
+    return {**_loss_summary(nll, count), "per_category": _per_category(nll, count, categories)}
+
+
+def _loss_summary(nll: np.ndarray, count: np.ndarray) -> dict:
+    loss = float(nll.sum() / max(count.sum(), 1))
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count.sum()), "rows": len(nll)}
+
+
+def _per_category(nll: np.ndarray, count: np.ndarray, categories: Sequence[str]) -> dict:
+    groups = defaultdict(list)
+    for row, category in enumerate(categories):
+        groups[category].append(row)
+    return {c: _loss_summary(nll[rows], count[rows]) for c, rows in sorted(groups.items())}
+
+
+def greedy_generate(
+    model: JaxModel,
+    prompts: Sequence[Sequence[int]],
+    batch_size: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+) -> list[list[int]]:
+    """New tokens per prompt, cut after the first end-of-sequence token (which is dropped)."""
+    generate = decode.make_generate(model, max_new_tokens, tuple(eos_ids))
+    outputs: list[list[int]] = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="generate", unit="batch"):
+        chunk = list(prompts[start : start + batch_size])
+        chunk += [chunk[-1]] * (batch_size - len(chunk))  # fixed batch shape: one compile
+        ids, mask = decode.left_pad(chunk, pad_id)
+        ids = model.placement.shard_batch(ids) if batch_size % model.placement.data_size == 0 else ids
+        mask = model.placement.shard_batch(mask) if batch_size % model.placement.data_size == 0 else mask
+        tokens = np.asarray(jax.device_get(generate(model.weights, model.buffers, ids, mask)))
+        outputs += [_until_eos(row.tolist(), eos_ids) for row in tokens[: min(batch_size, len(prompts) - start)]]
+    return outputs
+
+
+def _until_eos(tokens: list[int], eos_ids: Sequence[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[:i]
+    return tokens

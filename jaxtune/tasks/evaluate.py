@@ -1,0 +1,66 @@
+"""Stages `baseline_eval` and `final_eval`: eval-split loss and perplexity, overall and per category."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from pydantic import BaseModel, ConfigDict
+
+from jaxtune.artifacts import ArtifactRef
+from jaxtune.config import EvalConfig, MeshConfig, ModelConfig
+from jaxtune.tasks.sources import pretrained_location
+from jaxtune.tasks.stage import build_artifact
+from jaxtune.tasks.train import method_of
+
+VERSION = "1"
+
+
+class EvalSection(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig
+    eval: EvalConfig
+
+
+def open_trained_model(inputs: dict[str, ArtifactRef | None], model_cfg: ModelConfig, mesh: MeshConfig):
+    """The base model with the `train` input's weights applied (or the base model alone when it is None)."""
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import open_model
+
+    train_ref = inputs.get("train")
+    method, lora = method_of(train_ref)
+    name, revision = pretrained_location(inputs["model"])
+    trained = train_ref.file("params.safetensors") if train_ref is not None else None
+    return open_model(name, revision, model_cfg, make_placement(mesh), lora=lora, trained=trained)
+
+
+def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, mesh: MeshConfig) -> ArtifactRef:
+    def build(folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        from jaxtune.data.tokenize import read_arrow
+        from jaxtune.runtime.inference import evaluate
+
+        name, revision = pretrained_location(inputs["model"])
+        pad_id = AutoTokenizer.from_pretrained(name, revision=revision).pad_token_id
+        model = open_trained_model(inputs, section.model, mesh)
+        table = read_arrow(inputs["data"].file("eval.arrow")).to_pydict()
+        metrics = evaluate(model, table["input_ids"], table["labels"], table["category"], section.eval.batch_size, pad_id)
+        (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        get_run_logger().info("%s: loss %.4f perplexity %.2f over %d tokens", stage, metrics["loss"], metrics["perplexity"], metrics["tokens"])
+
+    return build_artifact(store_root, stage, VERSION, section, inputs, build)
+
+
+@task(name="baseline_eval", result_serializer="json")
+def baseline_eval(section: EvalSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
+    """inputs: `model`, `data`."""
+    return _evaluate("baseline_eval", section, inputs, store_root, mesh)
+
+
+@task(name="final_eval", result_serializer="json")
+def final_eval(section: EvalSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
+    """inputs: `model`, `data`, `train`."""
+    return _evaluate("final_eval", section, inputs, store_root, mesh)

@@ -1,0 +1,80 @@
+"""Stage `generate`: greedy answers to held-out prompts before and after training, scored by exact match."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from pydantic import BaseModel, ConfigDict
+
+from jaxtune.artifacts import ArtifactRef
+from jaxtune.config import GenerateConfig, MeshConfig, ModelConfig
+from jaxtune.tasks.evaluate import open_trained_model
+from jaxtune.tasks.sources import pretrained_location
+from jaxtune.tasks.stage import build_artifact
+
+STAGE = "generate"
+VERSION = "1"
+
+
+class GenerateSection(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelConfig
+    generate: GenerateConfig
+
+
+def exact_match(output: str, reference: str) -> bool:
+    """Equal after trimming surrounding whitespace; anything else counts as wrong."""
+    return output.strip() == reference.strip()
+
+
+def stop_ids(tokenizer, generation_config) -> list[int]:
+    """Every id that ends an answer: the tokenizer's eos and the model's generation eos ids."""
+    ids = generation_config.eos_token_id if generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return list(dict.fromkeys([tokenizer.eos_token_id, *ids]))
+
+
+def _answers(model, tokenizer, prompts: list[list[int]], cfg: GenerateConfig) -> list[str]:
+    from jaxtune.runtime.inference import greedy_generate
+
+    eos = stop_ids(tokenizer, getattr(model.module, "generation_config", None))
+    tokens = greedy_generate(model, prompts, cfg.batch_size, cfg.max_new_tokens, eos, tokenizer.pad_token_id)
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+@task(name=STAGE, result_serializer="json")
+def generate(section: GenerateSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
+    """inputs: `model`, `data`, `train`."""
+
+    def build(folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        from jaxtune.data.tokenize import read_arrow
+
+        name, revision = pretrained_location(inputs["model"])
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+        table = read_arrow(inputs["data"].file("eval.arrow")).slice(0, section.generate.num_prompts).to_pydict()
+        prompts = [ids[:n] for ids, n in zip(table["input_ids"], table["prompt_length"])]
+        before = _answers(open_trained_model({**inputs, "train": None}, section.model, mesh), tokenizer, prompts, section.generate)
+        after = _answers(open_trained_model(inputs, section.model, mesh), tokenizer, prompts, section.generate)
+        rows = [
+            {"category": c, "prompt": p, "reference": r, "before": b, "after": a,
+             "before_exact": exact_match(b, r), "after_exact": exact_match(a, r)}
+            for c, p, r, b, a in zip(table["category"], table["prompt_text"], table["response"], before, after)
+        ]
+        with (folder / "generations.jsonl").open("w") as out:
+            out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        metrics = {
+            "prompts": len(rows),
+            "exact_match": {
+                "before": sum(r["before_exact"] for r in rows) / len(rows),
+                "after": sum(r["after_exact"] for r in rows) / len(rows),
+            },
+        }
+        (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        get_run_logger().info("exact match before %(before).3f after %(after).3f", metrics["exact_match"])
+
+    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)

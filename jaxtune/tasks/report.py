@@ -1,0 +1,113 @@
+"""Stage `report`: one Markdown report, report.json and a loss curve; published as Prefect artifacts."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from jaxtune.artifacts import ArtifactRef
+from jaxtune.tasks.stage import build_artifact
+
+STAGE = "report"
+VERSION = "1"
+EXAMPLES = 6
+
+
+def summarize(inputs: dict[str, ArtifactRef]) -> dict:
+    """The numbers a reader checks first, gathered from every upstream artifact."""
+    baseline = inputs["baseline_eval"].read_json("metrics.json")
+    final = inputs["final_eval"].read_json("metrics.json")
+    train = inputs["train"].read_json("summary.json")
+    export = inputs["export"].read_json("export.json")
+    return {
+        "baseline": {"loss": baseline["loss"], "perplexity": baseline["perplexity"]},
+        "final": {"loss": final["loss"], "perplexity": final["perplexity"]},
+        "per_category": {c: {"baseline": baseline["per_category"][c]["loss"], "final": m["loss"]}
+                         for c, m in final["per_category"].items()},
+        "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
+        "train": {k: train[k] for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "trainable_parameters")},
+        "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
+        "data": inputs["tokenize"].read_json("stats.json"),
+    }
+
+
+def plot_loss(log: list[dict], baseline: float, final: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    ax.plot([r["step"] for r in log], [r["loss"] for r in log], label="train loss")
+    ax.axhline(baseline, color="grey", linestyle="--", label=f"eval before ({baseline:.2f})")
+    ax.axhline(final, color="green", linestyle="--", label=f"eval after ({final:.2f})")
+    ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.legend(), ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
+    b, f, em, t = summary["baseline"], summary["final"], summary["exact_match"], summary["train"]
+    lines = [
+        "# jaxtune report", "",
+        "| metric | before | after |", "|---|---|---|",
+        f"| eval loss | {b['loss']:.4f} | {f['loss']:.4f} |",
+        f"| perplexity | {b['perplexity']:.2f} | {f['perplexity']:.2f} |",
+        f"| exact match | {em['before']:.3f} | {em['after']:.3f} |", "",
+        f"Training: {t['steps']} steps in {t['seconds']:.1f} s ({t['compile_seconds']:.1f} s compiling), "
+        f"{t['tokens_per_second']:.0f} tokens/s, {t['trainable_parameters']:,} trainable parameters.", "",
+        f"![loss curve]({image})", "",
+        "## Loss by category", "", "| category | before | after |", "|---|---|---|",
+        *[f"| {c} | {v['baseline']:.4f} | {v['final']:.4f} |" for c, v in summary["per_category"].items()], "",
+        f"Exported {summary['export']['kind']}: `{summary['export']['path']}`", "",
+        "## Generations", "",
+    ]
+    for ex in examples:
+        lines += [f"**{ex['category']}**: {_quote(ex['prompt'])}", "",
+                  f"- reference: `{ex['reference']}`", f"- before: `{ex['before']}`", f"- after: `{ex['after']}`", ""]
+    return "\n".join(lines)
+
+
+def _quote(text: str) -> str:
+    return text.replace("\n", " ")[:300]
+
+
+@task(name=STAGE, result_serializer="json")
+def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
+    """inputs: `tokenize`, `baseline_eval`, `train`, `final_eval`, `export`, `generate`."""
+
+    def build(folder: Path) -> None:
+        summary = summarize(inputs)
+        log = [json.loads(line) for line in inputs["train"].file("log.jsonl").read_text().splitlines()]
+        plot_loss(log, summary["baseline"]["loss"], summary["final"]["loss"], folder / "loss.png")
+        generations = inputs["generate"].file("generations.jsonl").read_text().splitlines()
+        examples = [json.loads(line) for line in generations[: section.get("examples", EXAMPLES)]]
+        (folder / "report.json").write_text(json.dumps(summary, indent=2))
+        (folder / "report.md").write_text(render_markdown(summary, examples, "loss.png"))
+        (folder / "examples.json").write_text(json.dumps(examples, indent=2, ensure_ascii=False))
+
+    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+
+
+@task(name="publish_report")
+def publish_report(report_ref: ArtifactRef) -> None:
+    """Show the report in the Prefect UI: Markdown with the loss curve inlined as a PNG, and a metrics table."""
+    summary = report_ref.read_json("report.json")
+    png = base64.b64encode(report_ref.file("loss.png").read_bytes()).decode()
+    examples = report_ref.read_json("examples.json")
+    create_markdown_artifact(
+        key="jaxtune-report",
+        markdown=render_markdown(summary, examples, f"data:image/png;base64,{png}"),
+        description=f"report {report_ref.key}",
+    )
+    rows = [
+        {"metric": "eval loss", "before": summary["baseline"]["loss"], "after": summary["final"]["loss"]},
+        {"metric": "perplexity", "before": summary["baseline"]["perplexity"], "after": summary["final"]["perplexity"]},
+        {"metric": "exact match", "before": summary["exact_match"]["before"], "after": summary["exact_match"]["after"]},
+    ]
+    create_table_artifact(key="jaxtune-metrics", table=rows, description="before vs after fine-tuning")

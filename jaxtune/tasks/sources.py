@@ -1,0 +1,43 @@
+"""Refs for what enters the pipeline from outside the store: models and datasets.
+
+A hub id is keyed by id and revision, a local file or folder by its content, never by
+its path, so moving a checkout keeps the cache and editing a file invalidates it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxtune.artifacts import ArtifactRef, artifact_key, file_digest, tree_digest
+from jaxtune.config import OFFLINE, DataConfig, ModelConfig
+from jaxtune.data.rows import OFFLINE_DATA
+
+
+def dataset_ref(cfg: DataConfig) -> ArtifactRef:
+    if cfg.source == OFFLINE:
+        return ArtifactRef(stage="source", key=file_digest(OFFLINE_DATA)[:20], path=str(OFFLINE_DATA))
+    path = Path(cfg.source).expanduser()
+    if path.is_file():
+        return ArtifactRef(stage="source", key=file_digest(path)[:20], path=str(path.resolve()))
+    hub = {"dataset": cfg.source, "revision": cfg.revision, "split": cfg.hub_split}
+    return ArtifactRef(stage="hub", key=artifact_key("hub-dataset", "1", hub, {}), path=cfg.source)
+
+
+def model_ref(cfg: ModelConfig) -> ArtifactRef:
+    """For a hub id or a local model folder; the offline model comes from the build_model stage."""
+    path = Path(cfg.name).expanduser()
+    if path.is_dir():
+        digest = tree_digest(path, exclude={".git", ".cache"})
+        return ArtifactRef(stage="source", key=digest[:20], path=str(path.resolve()))
+    if cfg.name.count("/") != 1:
+        raise FileNotFoundError(f"model.name {cfg.name!r} is neither a local folder nor a hub id like 'google/gemma-3-1b-it'")
+    hub = {"model": cfg.name, "revision": cfg.revision}
+    return ArtifactRef(stage="hub", key=artifact_key("hub-model", "1", hub, {}), path=f"{cfg.name}@{cfg.revision}")
+
+
+def pretrained_location(ref: ArtifactRef) -> tuple[str, str | None]:
+    """(name or folder, revision) to hand to `from_pretrained`."""
+    if ref.stage == "hub":
+        name, _, revision = ref.path.rpartition("@")
+        return name, revision
+    return ref.path, None

@@ -1,0 +1,41 @@
+"""Stage `tokenize`: raw rows -> train.arrow, eval.arrow and stats.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import get_run_logger, task
+
+from jaxtune.artifacts import ArtifactRef
+from jaxtune.config import DataConfig
+from jaxtune.data.rows import read_rows
+from jaxtune.data.tokenize import tokenize_dataset, write_arrow
+from jaxtune.tasks.sources import pretrained_location
+from jaxtune.tasks.stage import build_artifact
+
+STAGE = "tokenize"
+VERSION = "1"
+
+
+@task(name=STAGE, result_serializer="json")
+def tokenize(section: DataConfig, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
+    """inputs: `data` (the rows' source) and `model` (whose tokenizer and chat template are used)."""
+
+    def build(folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        name, revision = pretrained_location(inputs["model"])
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+        examples = read_rows(section, inputs["data"].path)
+        train_rows, eval_rows, stats = tokenize_dataset(examples, tokenizer, section)
+        write_arrow(train_rows, folder / "train.arrow")
+        write_arrow(eval_rows, folder / "eval.arrow")
+        (folder / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
+        get_run_logger().info(
+            "%d rows in: %d train, %d eval, dropped %s", stats["rows_in"], stats["train_rows"], stats["eval_rows"],
+            {k: v for k, v in stats["dropped"].items() if v},
+        )
+
+    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+

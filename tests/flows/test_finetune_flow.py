@@ -1,0 +1,105 @@
+"""The pulse test: the whole flow on a 2-layer toy model, then caching and exact invalidation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jaxtune.config import load_config
+
+pytestmark = pytest.mark.slow
+
+TOY = [
+    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
+    "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1", "model.tiny.head_dim=16",
+    "model.tiny.vocab_size=300", "data.max_train_rows=64", "data.max_eval_rows=24",
+    "train.max_steps=4", "train.batch_size=4", "train.log_every=2", "train.warmup_steps=1",
+    "generate.num_prompts=4", "generate.max_new_tokens=6", "generate.batch_size=4",
+]
+ALL = {"build_tokenizer", "build_model", "tokenize", "baseline_eval", "train", "final_eval", "export", "generate", "report"}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("store")
+
+
+def run(store: Path, *overrides: str, refresh=()):
+    from jaxtune.flows.finetune import finetune
+
+    config = load_config(None, [*TOY, f"store.root={store}", *overrides])
+    return finetune(config=config, refresh=list(refresh))
+
+
+def ran(result) -> set[str]:
+    return {stage for stage, state in result["stages"].items() if state != "Cached"}
+
+
+@pytest.fixture(scope="module")
+def first(store):
+    return run(store)
+
+
+def test_first_run_computes_every_stage_and_reports(first):
+    assert ran(first) == ALL
+    report = json.loads((Path(first["path"]) / "report.json").read_text())
+    assert report["baseline"]["loss"] > 0 and report["final"]["loss"] > 0
+    assert report["train"]["steps"] == 4
+    assert set(report["exact_match"]) == {"before", "after"}
+    assert Path(report["export"]["path"], "adapter_config.json").is_file()
+    assert (Path(first["path"]) / "report.md").read_text().startswith("# jaxtune report")
+
+
+def test_second_run_is_all_cached(store, first):
+    again = run(store)
+    assert ran(again) == set()
+    assert again["path"] == first["path"]
+
+
+def test_changing_train_config_reruns_exactly_train_and_downstream(store, first):
+    changed = run(store, "train.learning_rate=0.002")
+    assert ran(changed) == {"train", "final_eval", "export", "generate", "report"}
+
+
+def test_deleted_artifact_reruns_only_that_stage(store, first):
+    key = json.loads((Path(first["path"]) / "manifest.json").read_text())["inputs"]["final_eval"]
+    shutil.rmtree(store / "final_eval" / key)
+    assert ran(run(store)) == {"final_eval"}
+
+
+def test_refresh_recomputes_named_stage(store, first):
+    assert ran(run(store, refresh=["tokenize"])) == {"tokenize"}
+
+
+def test_exported_adapter_loads_in_plain_pytorch_with_the_same_loss(store, first):
+    report = json.loads((Path(first["path"]) / "report.json").read_text())
+    adapter = report["export"]["path"]
+    eval_arrow = next((store / "tokenize").glob("*/eval.arrow"))
+    base = json.loads((Path(adapter).parent / "export.json").read_text())["base_model"]
+    code = textwrap.dedent(f"""
+        import sys, torch, pyarrow as pa
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {adapter!r}).eval()
+        table = pa.ipc.open_file({str(eval_arrow)!r}).read_all().to_pydict()
+        nll = count = 0.0
+        with torch.no_grad():
+            for ids, labels in zip(table["input_ids"], table["labels"]):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+                target = torch.tensor(labels[1:])
+                keep = target != -100
+                nll += torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum").item()
+                count += keep.sum().item()
+        assert "torchax" not in sys.modules and "jax" not in sys.modules, "plain PyTorch only"
+        print(nll / count)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    torch_loss = float(out.stdout.strip().splitlines()[-1])
+    assert abs(torch_loss - report["final"]["loss"]) <= 0.01 * report["final"]["loss"], (torch_loss, report["final"]["loss"])

@@ -1,0 +1,54 @@
+"""Config: every shipped YAML loads; bad keys and values are errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from jaxtune.config import DEFAULT_CONFIG, ConfigError, JaxtuneConfig, load_config
+
+SHIPPED = sorted(Path(__file__).parents[1].joinpath("configs").glob("*.yaml")) + [DEFAULT_CONFIG]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_names_its_command(path):
+    config = load_config(path)
+    assert isinstance(config, JaxtuneConfig)
+    assert path.read_text().startswith("# jaxtune run")
+
+
+def test_no_path_means_the_offline_demo():
+    config = load_config()
+    assert config.model.name == "offline" and config.data.source == "offline"
+    assert config.train.method == "lora"
+
+
+def test_overrides_are_typed_by_yaml():
+    config = load_config(None, ["train.max_steps=7", "lora.target_modules=[q_proj, v_proj]", "data.train_on_prompt=true"])
+    assert config.train.max_steps == 7
+    assert config.lora.target_modules == ("q_proj", "v_proj")
+    assert config.data.train_on_prompt is True
+
+
+def test_unknown_key_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"(?s)bad.yaml.*train\.max_stepz: Extra inputs"):
+        load_config(bad)
+
+
+def test_bad_value_is_named():
+    with pytest.raises(ConfigError, match=r"train\.method"):
+        load_config(None, ["train.method=adapters"])
+    with pytest.raises(ConfigError, match=r"data\.eval_fraction"):
+        load_config(None, ["data.eval_fraction=1.5"])
+
+
+def test_offline_model_needs_offline_data():
+    with pytest.raises(ConfigError, match="both be 'offline'"):
+        load_config(None, ["data.source=some/dataset"])
+
+
+def test_config_is_frozen():
+    config = load_config()
+    with pytest.raises(Exception):
+        config.train.max_steps = 3
