@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Before Prefect loads: no telemetry, and its home (database, logs) in a throwaway folder.
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="jaxtune-prefect-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest

@@ -1,0 +1,30 @@
+"""The command line: help, and config errors that exit 2 naming the key."""
+
+import pytest
+
+from jaxtune.cli import main
+
+
+def test_help_lists_run(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "run" in capsys.readouterr().out
+
+
+def test_run_help_names_every_stage(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    for stage in ("tokenize", "baseline_eval", "train", "final_eval", "export", "generate", "report"):
+        assert stage in out
+
+
+def test_bad_override_exits_2_naming_the_key(capsys):
+    assert main(["run", "--set", "train.batch_size=-1"]) == 2
+    assert "train.batch_size" in capsys.readouterr().err
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
