@@ -8,6 +8,7 @@ all shapes and control flow static, so prefill and decode compile once per shape
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import jax
@@ -41,8 +42,15 @@ def _static_cache(kv: list[tuple[torch.Tensor, torch.Tensor]], start: torch.Tens
     return Cache(layers=layers)
 
 
+def _cache_argument(module: torch.nn.Module) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40); models not yet migrated keep the old one."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def _cached_forward(module: torch.nn.Module) -> Callable:
     """(weights, buffers, kv, ids, mask, cache_position, position_ids) -> (last logits, new kv)."""
+    cache_argument = _cache_argument(module)
 
     def forward(weights, buffers, kv, ids, mask, cache_position, position_ids):
         cache = _static_cache(kv, cache_position[0])
@@ -53,7 +61,7 @@ def _cached_forward(module: torch.nn.Module) -> Callable:
             kwargs={
                 "input_ids": ids,
                 "attention_mask": mask,
-                "past_key_values": cache,
+                cache_argument: cache,
                 "cache_position": cache_position,
                 "position_ids": position_ids,
                 "use_cache": True,

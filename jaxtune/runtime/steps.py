@@ -52,7 +52,7 @@ def record_grad_norm() -> optax.GradientTransformation:
         return GradNormState(jnp.zeros((), jnp.float32))
 
     def update(updates, state, params=None):
-        return updates, GradNormState(optax.global_norm(updates))
+        return updates, GradNormState(optax.tree.norm(updates))
 
     return optax.GradientTransformation(init, update)
 

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from pydantic import BaseModel, ConfigDict
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.config import EvalConfig, MeshConfig, ModelConfig
+from jaxtune.config import EvalConfig, MeshConfig, ModelConfig, Section
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.train import method_of
@@ -17,9 +16,7 @@ from jaxtune.tasks.train import method_of
 VERSION = "1"
 
 
-class EvalSection(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class EvalSection(Section):
     model: ModelConfig
     eval: EvalConfig
 

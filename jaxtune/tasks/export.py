@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from pydantic import BaseModel, ConfigDict
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.config import ExportConfig, ModelConfig
+from jaxtune.config import ExportConfig, ModelConfig, Section
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.train import method_of
@@ -19,9 +18,7 @@ STAGE = "export"
 VERSION = "1"
 
 
-class ExportSection(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class ExportSection(Section):
     model: ModelConfig
     export: ExportConfig
 
@@ -61,6 +58,6 @@ def export(section: ExportSection, inputs: dict[str, ArtifactRef], store_root: s
         AutoTokenizer.from_pretrained(name, revision=revision).save_pretrained(folder / sub)
         info = {"kind": "peft_adapter" if method == "lora" else "hf_model", "subfolder": sub, "base_model": name}
         (folder / "export.json").write_text(json.dumps(info, indent=2))
-        get_run_logger().info("exported %s to %s", info["kind"], folder / sub)
+        get_run_logger().info("exported a %s (%s/)", info["kind"], sub)
 
     return build_artifact(store_root, STAGE, VERSION, section, inputs, build)

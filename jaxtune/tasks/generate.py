@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from pydantic import BaseModel, ConfigDict
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.config import GenerateConfig, MeshConfig, ModelConfig
+from jaxtune.config import GenerateConfig, MeshConfig, ModelConfig, Section
 from jaxtune.tasks.evaluate import open_trained_model
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
@@ -18,9 +17,7 @@ STAGE = "generate"
 VERSION = "1"
 
 
-class GenerateSection(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class GenerateSection(Section):
     model: ModelConfig
     generate: GenerateConfig
 

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from pydantic import BaseModel, ConfigDict
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, TrainConfig
+from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, Section, TrainConfig
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
 
@@ -17,9 +16,7 @@ STAGE = "train"
 VERSION = "1"
 
 
-class TrainSection(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class TrainSection(Section):
     model: ModelConfig
     train: TrainConfig
     lora: LoraConfig | None  # None for full fine-tuning, so LoRA settings do not touch its key
