@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxtune.flows.finetune import finetune
 
     result = finetune(config=config, refresh=args.refresh, until=args.until)
+    # The temporary Prefect server logs its shutdown at exit; keep the report path the last line.
+    logging.getLogger("prefect").setLevel(logging.WARNING)
     width = max(len(stage) for stage in result["stages"])
     for stage, state in result["stages"].items():
         print(f"{stage:<{width}}  {state}")

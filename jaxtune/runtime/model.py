@@ -63,15 +63,19 @@ def open_model(
     placement: Placement,
     lora: LoraConfig | None = None,
     trained: Path | None = None,
+    train_all: bool = False,
 ) -> JaxModel:
-    """The model a stage computes with: base weights, LoRA attached when given, trained weights loaded."""
+    """The model a stage computes with: base weights, LoRA attached when given, trained weights loaded.
+
+    Trainable tensors are the LoRA ones, or all of them for full fine-tuning (`train_all`, or
+    trained weights without LoRA); a plain base model has none.
+    """
     module = load_torch_model(name, revision, cfg.trust_remote_code)
     if lora is not None:
         module = attach_lora(module, lora)
+    else:
+        module.requires_grad_(train_all or trained is not None)
     weights = load_weights(trained) if trained is not None else None
-    if weights is None and lora is None:
-        # A base model is only evaluated: nothing needs a gradient, so everything is a frozen buffer.
-        module.requires_grad_(False)
     return to_jax(module, cfg, placement, weights)
 
 

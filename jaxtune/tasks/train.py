@@ -45,9 +45,8 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         logger = get_run_logger()
         name, revision = pretrained_location(inputs["model"])
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
-        model = rt_model.open_model(name, revision, section.model, make_placement(mesh), lora=section.lora)
-        if section.lora is None:
-            model.module.requires_grad_(True)
+        model = rt_model.open_model(name, revision, section.model, make_placement(mesh), lora=section.lora,
+                                    train_all=section.lora is None)
         table = read_arrow(inputs["data"].file("train.arrow")).to_pydict()
         log_file = (folder / "log.jsonl").open("w")
 

@@ -6,7 +6,6 @@ import json
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -30,11 +29,11 @@ def store(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("store")
 
 
-def run(store: Path, *overrides: str, refresh=()):
+def run(store: Path, *overrides: str, refresh=(), until="report"):
     from jaxtune.flows.finetune import finetune
 
     config = load_config(None, [*TOY, f"store.root={store}", *overrides])
-    return finetune(config=config, refresh=list(refresh))
+    return finetune(config=config, refresh=list(refresh), until=until)
 
 
 def ran(result) -> set[str]:
@@ -77,29 +76,50 @@ def test_refresh_recomputes_named_stage(store, first):
     assert ran(run(store, refresh=["tokenize"])) == {"tokenize"}
 
 
+PLAIN_TORCH_LOSS = """
+import sys, torch, pyarrow as pa
+from transformers import AutoModelForCausalLM
+model = LOAD.eval()
+table = pa.ipc.open_file(EVAL_ARROW).read_all().to_pydict()
+nll = count = 0.0
+with torch.no_grad():
+    for ids, labels in zip(table["input_ids"], table["labels"]):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        target = torch.tensor(labels[1:])
+        keep = target != -100
+        nll += torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum").item()
+        count += keep.sum().item()
+assert "torchax" not in sys.modules and "jax" not in sys.modules, "plain PyTorch only"
+print(nll / count)
+"""
+
+
+def plain_torch_loss(load: str, eval_arrow: Path) -> float:
+    """Eval loss computed in a fresh process that imports neither jaxtune, torchax nor JAX."""
+    code = "from peft import PeftModel\n" + PLAIN_TORCH_LOSS.replace("LOAD", load).replace("EVAL_ARROW", repr(str(eval_arrow)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def test_exported_adapter_loads_in_plain_pytorch_with_the_same_loss(store, first):
     report = json.loads((Path(first["path"]) / "report.json").read_text())
     adapter = report["export"]["path"]
-    eval_arrow = next((store / "tokenize").glob("*/eval.arrow"))
     base = json.loads((Path(adapter).parent / "export.json").read_text())["base_model"]
-    code = textwrap.dedent(f"""
-        import sys, torch, pyarrow as pa
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {adapter!r}).eval()
-        table = pa.ipc.open_file({str(eval_arrow)!r}).read_all().to_pydict()
-        nll = count = 0.0
-        with torch.no_grad():
-            for ids, labels in zip(table["input_ids"], table["labels"]):
-                logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
-                target = torch.tensor(labels[1:])
-                keep = target != -100
-                nll += torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum").item()
-                count += keep.sum().item()
-        assert "torchax" not in sys.modules and "jax" not in sys.modules, "plain PyTorch only"
-        print(nll / count)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    torch_loss = float(out.stdout.strip().splitlines()[-1])
-    assert abs(torch_loss - report["final"]["loss"]) <= 0.01 * report["final"]["loss"], (torch_loss, report["final"]["loss"])
+    eval_arrow = next((store / "tokenize").glob("*/eval.arrow"))
+    loss = plain_torch_loss(f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {adapter!r})", eval_arrow)
+    assert abs(loss - report["final"]["loss"]) <= 0.01 * report["final"]["loss"], (loss, report["final"]["loss"])
+
+
+def test_full_fine_tune_exports_a_plain_hf_model_with_the_same_loss(store, first):
+    result = run(store, "train.method=full", until="export")
+    assert ran(result) == {"train", "final_eval", "export"}
+    export_folder = Path(result["path"])
+    assert json.loads((export_folder / "export.json").read_text())["kind"] == "hf_model"
+    train_key = json.loads((export_folder / "manifest.json").read_text())["inputs"]["train"]
+    metrics = next(p for p in (store / "final_eval").glob("*/manifest.json")
+                   if json.loads(p.read_text())["inputs"].get("train") == train_key).parent / "metrics.json"
+    final_loss = json.loads(metrics.read_text())["loss"]
+    eval_arrow = next((store / "tokenize").glob("*/eval.arrow"))
+    loss = plain_torch_loss(f"AutoModelForCausalLM.from_pretrained({str(export_folder / 'model')!r})", eval_arrow)
+    assert abs(loss - final_loss) <= 0.01 * final_loss, (loss, final_loss)
