@@ -1,0 +1,1 @@
+"""Bundled data and tiny-model pieces that let jaxtune run without network access."""
