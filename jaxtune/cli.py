@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-STAGES = ("tokenize", "baseline_eval", "train", "final_eval", "export", "generate", "report")
+from jaxtune.tasks import STAGES
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from jaxtune.config import DEFAULT_CONFIG, ConfigError, JaxtuneConfig, load_config
 
@@ -50,5 +51,5 @@ def test_offline_model_needs_offline_data():
 
 def test_config_is_frozen():
     config = load_config()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         config.train.max_steps = 3

@@ -13,12 +13,11 @@ from prefect import flow, get_run_logger
 
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import OFFLINE, JaxtuneConfig, load_config
-from jaxtune.tasks import build_model, build_tokenizer, evaluate, export, generate, report, tokenize, train
+from jaxtune.tasks import STAGES, build_model, build_tokenizer, evaluate, export, generate, report, tokenize, train
 from jaxtune.tasks.sources import dataset_ref, model_ref
 from jaxtune.tasks.stage import stage_key
 
 DEFAULT = load_config()  # the bundled offline demo
-STAGES = ("tokenize", "baseline_eval", "train", "final_eval", "export", "generate", "report")
 
 
 class StageRunner:

@@ -6,7 +6,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-IGNORE = -100
+from jaxtune.data.tokenize import IGNORE_INDEX
+
+BUCKET = 16  # sequence lengths round up to a multiple of this: few shapes, little padding
 
 
 def bucket_length(longest: int, bucket: int, cap: int | None = None) -> int:
@@ -21,7 +23,7 @@ def pad_batch(
     """Right-pad to (rows, length); padding rows beyond the data have no scored tokens."""
     ids = np.full((rows, length), pad_id, np.int32)
     mask = np.zeros((rows, length), np.int32)
-    lab = np.full((rows, length), IGNORE, np.int32)
+    lab = np.full((rows, length), IGNORE_INDEX, np.int32)
     for r, (seq, seq_labels) in enumerate(zip(input_ids, labels)):
         n = len(seq)
         ids[r, :n], mask[r, :n], lab[r, :n] = seq, 1, seq_labels

@@ -11,10 +11,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtune.runtime import decode, steps
-from jaxtune.runtime.batches import bucket_length, eval_batches, pad_batch
+from jaxtune.runtime.batches import BUCKET, bucket_length, eval_batches, pad_batch
 from jaxtune.runtime.model import JaxModel
-
-BUCKET = 16
 
 
 def evaluate(
@@ -33,10 +31,11 @@ def evaluate(
     pending = []
     for rows in tqdm(list(eval_batches([len(x) for x in input_ids], rows_per_batch)), desc="eval", unit="batch"):
         length = bucket_length(max(len(input_ids[r]) for r in rows), BUCKET)
-        batch = pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, rows_per_batch)
-        labels_arr = model.placement.shard_batch(batch.pop("labels"))
-        batch = {k: model.placement.shard_batch(v) for k, v in batch.items()}
-        pending.append((rows, eval_step(model.weights, model.buffers, batch, labels_arr)))
+        batch = model.placement.shard_batch(
+            pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, rows_per_batch)
+        )
+        batch_labels = batch.pop("labels")
+        pending.append((rows, eval_step(model.weights, model.buffers, batch, batch_labels)))
     for rows, (batch_nll, batch_count) in pending:
         nll[rows] = np.asarray(batch_nll)[: len(rows)]
         count[rows] = np.asarray(batch_count)[: len(rows)]
@@ -70,8 +69,8 @@ def greedy_generate(
         chunk = list(prompts[start : start + batch_size])
         chunk += [chunk[-1]] * (batch_size - len(chunk))  # fixed batch shape: one compile
         ids, mask = decode.left_pad(chunk, pad_id)
-        ids = model.placement.shard_batch(ids) if batch_size % model.placement.data_size == 0 else ids
-        mask = model.placement.shard_batch(mask) if batch_size % model.placement.data_size == 0 else mask
+        if batch_size % model.placement.data_size == 0:
+            ids, mask = model.placement.shard_batch((ids, mask))
         tokens = np.asarray(jax.device_get(generate(model.weights, model.buffers, ids, mask)))
         outputs += [_until_eos(row.tolist(), eos_ids) for row in tokens[: min(batch_size, len(prompts) - start)]]
     return outputs

@@ -21,9 +21,9 @@ class Placement:
     def replicate(self, array: jax.Array) -> jax.Array:
         return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
 
-    def shard_batch(self, array) -> jax.Array:
-        """Split the leading (batch) dimension over the data axis."""
-        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec("data")))
+    def shard_batch(self, arrays):
+        """Split the leading (batch) dimension of every array in `arrays` (any pytree) over the data axis."""
+        return jax.device_put(arrays, NamedSharding(self.mesh, PartitionSpec("data")))
 
 
 def make_placement(cfg: MeshConfig) -> Placement:

@@ -16,9 +16,6 @@ from jaxtune.config import LoraConfig, ModelConfig
 from jaxtune.runtime.compat import torchax_env
 from jaxtune.runtime.mesh import Placement
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 @dataclass
 class JaxModel:
     """A torch module used only for its structure, plus its tensors as JAX arrays.
@@ -39,9 +36,6 @@ class JaxModel:
     @property
     def env(self):
         return torchax_env()
-
-    def weights_numpy(self) -> dict[str, np.ndarray]:
-        return {name: np.asarray(jax.device_get(value)) for name, value in self.weights.items()}
 
 
 def load_torch_model(name: str, revision: str | None, trust_remote_code: bool) -> PreTrainedModel:

@@ -10,16 +10,15 @@ import optax
 import torch
 
 from jaxtune.config import TrainConfig
+from jaxtune.data.tokenize import IGNORE_INDEX
 from jaxtune.runtime.model import JaxModel
-
-IGNORE = -100
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row summed next-token NLL and count of scored tokens; labels of -100 are not scored."""
     logits = logits[:, :-1].float()  # (b, t-1, v): fp32 log-softmax whatever the weights' dtype
     target = labels[:, 1:]  # (b, t-1)
-    scored = target != IGNORE
+    scored = target != IGNORE_INDEX
     logp = torch.log_softmax(logits, dim=-1)
     picked = torch.gather(logp, -1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return -(picked * scored).sum(-1), scored.sum(-1)

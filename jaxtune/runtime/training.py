@@ -12,10 +12,8 @@ from tqdm import tqdm
 
 from jaxtune.config import TrainConfig
 from jaxtune.runtime import steps
-from jaxtune.runtime.batches import bucket_length, pad_batch, train_batches
+from jaxtune.runtime.batches import BUCKET, bucket_length, pad_batch, train_batches
 from jaxtune.runtime.model import JaxModel
-
-BUCKET = 16
 
 
 @dataclass
@@ -51,20 +49,15 @@ def train(
         length = bucket_length(max(len(input_ids[r]) for r in rows), BUCKET, max_length)
         batch = pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, cfg.batch_size)
         window_tokens += int(batch["attention_mask"].sum())
-        labels_arr = model.placement.shard_batch(batch.pop("labels"))
-        batch = {k: model.placement.shard_batch(v) for k, v in batch.items()}
-        loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, batch, labels_arr)
+        batch = model.placement.shard_batch(batch)
+        batch_labels = batch.pop("labels")
+        loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, batch, batch_labels)
         pending.append((loss, steps.grad_norm_of(opt_state)))
-        if step == 1:
-            jax.block_until_ready(loss)
-            compile_seconds = time.perf_counter() - started  # first call compiles; keep it out of tokens/s
-            window_start, window_tokens, pending = time.perf_counter(), 0, [pending[-1]]
-            record = _record(step, pending, schedule, 0, compile_seconds)
-            log.append(record), on_log(record)
-            pending = []
-        elif step % cfg.log_every == 0 or step == cfg.max_steps:
+        if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
             losses = jax.device_get(pending)  # the only host sync: once per logging window
             elapsed = time.perf_counter() - window_start
+            if step == 1:  # the first call compiles: log it alone, with no tokens/s
+                compile_seconds, window_tokens = elapsed, 0
             record = _record(step, losses, schedule, window_tokens, elapsed)
             log.append(record), on_log(record)
             pending, window_tokens, window_start = [], 0, time.perf_counter()
