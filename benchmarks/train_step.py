@@ -18,7 +18,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import jaxtune.runtime  # noqa: F401  (loads torchax under the torch 2.13 shim)
-from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, TrainConfig
+from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.runtime import steps
 from jaxtune.runtime.mesh import make_placement
 from jaxtune.runtime.model import attach_lora, to_jax
@@ -45,7 +45,7 @@ def seconds_per_step(step, n: int) -> float:
 
 def jax_step(jitted: bool, ids, mask, labels):
     ids, mask, labels = (jax.numpy.asarray(a) for a in (ids, mask, labels))
-    model = to_jax(lora_model(), ModelConfig(), make_placement(MeshConfig()))
+    model = to_jax(lora_model(), make_placement(MeshConfig()))
     optimizer = steps.make_optimizer(TrainConfig(max_steps=1000))
     state = {"w": model.weights, "o": optimizer.init(model.weights)}
     if jitted:
@@ -54,7 +54,7 @@ def jax_step(jitted: bool, ids, mask, labels):
         import torchax.train
         from torchax import interop
 
-        raw = torchax.train.make_train_step(steps.forward_logits(model), lambda lg, lb: _mean(lg, lb), optimizer)
+        raw = torchax.train.make_train_step(steps.forward_logits(model), steps.mean_token_loss, optimizer)
 
         def train_step(w, b, o, batch, lab):
             with model.env:
@@ -66,11 +66,6 @@ def jax_step(jitted: bool, ids, mask, labels):
         jax.block_until_ready(loss)
 
     return step
-
-
-def _mean(logits, labels):
-    nll, count = steps.token_nll(logits, labels)
-    return nll.sum() / count.sum()
 
 
 def torch_step(ids, mask, labels):

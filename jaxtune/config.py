@@ -6,6 +6,7 @@ stage's cache key hashes, so a setting lives in the section of the stage it chan
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,9 +37,14 @@ class DataConfig(Section):
     seed: int = Field(0, description="seed of the train/eval split")
 
 
-class TinyModelConfig(Section):
-    """Shape of the random Gemma 3 model the offline default builds."""
+# Families of `jaxtune.architectures`, written out here so reading a config needs no transformers import.
+ARCHITECTURES = ("gemma3", "gemma2", "llama", "qwen3", "mistral", "phi3", "gpt2")
 
+
+class TinyModelConfig(Section):
+    """Family and shape of the random model the offline default builds."""
+
+    architecture: Literal[ARCHITECTURES] = Field("gemma3", description=f"model family: {', '.join(ARCHITECTURES)}")
     hidden_size: int = 128
     intermediate_size: int = 512
     num_hidden_layers: int = 4
@@ -57,8 +63,18 @@ class ModelConfig(Section):
     name: str = Field(OFFLINE, description="'offline', a hub id such as google/gemma-3-1b-it, or a local model directory")
     revision: str = Field("main", description="hub revision (part of the cache key)")
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype on the device")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="compute dtype of the weights; 'auto' is bfloat16 for hub and local models, float32 for the "
+        "offline model. Trained weights and optimizer state stay float32 either way",
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+
+    @property
+    def compute_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.name == OFFLINE else "bfloat16"
 
 
 class LoraConfig(Section):
@@ -67,14 +83,18 @@ class LoraConfig(Section):
     r: int = Field(8, gt=0)
     alpha: int = Field(16, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    target_modules: tuple[str, ...] | Literal["all-linear"] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        description="module names to adapt, or 'all-linear' (every linear layer but the output head)",
+    )
     modules_to_save: tuple[str, ...] = ()
 
 
 class TrainConfig(Section):
-    """Optimisation: optax AdamW, warmup-cosine schedule, global-norm clipping."""
+    """Optimisation: optax AdamW or Adafactor, warmup-cosine schedule, global-norm clipping."""
 
     method: Literal["lora", "full"] = "lora"
+    optimizer: Literal["adamw", "adafactor"] = Field("adamw", description="adafactor keeps factored second moments: far less state for full fine-tuning")
     learning_rate: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
     warmup_steps: int = Field(10, ge=0)
@@ -143,14 +163,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ja
         raise ConfigError(f"{path}: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return config_from_dict(raw, overrides, where=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], overrides: list[str] = (), where: str = "config") -> JaxtuneConfig:
+    """Validate `raw` (built-in defaults for every key it leaves out) after applying `overrides`."""
+    raw = copy.deepcopy(raw)
     for item in overrides:
         _apply_override(raw, item)
     try:
         return JaxtuneConfig.model_validate(raw)
     except ValidationError as e:
-        where = f"{path}: "
         lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(where + "invalid config\n  " + "\n  ".join(lines)) from None
+        raise ConfigError(f"{where}: invalid config\n  " + "\n  ".join(lines)) from None
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

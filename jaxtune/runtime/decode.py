@@ -48,15 +48,16 @@ def _cache_argument(module: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
-def _cached_forward(module: torch.nn.Module) -> Callable:
+def _cached_forward(model: JaxModel) -> Callable:
     """(weights, buffers, kv, ids, mask, cache_position, position_ids) -> (last logits, new kv)."""
+    module = model.module
     cache_argument = _cache_argument(module)
 
     def forward(weights, buffers, kv, ids, mask, cache_position, position_ids):
         cache = _static_cache(kv, cache_position[0])
         out = torch.func.functional_call(
             module,
-            (weights, buffers),
+            (model.for_compute(weights), buffers),
             args=(),
             kwargs={
                 "input_ids": ids,
@@ -77,13 +78,14 @@ def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]
     """generate(weights, buffers, prompt_ids, prompt_mask) -> (b, max_new_tokens) token ids.
 
     Prompts are left-padded (b, p); a row that emitted any of `eos_ids` keeps emitting the first.
+    With no `eos_ids`, every row runs all `max_new_tokens`.
     """
     from torchax import interop
 
-    forward = _cached_forward(model.module)
+    forward = _cached_forward(model)
     n_layers = model.config.num_hidden_layers
     env = model.env
-    eos_id, stop_ids = eos_ids[0], jnp.asarray(eos_ids)
+    eos_id, stop_ids = (eos_ids[0], jnp.asarray(eos_ids)) if eos_ids else (0, jnp.asarray([-1]))
 
     def step(*args):
         with env:
@@ -92,8 +94,7 @@ def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]
     def generate(weights, buffers, prompt_ids, prompt_mask):
         b, p = prompt_ids.shape
         total = p + max_new_tokens
-        dtype = _param_dtype(weights, buffers)
-        kv = [(jnp.zeros(kv_shape(model, b, total), dtype),) * 2 for _ in range(n_layers)]
+        kv = [(jnp.zeros(kv_shape(model, b, total), model.dtype),) * 2 for _ in range(n_layers)]
         # Future slots are marked valid: the causal mask already hides them until they are written.
         mask = jnp.concatenate([prompt_mask, jnp.ones((b, max_new_tokens), prompt_mask.dtype)], axis=1)
         positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)  # (b, p): left padding shifts positions
@@ -115,14 +116,6 @@ def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]
         return jax.lax.while_loop(unfinished, one_token, state)[1]
 
     return jax.jit(generate)
-
-
-def _param_dtype(weights, buffers):
-    """The cache holds keys/values in the parameters' dtype; a base model may have no trainable weights."""
-    for value in (*weights.values(), *buffers.values()):
-        if jnp.issubdtype(value.dtype, jnp.floating):
-            return value.dtype
-    return jnp.float32
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -21,13 +21,18 @@ class JaxModel:
     """A torch module used only for its structure, plus its tensors as JAX arrays.
 
     `weights` are trained, `buffers` (frozen parameters and buffers) are not; together they
-    replace every tensor of `module` in `functional_call`.
+    replace every tensor of `module` in `functional_call`. Weights are kept in float32 (the
+    master copy the optimizer updates); `casts` names those the module computes in another
+    dtype (bfloat16 for a bf16 model), and `for_compute` applies it inside the forward, so
+    gradients flow back to the float32 copy.
     """
 
     module: torch.nn.Module
     weights: dict[str, jax.Array]
     buffers: dict[str, jax.Array]
     placement: Placement
+    dtype: jnp.dtype  # what the model computes in; the KV cache holds this
+    casts: dict[str, torch.dtype] = field(default_factory=dict)
 
     @property
     def config(self):
@@ -37,13 +42,20 @@ class JaxModel:
     def env(self):
         return torchax_env()
 
+    def for_compute(self, weights: dict) -> dict:
+        """torch-view `weights` with each one in the dtype the module computes it in."""
+        return {name: value.to(self.casts[name]) if name in self.casts else value for name, value in weights.items()}
 
-def load_torch_model(name: str, revision: str | None, trust_remote_code: bool) -> PreTrainedModel:
-    """`from_pretrained` on CPU, torchax not involved; eager attention for exact parity across backends."""
+
+def load_torch_model(name: str, revision: str | None, trust_remote_code: bool, dtype: str = "float32") -> PreTrainedModel:
+    """`from_pretrained` on CPU, torchax not involved; eager attention for exact parity across backends.
+
+    `dtype` goes to `from_pretrained` alone: the process-wide torch default dtype is untouched.
+    """
     model = AutoModelForCausalLM.from_pretrained(
         name,
         revision=revision,
-        dtype=torch.float32,
+        dtype=getattr(torch, dtype),
         attn_implementation="eager",
         trust_remote_code=trust_remote_code,
     )
@@ -64,13 +76,13 @@ def open_model(
     Trainable tensors are the LoRA ones, or all of them for full fine-tuning (`train_all`, or
     trained weights without LoRA); a plain base model has none.
     """
-    module = load_torch_model(name, revision, cfg.trust_remote_code)
+    module = load_torch_model(name, revision, cfg.trust_remote_code, cfg.compute_dtype)
     if lora is not None:
         module = attach_lora(module, lora)
     else:
         module.requires_grad_(train_all or trained is not None)
     weights = load_weights(trained) if trained is not None else None
-    return to_jax(module, cfg, placement, weights)
+    return to_jax(module, placement, weights)
 
 
 def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
@@ -82,7 +94,7 @@ def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
+        target_modules=cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules),
         modules_to_save=list(cfg.modules_to_save) or None,
         task_type="CAUSAL_LM",
     )
@@ -90,22 +102,28 @@ def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
     return get_peft_model(model, peft_cfg)
 
 
-def to_jax(
-    module: torch.nn.Module, cfg: ModelConfig, placement: Placement, trained: dict[str, np.ndarray] | None = None
-) -> JaxModel:
-    """Split trainable from frozen tensors and place both on the mesh; `trained` overrides weights."""
+def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None) -> JaxModel:
+    """Split trainable from frozen tensors and place both on the mesh; `trained` overrides weights.
+
+    Frozen tensors keep the module's dtype; trainable ones become float32 master weights.
+    """
     _use_eager_attention(module)
-    dtype = jnp.dtype(cfg.dtype)
-    weights, buffers = {}, {}
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    weights, buffers, casts = {}, {}, {}
     for name, param in module.named_parameters():
-        target = weights if param.requires_grad else buffers
-        target[name] = _to_array(param, dtype, placement)
+        if param.requires_grad:
+            weights[name] = _to_array(param, placement, jnp.float32)
+            if param.dtype != torch.float32:
+                casts[name] = param.dtype
+        else:
+            buffers[name] = _to_array(param, placement)
     for name, buf in module.named_buffers():
-        buffers[name] = _to_array(buf, None, placement)  # buffers (rotary tables) keep their own dtype
+        buffers[name] = _to_array(buf, placement)
     if trained is not None:
         _check_names(trained, weights)
-        weights = {name: placement.replicate(jnp.asarray(trained[name], dtype)) for name in weights}
-    return JaxModel(module=module, weights=weights, buffers=buffers, placement=placement)
+        weights = {name: placement.replicate(jnp.asarray(trained[name], jnp.float32)) for name in weights}
+    dtype = jnp.dtype(str(base.dtype).removeprefix("torch."))
+    return JaxModel(module=module, weights=weights, buffers=buffers, placement=placement, dtype=dtype, casts=casts)
 
 
 def _use_eager_attention(module: torch.nn.Module) -> None:
@@ -117,13 +135,13 @@ def _use_eager_attention(module: torch.nn.Module) -> None:
         base.set_attn_implementation("eager")
 
 
-def _to_array(tensor: torch.Tensor, dtype, placement: Placement) -> jax.Array:
+def _to_array(tensor: torch.Tensor, placement: Placement, dtype=None) -> jax.Array:
+    """The tensor as a replicated JAX array, in its own dtype unless `dtype` is given."""
     value = tensor.detach()
+    own = jnp.dtype(str(value.dtype).removeprefix("torch."))
     if value.dtype == torch.bfloat16:  # numpy has no bfloat16; go through float32
         value = value.float()
-    array = jnp.asarray(value.numpy())
-    if dtype is not None and jnp.issubdtype(array.dtype, jnp.floating):
-        array = array.astype(dtype)
+    array = jnp.asarray(value.numpy()).astype(dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own)
     return placement.replicate(array)
 
 

@@ -31,7 +31,7 @@ def forward_logits(model: JaxModel) -> Callable:
     def forward(weights, buffers, batch):
         out = torch.func.functional_call(
             module,
-            (weights, buffers),
+            (model.for_compute(weights), buffers),
             args=(),
             kwargs={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False},
         )
@@ -68,15 +68,32 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    return optax.chain(
-        record_grad_norm(),
-        optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(learning_rate_schedule(cfg), weight_decay=cfg.weight_decay),
-    )
+    schedule = learning_rate_schedule(cfg)
+    if cfg.optimizer == "adafactor":
+        # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting.
+        update = optax.adafactor(schedule, multiply_by_parameter_scale=False, weight_decay_rate=cfg.weight_decay or None)
+    else:
+        update = optax.adamw(schedule, weight_decay=cfg.weight_decay)
+    return optax.chain(record_grad_norm(), optax.clip_by_global_norm(cfg.max_grad_norm), update)
 
 
 def grad_norm_of(opt_state: Any) -> jax.Array:
     return opt_state[0].grad_norm
+
+
+def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean NLL over every scored token of the batch (the training objective)."""
+    nll, count = token_nll(logits, labels)
+    return nll.sum() / torch.clamp(count.sum(), min=1)
+
+
+def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation):
+    """jax.jit of torchax's train step over JAX arrays, donating weights and optimizer state."""
+    import torchax.train
+    from torchax import interop
+
+    step = torchax.train.make_train_step(forward_logits(model), mean_token_loss, optimizer)
+    return jax.jit(interop.jax_view(step), donate_argnums=(0, 2))
 
 
 def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation) -> Callable:
@@ -85,22 +102,55 @@ def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation) ->
     Returns step(weights, buffers, opt_state, batch, labels) -> (loss, weights, opt_state),
     all JAX pytrees.
     """
-    import torchax.train
+    jitted = _jitted_train_step(model, optimizer)
+
+    def run(weights, buffers, opt_state, batch, labels):
+        with model.env:
+            return jitted(weights, buffers, opt_state, batch, labels)
+
+    return run
+
+
+def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, batch_size: int, length: int) -> dict:
+    """XLA's memory plan for one train step at (batch_size, length), compiled from shapes alone.
+
+    Bytes of arguments (weights, frozen tensors, optimizer state, batch), of outputs, of
+    temporaries (activations kept for the backward pass, gradients), and their peak.
+    """
+    jitted = _jitted_train_step(model, optimizer)
+    spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+    opt_state = jax.eval_shape(optimizer.init, spec(model.weights))
+    batch = {name: jax.ShapeDtypeStruct((batch_size, length), jnp.int32) for name in ("input_ids", "attention_mask")}
+    labels = jax.ShapeDtypeStruct((batch_size, length), jnp.int32)
+    with model.env:
+        compiled = jitted.lower(spec(model.weights), spec(model.buffers), opt_state, batch, labels).compile()
+    stats = compiled.memory_analysis()
+    plan = {
+        "argument_bytes": int(stats.argument_size_in_bytes),
+        "output_bytes": int(stats.output_size_in_bytes),
+        "temp_bytes": int(stats.temp_size_in_bytes),
+        "alias_bytes": int(stats.alias_size_in_bytes),
+    }
+    # Donated outputs reuse their argument buffers (alias), so they count once.
+    plan["peak_bytes"] = plan["argument_bytes"] + plan["output_bytes"] + plan["temp_bytes"] - plan["alias_bytes"]
+    return plan
+
+
+def make_loss_and_grad(model: JaxModel) -> Callable:
+    """grad(weights, buffers, batch, labels) -> (mean token loss, gradients of the weights), jitted."""
     from torchax import interop
 
     forward = forward_logits(model)
 
-    def mean_loss(logits, labels):
-        nll, count = token_nll(logits, labels)
-        return nll.sum() / torch.clamp(count.sum(), min=1)
-
-    step = torchax.train.make_train_step(forward, mean_loss, optimizer)
-    jitted = interop.jax_jit(step, kwargs_for_jax_jit={"donate_argnums": (0, 2)})
-
-    def run(weights, buffers, opt_state, batch, labels):
+    def loss(weights, buffers, batch, labels):
         with model.env:
-            loss, weights, opt_state = jitted(*interop.torch_view((weights, buffers, opt_state, batch, labels)))
-        return interop.jax_view((loss, weights, opt_state))
+            return mean_token_loss(forward(weights, buffers, batch), labels)
+
+    jitted = jax.jit(jax.value_and_grad(interop.jax_view(loss)))
+
+    def run(weights, buffers, batch, labels):
+        with model.env:
+            return jitted(weights, buffers, batch, labels)
 
     return run
 
