@@ -1,4 +1,5 @@
-"""`jaxtune run [CONFIG] [--set section.key=value]... [--refresh STAGE]... [--until STAGE]`."""
+"""`jaxtune run [CONFIG] [--set section.key=value]... [--refresh STAGE]... [--until STAGE]`
+and `jaxtune doctor MODEL [--config CONFIG] [--set section.key=value]...`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
                      help=f"recompute this stage even if cached (repeatable): {', '.join(STAGES)}")
     run.add_argument("--until", default="report", choices=STAGES, help="last stage to run")
+    doctor = commands.add_parser(
+        "doctor", help="check a model's JAX numerics against PyTorch and its training memory; exit 1 when parity fails"
+    )
+    doctor.add_argument("model", help="hub id (e.g. google/gemma-3-1b-it) or local model directory")
+    doctor.add_argument("--config", help="YAML config whose lora, train and data.max_length are used (default: built-in defaults)")
+    doctor.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable)")
+    doctor.add_argument("--revision", help="hub revision")
+    doctor.add_argument("--tokens", type=int, default=48, help="sequence length of the parity batch")
     return parser
 
 
@@ -30,13 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Before Prefect is imported: no telemetry leaves this machine.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from jaxtune.config import ConfigError, load_config
+    from jaxtune.config import ConfigError, config_from_dict, load_config
 
     try:
-        config = load_config(args.config, args.overrides)
+        if args.command == "doctor" and args.config is None:
+            config = config_from_dict({}, args.overrides, where="--set")
+        else:
+            config = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"jaxtune: {e}", file=sys.stderr)
         return 2
+    if args.command == "doctor":
+        return _doctor(args, config)
     from jaxtune.flows.finetune import finetune
 
     result = finetune(config=config, refresh=args.refresh, until=args.until)
@@ -47,6 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{stage:<{width}}  {state}")
     print(result["path"])
     return 0
+
+
+def _doctor(args, config) -> int:
+    from jaxtune.doctor import DoctorError, diagnose, render
+
+    try:
+        diagnosis = diagnose(args.model, config, revision=args.revision, tokens=args.tokens)
+    except (DoctorError, OSError) as e:
+        print(f"jaxtune doctor: {e}", file=sys.stderr)
+        return 2
+    print(render(diagnosis))
+    return 0 if diagnosis.ok else 1
 
 
 if __name__ == "__main__":

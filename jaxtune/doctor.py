@@ -1,0 +1,171 @@
+"""`jaxtune doctor MODEL`: check that a model computes on JAX what it computes in PyTorch,
+and what a training run on it will hold in memory, before a long run is started.
+
+Parity is checked in float32, where any difference beyond ~1e-6 means an op is computed
+wrongly rather than rounded differently. The memory plan is XLA's own, for one train step
+in the dtype and batch shape the config trains with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxtune.config import JaxtuneConfig
+
+LOGITS_TOLERANCE = 1e-4  # max |Δ logits|, times max(1, max |logits|)
+LOSS_TOLERANCE = 1e-3  # relative
+GRADIENT_TOLERANCE = 1e-3  # ‖Δ grad‖ / ‖grad‖ of the worst tensor
+DECODE_TOKENS = 32
+PROMPT_LENGTHS = (13, 6)
+
+
+class DoctorError(ValueError):
+    """The model cannot be checked as configured (the message says what to change)."""
+
+
+@dataclass
+class Row:
+    check: str
+    value: str
+    limit: str = ""
+    ok: bool | None = None  # None: information, not a check
+
+
+@dataclass
+class Diagnosis:
+    model: str
+    summary: str
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(row.ok is not False for row in self.rows)
+
+
+def diagnose(name: str, config: JaxtuneConfig, revision: str | None = None, tokens: int = 48) -> Diagnosis:
+    """Logits, loss, gradients and greedy tokens on JAX vs PyTorch; sizes and XLA's memory plan."""
+    from jaxtune.runtime import parity
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import load_torch_model, to_jax
+
+    module = load_torch_model(name, revision, config.model.trust_remote_code, "float32")
+    total = sum(p.numel() for p in module.parameters())
+    kind = module.config.model_type
+    module = _trainable(module, config, randomize_lora=True)
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    model = to_jax(module, make_placement(config.mesh))
+    method = f"LoRA r={config.lora.r} on {_targets(config)}" if config.train.method == "lora" else "full fine-tuning"
+    diagnosis = Diagnosis(model=name, summary=f"{kind}, {method}; parity in float32 on {tokens} tokens")
+
+    batch, labels = _batch(model.config.vocab_size, tokens)
+    valid = batch["attention_mask"].astype(bool)
+    expected = parity.torch_logits(model, batch)
+    logits_diff = float(np.abs(parity.jax_logits(model, batch) - expected)[valid].max())
+    logits_limit = LOGITS_TOLERANCE * max(1.0, float(np.abs(expected[valid]).max()))
+    diagnosis.rows.append(Row("logits max |diff|", f"{logits_diff:.2e}", f"{logits_limit:.1e}", logits_diff <= logits_limit))
+
+    jax_loss, jax_grads = parity.jax_loss_and_grads(model, batch, labels)
+    torch_loss, torch_grads = parity.torch_loss_and_grads(model, batch, labels)
+    loss_diff = abs(jax_loss - torch_loss) / max(abs(torch_loss), 1e-12)
+    diagnosis.rows.append(Row("loss relative diff", f"{loss_diff:.2e} (loss {torch_loss:.4f})", f"{LOSS_TOLERANCE:.0e}",
+                              loss_diff <= LOSS_TOLERANCE))
+    worst, grad_diff = parity.worst_gradient(jax_grads, torch_grads)
+    worst = worst.removeprefix("base_model.model.").removesuffix(".default.weight")
+    diagnosis.rows.append(Row("gradient relative diff", f"{grad_diff:.2e} (worst: {worst})", f"{GRADIENT_TOLERANCE:.0e}",
+                              grad_diff <= GRADIENT_TOLERANCE))
+
+    pad = module.config.get_text_config().pad_token_id or 0
+    prompts = [row[: n].tolist() for row, n in zip(_rng().integers(0, model.config.vocab_size, (2, 64)), PROMPT_LENGTHS)]
+    together = parity.jax_greedy(model, prompts, DECODE_TOKENS, pad)
+    matched = sum(got == parity.torch_greedy(model.module, prompt, DECODE_TOKENS, pad) for got, prompt in zip(together, prompts))
+    diagnosis.rows.append(Row("greedy decode == generate", f"{matched}/{len(prompts)} prompts x {DECODE_TOKENS} tokens",
+                              "all", matched == len(prompts)))
+
+    diagnosis.rows.append(Row("parameters", f"{total:,}"))
+    diagnosis.rows.append(Row("trainable parameters", f"{trainable:,} ({100 * trainable / total:.2f}%)"))
+    del model, module
+    diagnosis.rows += _memory(name, revision, config)
+    return diagnosis
+
+
+def _trainable(module, config: JaxtuneConfig, randomize_lora: bool):
+    """The module as the config trains it: LoRA attached (B drawn small and random when
+    `randomize_lora`, since at PEFT's B = 0 no A gets a gradient), or every weight trainable."""
+    import torch
+
+    from jaxtune.runtime.model import attach_lora
+
+    if config.train.method == "full":
+        return module.requires_grad_(True)
+    try:
+        module = attach_lora(module, config.lora)
+    except ValueError as e:
+        raise DoctorError(f"{e}\nlinear layers of this model: {', '.join(_linear_names(module))}; "
+                          "set lora.target_modules to some of them, or to all-linear") from None
+    if randomize_lora:
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+    return module
+
+
+def _linear_names(module) -> list[str]:
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return sorted({name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))})
+
+
+def _targets(config: JaxtuneConfig) -> str:
+    targets = config.lora.target_modules
+    return targets if isinstance(targets, str) else ",".join(targets)
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+def _batch(vocab_size: int, tokens: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Two rows of random tokens, the second right-padded to two thirds, so the mask is exercised too."""
+    ids = _rng().integers(0, vocab_size, (2, tokens)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, 2 * tokens // 3 :] = 0
+    labels = np.where(mask == 1, ids, -100).astype(np.int32)
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]:
+    """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
+    from jaxtune.runtime import steps
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import load_torch_model, to_jax
+
+    dtype = config.model.model_copy(update={"name": name}).compute_dtype
+    module = _trainable(load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
+    model = to_jax(module, make_placement(config.mesh))
+    batch, length = config.train.batch_size, config.data.max_length
+    plan = steps.train_step_memory(model, steps.make_optimizer(config.train), batch, length)
+    return [
+        Row("train step memory, peak", f"{_size(plan['peak_bytes'])} ({dtype}, {config.train.optimizer}, batch {batch} x {length})"),
+        Row("  weights, optimizer state, batch", _size(plan["argument_bytes"])),
+        Row("  activations, gradients (temporary)", _size(plan["temp_bytes"])),
+    ]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def render(diagnosis: Diagnosis) -> str:
+    """The diagnosis as an aligned text table."""
+    head = ("check", "value", "limit", "status")
+    rows = [(r.check, r.value, r.limit, {True: "ok", False: "FAIL", None: ""}[r.ok]) for r in diagnosis.rows]
+    widths = [max(len(str(x)) for x in column) for column in zip(head, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    verdict = "parity ok" if diagnosis.ok else "PARITY FAILED: do not train on this model until the failing check is understood"
+    return "\n".join([f"jaxtune doctor: {diagnosis.model} ({diagnosis.summary})", line(head),
+                      line(["-" * w for w in widths]), *map(line, rows), verdict])
