@@ -38,6 +38,15 @@ class ChatTemplateError(ValueError):
     """The tokenizer's chat template cannot separate prompt tokens from answer tokens."""
 
 
+def pad_id_of(tokenizer: Any) -> int:
+    """The id that fills padding: the tokenizer's pad token, else its eos (Llama 3 ships no pad
+    token), else 0. Padding is masked out of attention and loss, so any id is correct."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
 def encode_example(example: dict, tokenizer: Any, train_on_prompt: bool) -> dict | None:
     """Token ids and labels of one example (labels -100 on the prompt unless `train_on_prompt`); None if the response is empty."""
     response = example["response"]

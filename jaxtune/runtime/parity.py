@@ -96,3 +96,22 @@ def torch_greedy(module: torch.nn.Module, prompt: Sequence[int], max_new_tokens:
         out = module.generate(input_ids=torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               generation_config=config)
     return out[0, len(prompt):].tolist()
+
+
+def logits_parity(model: JaxModel, rows: Sequence[Sequence[int]], pad_id: int) -> dict:
+    """JAX against PyTorch logits on `rows` (right-padded together), over their real tokens:
+    max |difference|, the logits' own scale, and how often both pick the same top token."""
+    from jaxtune.runtime.batches import BUCKET, bucket_length, pad_batch
+
+    padded = pad_batch(rows, rows, pad_id, bucket_length(max(len(r) for r in rows), BUCKET), len(rows))
+    batch = {"input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"]}
+    valid = batch["attention_mask"].astype(bool)
+    got, expected = jax_logits(model, batch)[valid], torch_logits(model, batch)[valid]
+    return {
+        "dtype": str(model.dtype),
+        "rows": len(rows),
+        "tokens": int(valid.sum()),
+        "max_abs_diff": float(np.abs(got - expected).max()),
+        "max_abs_logit": float(np.abs(expected).max()),
+        "top1_agreement": float((got.argmax(-1) == expected.argmax(-1)).mean()),
+    }

@@ -13,7 +13,8 @@ from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.train import method_of
 
-VERSION = "1"
+VERSION = "2"
+PARITY_ROWS = 4  # eval rows whose logits are also computed in PyTorch, to certify the numerics
 
 
 class EvalSection(Section):
@@ -37,16 +38,20 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
     def build(folder: Path) -> None:
         from transformers import AutoTokenizer
 
-        from jaxtune.data.tokenize import read_arrow
+        from jaxtune.data.tokenize import pad_id_of, read_arrow
         from jaxtune.runtime.inference import evaluate
+        from jaxtune.runtime.parity import logits_parity
 
         name, revision = pretrained_location(inputs["model"])
-        pad_id = AutoTokenizer.from_pretrained(name, revision=revision).pad_token_id
+        pad_id = pad_id_of(AutoTokenizer.from_pretrained(name, revision=revision))
         model = open_trained_model(inputs, section.model, mesh)
         table = read_arrow(inputs["data"].file("eval.arrow")).to_pydict()
         metrics = evaluate(model, table["input_ids"], table["labels"], table["category"], section.eval.batch_size, pad_id)
+        metrics["parity"] = logits_parity(model, table["input_ids"][:PARITY_ROWS], pad_id)
         (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        get_run_logger().info("%s: loss %.4f perplexity %.2f over %d tokens", stage, metrics["loss"], metrics["perplexity"], metrics["tokens"])
+        logger = get_run_logger()
+        logger.info("%s: loss %.4f perplexity %.2f over %d tokens", stage, metrics["loss"], metrics["perplexity"], metrics["tokens"])
+        logger.info("%s: JAX vs PyTorch logits max |diff| %.2e (%s)", stage, metrics["parity"]["max_abs_diff"], metrics["parity"]["dtype"])
 
     return build_artifact(store_root, stage, VERSION, section, inputs, build)
 

@@ -9,6 +9,7 @@ from prefect import get_run_logger, task
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import GenerateConfig, MeshConfig, ModelConfig, Section
+from jaxtune.data.tokenize import pad_id_of
 from jaxtune.tasks.evaluate import open_trained_model
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
@@ -31,14 +32,14 @@ def stop_ids(tokenizer, generation_config) -> list[int]:
     """Every id that ends an answer: the tokenizer's eos and the model's generation eos ids."""
     ids = generation_config.eos_token_id if generation_config is not None else None
     ids = [ids] if isinstance(ids, int) else list(ids or [])
-    return list(dict.fromkeys([tokenizer.eos_token_id, *ids]))
+    return [i for i in dict.fromkeys([tokenizer.eos_token_id, *ids]) if i is not None]
 
 
 def _answers(model, tokenizer, prompts: list[list[int]], cfg: GenerateConfig) -> list[str]:
     from jaxtune.runtime.inference import greedy_generate
 
     eos = stop_ids(tokenizer, getattr(model.module, "generation_config", None))
-    tokens = greedy_generate(model, prompts, cfg.batch_size, cfg.max_new_tokens, eos, tokenizer.pad_token_id)
+    tokens = greedy_generate(model, prompts, cfg.batch_size, cfg.max_new_tokens, eos, pad_id_of(tokenizer))
     return [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
 
 

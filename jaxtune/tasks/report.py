@@ -13,7 +13,7 @@ from jaxtune.artifacts import ArtifactRef
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "report"
-VERSION = "1"
+VERSION = "2"
 EXAMPLES = 6
 
 
@@ -32,6 +32,7 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "train": {k: train[k] for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "trainable_parameters")},
         "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
         "data": inputs["tokenize"].read_json("stats.json"),
+        "parity": final["parity"],
     }
 
 
@@ -65,12 +66,23 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         "## Loss by category", "", "| category | before | after |", "|---|---|---|",
         *[f"| {c} | {v['baseline']:.4f} | {v['final']:.4f} |" for c, v in summary["per_category"].items()], "",
         f"Exported {summary['export']['kind']}: `{summary['export']['path']}`", "",
+        *_parity_section(summary["parity"]),
         "## Generations", "",
     ]
     for ex in examples:
         lines += [f"**{ex['category']}**: {_quote(ex['prompt'])}", "",
                   f"- reference: `{ex['reference']}`", f"- before: `{ex['before']}`", f"- after: `{ex['after']}`", ""]
     return "\n".join(lines)
+
+
+def _parity_section(parity: dict) -> list[str]:
+    return [
+        "## Parity", "",
+        f"The trained model's logits on {parity['rows']} eval rows ({parity['tokens']} tokens), "
+        f"computed by JAX and by PyTorch eager from the same {parity['dtype']} weights:", "",
+        "| max abs logit diff | max abs logit | top-1 agreement |", "|---|---|---|",
+        f"| {parity['max_abs_diff']:.2e} | {parity['max_abs_logit']:.2f} | {100 * parity['top1_agreement']:.1f}% |", "",
+    ]
 
 
 def _quote(text: str) -> str:

@@ -37,7 +37,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
     def build(folder: Path) -> None:
         from transformers import AutoTokenizer
 
-        from jaxtune.data.tokenize import read_arrow
+        from jaxtune.data.tokenize import pad_id_of, read_arrow
         from jaxtune.runtime import model as rt_model
         from jaxtune.runtime import training
         from jaxtune.runtime.mesh import make_placement
@@ -55,7 +55,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
             log_file.flush()  # a crash keeps the log up to the last window
             logger.info("step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f", record)
 
-        result = training.train(model, table["input_ids"], table["labels"], section.train, tokenizer.pad_token_id,
+        result = training.train(model, table["input_ids"], table["labels"], section.train, pad_id_of(tokenizer),
                                 max(table["length"]), on_log)
         log_file.close()
         rt_model.save_weights(result.weights, folder / "params.safetensors")

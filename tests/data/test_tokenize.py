@@ -148,3 +148,13 @@ def test_read_arrow_rejects_other_tables(tmp_path):
         writer.write_table(table)
     with pytest.raises(DataError, match="not a token table"):
         read_arrow(path)
+
+
+def test_pad_id_falls_back_to_eos_then_zero():
+    from types import SimpleNamespace
+
+    from jaxtune.data.tokenize import pad_id_of
+
+    assert pad_id_of(SimpleNamespace(pad_token_id=3, eos_token_id=7)) == 3
+    assert pad_id_of(SimpleNamespace(pad_token_id=None, eos_token_id=7)) == 7  # Llama 3 ships no pad token
+    assert pad_id_of(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
