@@ -53,3 +53,39 @@ def test_config_is_frozen():
     config = load_config()
     with pytest.raises(ValidationError, match="frozen"):
         config.train.max_steps = 3
+
+
+def test_lora_targets_are_names_or_all_linear():
+    assert load_config(None, ["lora.target_modules=all-linear"]).lora.target_modules == "all-linear"
+    with pytest.raises(ConfigError, match=r"lora\.target_modules"):
+        load_config(None, ["lora.target_modules=every-layer"])
+
+
+def test_architecture_and_optimizer_are_checked():
+    assert load_config(None, ["model.tiny.architecture=gpt2"]).model.tiny.architecture == "gpt2"
+    with pytest.raises(ConfigError, match=r"model\.tiny\.architecture"):
+        load_config(None, ["model.tiny.architecture=bert"])
+    with pytest.raises(ConfigError, match=r"train\.optimizer"):
+        load_config(None, ["train.optimizer=lion"])
+
+
+def test_every_family_in_the_config_has_a_tiny_config():
+    from jaxtune.architectures import FAMILIES
+    from jaxtune.config import ARCHITECTURES
+
+    assert tuple(FAMILIES) == ARCHITECTURES
+
+
+DEPLOYMENTS = Path(__file__).parents[1] / "prefect.yaml"
+
+
+def test_every_recipe_deployment_runs_exactly_its_config_file():
+    """prefect.yaml inlines each recipe (the Prefect UI shows it as the run form); it must not drift."""
+    import yaml
+
+    deployments = {d["name"]: d for d in yaml.safe_load(DEPLOYMENTS.read_text())["deployments"]}
+    recipes = sorted(Path(__file__).parents[1].joinpath("configs").glob("*.yaml"))
+    assert {p.stem for p in recipes} <= set(deployments)
+    for path in recipes:
+        assert JaxtuneConfig.model_validate(deployments[path.stem]["parameters"]["config"]) == load_config(path), path.name
+    assert deployments["offline-nightly"]["parameters"] == {}  # the flow's default: the offline demo

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from jaxtune.config import load_config
+from tests.flows.plain_torch import plain_torch_losses
+from tests.flows.shapes import TOY_MODEL
 
 pytestmark = pytest.mark.slow
 
 TOY = [
-    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
-    "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1", "model.tiny.head_dim=16",
-    "model.tiny.vocab_size=300", "data.max_train_rows=64", "data.max_eval_rows=24",
+    *TOY_MODEL, "data.max_train_rows=64", "data.max_eval_rows=24",
     "train.max_steps=4", "train.batch_size=4", "train.log_every=2", "train.warmup_steps=1",
     "generate.num_prompts=4", "generate.max_new_tokens=6", "generate.batch_size=4",
 ]
@@ -53,6 +51,10 @@ def test_first_run_computes_every_stage_and_reports(first):
     assert set(report["exact_match"]) == {"before", "after"}
     assert Path(report["export"]["path"], "adapter_config.json").is_file()
     assert (Path(first["path"]) / "report.md").read_text().startswith("# jaxtune report")
+    parity = report["parity"]  # the trained model certifies its own numerics, here in float32
+    assert parity["dtype"] == "float32" and parity["tokens"] > 100
+    assert parity["max_abs_diff"] <= 1e-4 and parity["top1_agreement"] == 1.0
+    assert "## Parity" in (Path(first["path"]) / "report.md").read_text()
 
 
 def test_second_run_is_all_cached(store, first):
@@ -76,38 +78,12 @@ def test_refresh_recomputes_named_stage(store, first):
     assert ran(run(store, refresh=["tokenize"])) == {"tokenize"}
 
 
-PLAIN_TORCH_LOSS = """
-import sys, torch, pyarrow as pa
-from transformers import AutoModelForCausalLM
-model = LOAD.eval()
-table = pa.ipc.open_file(EVAL_ARROW).read_all().to_pydict()
-nll = count = 0.0
-with torch.no_grad():
-    for ids, labels in zip(table["input_ids"], table["labels"]):
-        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
-        target = torch.tensor(labels[1:])
-        keep = target != -100
-        nll += torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum").item()
-        count += keep.sum().item()
-assert "torchax" not in sys.modules and "jax" not in sys.modules, "plain PyTorch only"
-print(nll / count)
-"""
-
-
-def plain_torch_loss(load: str, eval_arrow: Path) -> float:
-    """Eval loss computed in a fresh process that imports neither jaxtune, torchax nor JAX."""
-    code = "from peft import PeftModel\n" + PLAIN_TORCH_LOSS.replace("LOAD", load).replace("EVAL_ARROW", repr(str(eval_arrow)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def test_exported_adapter_loads_in_plain_pytorch_with_the_same_loss(store, first):
     report = json.loads((Path(first["path"]) / "report.json").read_text())
     adapter = report["export"]["path"]
     base = json.loads((Path(adapter).parent / "export.json").read_text())["base_model"]
     eval_arrow = next((store / "tokenize").glob("*/eval.arrow"))
-    loss = plain_torch_loss(f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {adapter!r})", eval_arrow)
+    [loss] = plain_torch_losses([{"base": base, "adapter": adapter, "eval_arrow": eval_arrow}])
     assert abs(loss - report["final"]["loss"]) <= 0.01 * report["final"]["loss"], (loss, report["final"]["loss"])
 
 
@@ -121,5 +97,5 @@ def test_full_fine_tune_exports_a_plain_hf_model_with_the_same_loss(store, first
                    if json.loads(p.read_text())["inputs"].get("train") == train_key).parent / "metrics.json"
     final_loss = json.loads(metrics.read_text())["loss"]
     eval_arrow = next((store / "tokenize").glob("*/eval.arrow"))
-    loss = plain_torch_loss(f"AutoModelForCausalLM.from_pretrained({str(export_folder / 'model')!r})", eval_arrow)
+    [loss] = plain_torch_losses([{"base": export_folder / "model", "adapter": None, "eval_arrow": eval_arrow}])
     assert abs(loss - final_loss) <= 0.01 * final_loss, (loss, final_loss)

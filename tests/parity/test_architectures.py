@@ -103,20 +103,23 @@ def test_loss_and_lora_gradients_match_pytorch(lora_model):
     assert worst <= 1e-3, (name, worst)  # measured 6e-7 to 1e-6
 
 
-def test_greedy_32_tokens_match_generate(lora_model):
-    """One prompt at a time, no padding: the compiled prefill + while_loop against `generate`."""
-    for prompt in prompts():
-        got = parity.jax_greedy(lora_model, [prompt], 32, PAD)[0]
-        assert got == parity.torch_greedy(lora_model.module, prompt, 32, PAD)
+@pytest.fixture(scope="module")
+def decoded_alone(lora_model) -> list[list[int]]:
+    """32 greedy tokens for each prompt, one prompt at a time (no padding)."""
+    return [parity.jax_greedy(lora_model, [prompt], 32, PAD)[0] for prompt in prompts()]
+
+
+def test_greedy_32_tokens_match_generate(lora_model, decoded_alone):
+    """The compiled prefill + while_loop over the KV cache against `generate`."""
+    for prompt, got in zip(prompts(), decoded_alone):
         assert len(got) == 32
+        assert got == parity.torch_greedy(lora_model.module, prompt, 32, PAD)
 
 
-def test_batched_generation_gives_each_prompt_its_own_tokens(lora_model):
+def test_batched_generation_gives_each_prompt_its_own_tokens(lora_model, decoded_alone):
     """Left-padded together (lengths 11, 23, 5) == each prompt decoded alone."""
-    batch = prompts()
-    together = parity.jax_greedy(lora_model, batch, 32, PAD)
-    alone = [parity.jax_greedy(lora_model, [p], 32, PAD)[0] for p in batch]
-    assert together == alone
+    together = parity.jax_greedy(lora_model, prompts(), 32, PAD)
+    assert together == decoded_alone
     assert len({tuple(t) for t in together}) == 3, "distinct prompts, distinct continuations"
 
 

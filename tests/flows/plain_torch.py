@@ -1,0 +1,44 @@
+"""Eval loss of exported models computed in a fresh process that imports neither jaxtune, torchax nor JAX."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import json, sys, torch, pyarrow as pa
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+def eval_loss(model, eval_arrow):
+    table = pa.ipc.open_file(eval_arrow).read_all().to_pydict()
+    nll = count = 0.0
+    with torch.no_grad():
+        for ids, labels in zip(table["input_ids"], table["labels"]):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+            target = torch.tensor(labels[1:])
+            keep = target != -100
+            nll += torch.nn.functional.cross_entropy(logits[keep].float(), target[keep], reduction="sum").item()
+            count += keep.sum().item()
+    return nll / count
+
+losses = []
+for case in json.loads(sys.argv[1]):
+    if case["adapter"]:
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(case["base"]), case["adapter"])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(case["base"])
+    losses.append(eval_loss(model.eval(), case["eval_arrow"]))
+assert "torchax" not in sys.modules and "jax" not in sys.modules, "plain PyTorch only"
+print(json.dumps(losses))
+"""
+
+
+def plain_torch_losses(cases: list[dict]) -> list[float]:
+    """cases: {"base": model dir, "adapter": PEFT adapter dir or None, "eval_arrow": path}."""
+    cases = [{k: str(v) if isinstance(v, Path) else v for k, v in case.items()} for case in cases]
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

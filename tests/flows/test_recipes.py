@@ -1,0 +1,80 @@
+"""The real recipes in configs/, each run for two steps with a tiny model of the same family.
+
+They name hub models and Dolly 15k, which cannot be downloaded here; the test swaps in a
+tiny random model of the recipe's architecture (and the tokenizer trained on the bundled
+data that comes with it) and the bundled Dolly-schema data, and keeps every other setting.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from jaxtune.config import config_from_dict, load_config
+from tests.flows.shapes import TOY_SHAPE
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+RECIPES = {  # recipe -> the family of the model it names
+    "gemma3-1b-dolly-lora.yaml": "gemma3",
+    "gemma3-1b-dolly-full-adafactor.yaml": "gemma3",
+    "llama3.2-1b-dolly-lora.yaml": "llama",
+}
+
+
+def test_every_recipe_in_configs_is_covered():
+    assert {p.name for p in CONFIGS.glob("*.yaml")} == set(RECIPES)
+
+
+def tiny_swap(path: Path, family: str, store: Path):
+    """The recipe with a tiny model of `family`, the bundled data and 2 training steps."""
+    raw = yaml.safe_load(path.read_text())
+    raw["model"] = {**raw["model"], "name": "offline", "tiny": {**TOY_SHAPE, "architecture": family}}
+    raw["data"] = {**raw["data"], "source": "offline"}
+    raw["train"] = {**raw["train"], "max_steps": 2}
+    raw["store"] = {"root": str(store)}
+    return config_from_dict(raw, where=path.name)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("recipes")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_runs_two_steps_on_a_tiny_model_keeping_its_settings(recipe, store):
+    from jaxtune.flows.finetune import finetune
+
+    real = load_config(CONFIGS / recipe)
+    config = tiny_swap(CONFIGS / recipe, RECIPES[recipe], store)
+    # Only the model, the data source, the step count and the store differ from the recipe.
+    assert config.lora == real.lora and config.eval == real.eval and config.generate == real.generate
+    assert config.train == real.train.model_copy(update={"max_steps": 2})
+    assert config.data == real.data.model_copy(update={"source": "offline"})
+    assert config.model.dtype == real.model.dtype == "bfloat16"
+
+    result = finetune(config=config)
+    report = json.loads((Path(result["path"]) / "report.json").read_text())
+    assert report["train"]["steps"] == 2 and report["final"]["loss"] > 0
+    assert report["data"]["train_rows"] == 2000 and report["data"]["eval_rows"] == 200
+    assert report["data"]["length_percentiles"]["max"] <= 512
+    assert report["exact_match"] is not None and report["parity"]["dtype"] == "bfloat16"
+    assert report["parity"]["top1_agreement"] >= 0.9  # bf16 rounding may flip a near tie, rarely
+
+    train_dir = store / "train" / json.loads((Path(result["path"]) / "manifest.json").read_text())["inputs"]["train"]
+    method = json.loads((train_dir / "method.json").read_text())
+    assert method["method"] == real.train.method
+    with safe_open(train_dir / "optimizer.safetensors", "np") as f:
+        optimizer_state = list(f.keys())
+    if real.train.optimizer == "adafactor":
+        assert any("v_row" in key for key in optimizer_state), "factored second moments"
+        assert report["export"]["kind"] == "hf_model"
+    else:
+        assert method["lora"]["r"] == 8 and method["lora"]["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+        assert any(".mu" in key for key in optimizer_state) and report["export"]["kind"] == "peft_adapter"
+
