@@ -5,11 +5,12 @@ import pytest
 from jaxtune.cli import main
 
 
-def test_help_lists_run(capsys):
+def test_help_lists_run_and_doctor(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    assert "run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "run" in out and "doctor" in out and "exit 1 when parity fails" in out
 
 
 def test_run_help_names_every_stage(capsys):
@@ -28,3 +29,8 @@ def test_bad_override_exits_2_naming_the_key(capsys):
 def test_missing_config_file_exits_2(tmp_path, capsys):
     assert main(["run", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_doctor_on_a_missing_model_exits_2_naming_it(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path / "no-such-model")]) == 2
+    assert "no-such-model" in capsys.readouterr().err
