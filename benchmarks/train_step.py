@@ -3,8 +3,8 @@
     python benchmarks/train_step.py [--steps 20] [--batch 16] [--length 48]
 
 Compares, on the offline demo's model shape (4 layers, hidden 128, LoRA r=64 on every
-linear layer): the jitted torchax step jaxtune uses, the same step un-jitted (what
-`make_train_step` returns on its own), and PyTorch eager with the same LoRA model.
+linear layer): jaxtune's jitted train step, torchax's own `make_train_step` un-jitted (what
+it returns on its own), and PyTorch eager with the same LoRA model.
 """
 
 from __future__ import annotations
@@ -46,10 +46,14 @@ def seconds_per_step(step, n: int) -> float:
 def jax_step(jitted: bool, ids, mask, labels):
     ids, mask, labels = (jax.numpy.asarray(a) for a in (ids, mask, labels))
     model = to_jax(lora_model(), make_placement(MeshConfig()))
-    optimizer = steps.make_optimizer(TrainConfig(max_steps=1000))
+    optimizer = steps.make_optimizer(TrainConfig(max_steps=1000), 1000)
     state = {"w": model.weights, "o": optimizer.init(model.weights)}
     if jitted:
-        train_step = steps.make_train_step(model, optimizer)
+        jaxtune_step = steps.make_train_step(model, optimizer)
+        key = steps.step_key(0, 1)
+
+        def train_step(w, b, o, batch, lab):  # one micro-batch per step, as torchax's step takes
+            return jaxtune_step(w, b, o, {k: v[None] for k, v in batch.items()}, lab[None], key)
     else:
         import torchax.train
         from torchax import interop

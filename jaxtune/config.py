@@ -91,18 +91,34 @@ class LoraConfig(Section):
 
 
 class TrainConfig(Section):
-    """Optimisation: optax AdamW or Adafactor, warmup-cosine schedule, global-norm clipping."""
+    """Optimisation: what is trained, by which optax optimizer and schedule, on how many rows per step."""
 
-    method: Literal["lora", "full"] = "lora"
-    optimizer: Literal["adamw", "adafactor"] = Field("adamw", description="adafactor keeps factored second moments: far less state for full fine-tuning")
-    learning_rate: float = Field(1e-4, gt=0.0)
-    weight_decay: float = Field(0.01, ge=0.0)
+    method: Literal["lora", "full"] = Field("lora", description="LoRA adapters (see `lora`), or every weight")
+    optimizer: Literal["adamw", "adafactor", "sgd"] = Field(
+        "adamw", description="adamw; adafactor (factored second moments, no first moment: far less state); sgd with momentum 0.9"
+    )
+    learning_rate: float = Field(1e-4, gt=0.0, description="peak learning rate, reached after warmup")
+    lr_schedule: Literal["warmup_cosine", "linear", "constant"] = Field(
+        "warmup_cosine", description="after linear warmup: cosine decay to 10%, linear decay to 0, or constant"
+    )
     warmup_steps: int = Field(10, ge=0)
-    max_steps: int = Field(100, gt=0)
-    batch_size: int = Field(8, gt=0)
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    seed: int = 0
-    log_every: int = Field(10, gt=0)
+    weight_decay: float = Field(0.01, ge=0.0, description="decoupled weight decay")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="global-norm gradient clipping")
+    max_steps: int | None = Field(100, gt=0, description="optimizer steps; null to train for `epochs` instead")
+    epochs: int | None = Field(None, gt=0, description="passes over the training rows (needs max_steps: null)")
+    batch_size: int = Field(8, gt=0, description="rows per micro-batch")
+    grad_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step, summed inside one compiled step")
+    remat: Literal["none", "layer"] = Field("none", description="layer: recompute each decoder layer in the backward pass instead of storing its activations")
+    eval_every: int | None = Field(None, gt=0, description="steps between eval-loss measurements during training (null: none)")
+    checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints a crashed run resumes from")
+    seed: int = Field(0, description="data order and dropout")
+    log_every: int = Field(10, gt=0, description="steps between host syncs (log lines, progress)")
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainConfig:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of train.max_steps and train.epochs (e.g. --set train.max_steps=null --set train.epochs=2)")
+        return self
 
 
 class EvalConfig(Section):

@@ -140,19 +140,25 @@ def _batch(vocab_size: int, tokens: int) -> tuple[dict[str, np.ndarray], np.ndar
 
 def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]:
     """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
-    from jaxtune.runtime import steps
+    from jaxtune.runtime import memory, steps
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import load_torch_model, to_jax
 
     dtype = config.model.model_copy(update={"name": name}).compute_dtype
     module = _trainable(load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
     model = to_jax(module, make_placement(config.mesh))
-    batch, length = config.train.batch_size, config.data.max_length
-    plan = steps.train_step_memory(model, steps.make_optimizer(config.train), batch, length)
+    train = config.train
+    steps_for_schedule = train.max_steps or 1  # the schedule's length does not change the memory plan
+    plan = memory.memory_plan(model, steps.make_optimizer(train, steps_for_schedule), train, config.data.max_length)
+    shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {config.data.max_length}"
+    limit = _size(plan["device_limit"]) if plan["device_limit"] else "not reported"
     return [
-        Row("train step memory, peak", f"{_size(plan['peak_bytes'])} ({dtype}, {config.train.optimizer}, batch {batch} x {length})"),
-        Row("  weights, optimizer state, batch", _size(plan["argument_bytes"])),
-        Row("  activations, gradients (temporary)", _size(plan["temp_bytes"])),
+        Row("train step memory, peak", f"{_size(plan['peak'])} ({shape})",
+            limit, None if not plan["device_limit"] else plan["peak"] <= plan["device_limit"]),
+        Row("  parameters", _size(plan["parameters"])),
+        Row("  gradients", _size(plan["gradients"])),
+        Row("  optimizer state", _size(plan["optimizer_state"])),
+        Row("  activations per micro-batch", _size(plan["activations_per_micro_batch"])),
     ]
 
 

@@ -107,6 +107,11 @@ class ArtifactStore:
         """Where the artifact of `stage` with `key` lives (whether or not it exists)."""
         return self.root / _check_name("stage", stage) / _check_name("key", key)
 
+    def scratch(self, stage: str, key: str) -> Path:
+        """A folder that outlives a crashed run of `stage` with `key` (its checkpoints), kept apart
+        from the artifacts; the stage removes it once its artifact is complete."""
+        return self.root / ".scratch" / _check_name("stage", stage) / _check_name("key", key)
+
     def manifest(self, stage: str, key: str) -> dict[str, Any]:
         """The parsed manifest of an artifact, without checking its files."""
         path = self.folder(stage, key) / MANIFEST

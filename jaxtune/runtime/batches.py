@@ -1,4 +1,4 @@
-"""Token rows -> padded numpy batches. Lengths round up to a bucket so few shapes compile."""
+"""Token rows -> padded numpy batches. Lengths round up to a few bucket sizes so few shapes compile."""
 
 from __future__ import annotations
 
@@ -8,12 +8,25 @@ import numpy as np
 
 from jaxtune.data.tokenize import IGNORE_INDEX
 
-BUCKET = 16  # sequence lengths round up to a multiple of this: few shapes, little padding
+BUCKET = 16  # the length unit: every padded length is a multiple of it
 
 
-def bucket_length(longest: int, bucket: int, cap: int | None = None) -> int:
-    """`longest` rounded up to a multiple of `bucket`, but never past `cap` (when one is given)."""
-    rounded = -(-longest // bucket) * bucket
+def _bucket_units():
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ...: each at most 1.5x the one before."""
+    yield from (1, 2, 3)
+    power = 4
+    while True:
+        yield power
+        yield power + power // 2
+        power *= 2
+
+
+def bucket_length(longest: int, cap: int | None = None) -> int:
+    """`longest` padded up to the next of 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, ... but never
+    past `cap` (when one is given). Every distinct length compiles its own program, so lengths
+    grow geometrically: 512 tokens need 10 programs rather than 32, for at most 1.5x padding."""
+    units = -(-longest // BUCKET)
+    rounded = BUCKET * next(u for u in _bucket_units() if u >= units)
     return rounded if cap is None else min(rounded, max(cap, longest))
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtune.runtime import decode, steps
-from jaxtune.runtime.batches import BUCKET, bucket_length, eval_batches, pad_batch
+from jaxtune.runtime.batches import bucket_length, eval_batches, pad_batch
 from jaxtune.runtime.model import JaxModel
 
 
@@ -22,15 +22,20 @@ def evaluate(
     categories: Sequence[str],
     batch_size: int,
     pad_id: int,
+    eval_step=None,
+    progress: bool = True,
 ) -> dict:
-    """Token-weighted loss and perplexity over all rows, and the same per category."""
-    eval_step = steps.make_eval_step(model)
+    """Token-weighted loss and perplexity over all rows, and the same per category.
+
+    `eval_step` reuses a compiled step across calls (periodic eval during training).
+    """
+    eval_step = eval_step or steps.make_eval_step(model)
     rows_per_batch = -(-batch_size // model.placement.data_size) * model.placement.data_size
     nll = np.zeros(len(input_ids))
     count = np.zeros(len(input_ids))
     pending = []
-    for rows in tqdm(list(eval_batches([len(x) for x in input_ids], rows_per_batch)), desc="eval", unit="batch"):
-        length = bucket_length(max(len(input_ids[r]) for r in rows), BUCKET)
+    for rows in tqdm(list(eval_batches([len(x) for x in input_ids], rows_per_batch)), desc="eval", unit="batch", disable=not progress):
+        length = bucket_length(max(len(input_ids[r]) for r in rows))
         batch = model.placement.shard_batch(
             pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, rows_per_batch)
         )

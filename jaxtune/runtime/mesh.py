@@ -25,6 +25,10 @@ class Placement:
         """Split the leading (batch) dimension of every array in `arrays` (any pytree) over the data axis."""
         return jax.device_put(arrays, NamedSharding(self.mesh, PartitionSpec("data")))
 
+    def shard_micro_batches(self, arrays):
+        """Like `shard_batch` for (micro_batches, batch, ...) arrays: the second dimension is split."""
+        return jax.device_put(arrays, NamedSharding(self.mesh, PartitionSpec(None, "data")))
+
 
 def make_placement(cfg: MeshConfig) -> Placement:
     devices = jax.devices()

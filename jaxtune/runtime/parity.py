@@ -101,9 +101,9 @@ def torch_greedy(module: torch.nn.Module, prompt: Sequence[int], max_new_tokens:
 def logits_parity(model: JaxModel, rows: Sequence[Sequence[int]], pad_id: int) -> dict:
     """JAX against PyTorch logits on `rows` (right-padded together), over their real tokens:
     max |difference|, the logits' own scale, and how often both pick the same top token."""
-    from jaxtune.runtime.batches import BUCKET, bucket_length, pad_batch
+    from jaxtune.runtime.batches import bucket_length, pad_batch
 
-    padded = pad_batch(rows, rows, pad_id, bucket_length(max(len(r) for r in rows), BUCKET), len(rows))
+    padded = pad_batch(rows, rows, pad_id, bucket_length(max(len(r) for r in rows)), len(rows))
     batch = {"input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"]}
     valid = batch["attention_mask"].astype(bool)
     got, expected = jax_logits(model, batch)[valid], torch_logits(model, batch)[valid]

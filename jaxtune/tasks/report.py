@@ -13,7 +13,7 @@ from jaxtune.artifacts import ArtifactRef
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "report"
-VERSION = "2"
+VERSION = "3"
 EXAMPLES = 6
 
 
@@ -29,21 +29,32 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "per_category": {c: {"baseline": baseline["per_category"][c]["loss"], "final": m["loss"]}
                          for c, m in final["per_category"].items()},
         "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
-        "train": {k: train[k] for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "trainable_parameters")},
+        "train": {k: train[k] for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "trainable_parameters",
+                                         "rows_per_step", "resumed_from")},
+        "eval_during_training": [r for r in _log(inputs["train"]) if "eval_loss" in r],
         "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
         "data": inputs["tokenize"].read_json("stats.json"),
         "parity": final["parity"],
     }
 
 
+def _log(train_ref: ArtifactRef) -> list[dict]:
+    return [json.loads(line) for line in train_ref.file("log.jsonl").read_text().splitlines()]
+
+
 def plot_loss(log: list[dict], baseline: float, final: float, path: Path) -> None:
+    """Train loss per step, eval loss where it was measured during training, and the eval loss before and after."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    train = [r for r in log if "loss" in r]
+    evals = [r for r in log if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    ax.plot([r["step"] for r in log], [r["loss"] for r in log], label="train loss")
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", linewidth=1)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
     ax.axhline(baseline, color="grey", linestyle="--", label=f"eval before ({baseline:.2f})")
     ax.axhline(final, color="green", linestyle="--", label=f"eval after ({final:.2f})")
     ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.legend(), ax.grid(alpha=0.3)
@@ -95,7 +106,7 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
 
     def build(folder: Path) -> None:
         summary = summarize(inputs)
-        log = [json.loads(line) for line in inputs["train"].file("log.jsonl").read_text().splitlines()]
+        log = _log(inputs["train"])
         plot_loss(log, summary["baseline"]["loss"], summary["final"]["loss"], folder / "loss.png")
         generations = inputs["generate"].file("generations.jsonl").read_text().splitlines()
         examples = [json.loads(line) for line in generations[: section.get("examples", EXAMPLES)]]

@@ -1,19 +1,21 @@
-"""Stage `train`: LoRA or full fine-tuning -> params.safetensors, optimizer state, per-step log."""
+"""Stage `train`: LoRA or full fine-tuning -> params.safetensors, optimizer state, per-step log,
+memory plan; checkpoints while it runs, so a crashed run resumes."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from jaxtune.artifacts import ArtifactRef
+from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, Section, TrainConfig
 from jaxtune.tasks.sources import pretrained_location
-from jaxtune.tasks.stage import build_artifact
+from jaxtune.tasks.stage import build_artifact, stage_key
 
 STAGE = "train"
-VERSION = "1"
+VERSION = "2"
 
 
 class TrainSection(Section):
@@ -32,36 +34,75 @@ def method_of(train_ref: ArtifactRef | None) -> tuple[str, LoraConfig | None]:
 
 @task(name=STAGE, result_serializer="json")
 def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
-    """inputs: `model` (base weights and tokenizer) and `data` (the tokenize artifact)."""
+    """inputs: `model` (base weights and tokenizer) and `data` (the tokenize artifact).
+
+    Checkpoints go to the store's scratch folder for this key, so re-running the flow after a
+    crash resumes from the newest one; they are removed once the artifact is complete.
+    """
+    checkpoints = ArtifactStore(store_root).scratch(STAGE, stage_key(STAGE, VERSION, section, inputs))
 
     def build(folder: Path) -> None:
+        from safetensors.numpy import save_file
         from transformers import AutoTokenizer
 
         from jaxtune.data.tokenize import pad_id_of, read_arrow
         from jaxtune.runtime import model as rt_model
         from jaxtune.runtime import training
+        from jaxtune.runtime.checkpoint import tree_to_arrays
         from jaxtune.runtime.mesh import make_placement
 
-        logger = get_run_logger()
         name, revision = pretrained_location(inputs["model"])
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
         model = rt_model.open_model(name, revision, section.model, make_placement(mesh), lora=section.lora,
                                     train_all=section.lora is None)
         table = read_arrow(inputs["data"].file("train.arrow")).to_pydict()
-        log_file = (folder / "log.jsonl").open("w")
-
-        def on_log(record: dict) -> None:
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()  # a crash keeps the log up to the last window
-            logger.info("step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f", record)
-
-        result = training.train(model, table["input_ids"], table["labels"], section.train, pad_id_of(tokenizer),
-                                max(table["length"]), on_log)
-        log_file.close()
+        evals = read_arrow(inputs["data"].file("eval.arrow")).to_pydict()
+        log = TrainLog(folder / "log.jsonl", training.total_steps(section.train, len(table["input_ids"])))
+        try:
+            result = training.train(model, table["input_ids"], table["labels"], section.train, pad_id_of(tokenizer),
+                                    max(table["length"]), log, eval_data=(evals["input_ids"], evals["labels"]),
+                                    checkpoint_dir=checkpoints)
+        finally:
+            log.close()
         rt_model.save_weights(result.weights, folder / "params.safetensors")
-        rt_model.save_weights(result.opt_state, folder / "optimizer.safetensors")
+        save_file(tree_to_arrays(result.opt_state), str(folder / "optimizer.safetensors"))
         (folder / "summary.json").write_text(json.dumps(result.summary, indent=2))
+        (folder / "memory.json").write_text(json.dumps(result.memory, indent=2))
         method = {"method": section.train.method, "lora": section.lora.model_dump(mode="json") if section.lora else None}
         (folder / "method.json").write_text(json.dumps(method, indent=2))
 
-    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    ref = build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    return ref
+
+
+class TrainLog:
+    """Where training records go: log.jsonl (one JSON line each), the Prefect log, and a Prefect
+    progress artifact that the UI shows as a bar."""
+
+    def __init__(self, path: Path, total_steps: int):
+        from prefect.artifacts import create_progress_artifact
+
+        self.file = path.open("w")
+        self.total = total_steps
+        self.logger = get_run_logger()
+        self.progress = create_progress_artifact(0.0, key="jaxtune-train-progress", description=f"training, {total_steps} steps")
+
+    def __call__(self, records: list[dict]) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        for record in records:
+            if "message" in record:  # the memory plan
+                self.logger.info(record["message"])
+                continue
+            self.file.write(json.dumps(record) + "\n")
+        self.file.flush()  # a crash keeps every record up to the last sync
+        last = records[-1]
+        if "eval_loss" in last:
+            self.logger.info("step %(step)d eval loss %(eval_loss).4f", last)
+        elif "loss" in last:
+            self.logger.info("step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f", last)
+            update_progress_artifact(self.progress, 100.0 * last["step"] / self.total)
+
+    def close(self) -> None:
+        self.file.close()

@@ -55,6 +55,17 @@ def test_first_run_computes_every_stage_and_reports(first):
     assert parity["dtype"] == "float32" and parity["tokens"] > 100
     assert parity["max_abs_diff"] <= 1e-4 and parity["top1_agreement"] == 1.0
     assert "## Parity" in (Path(first["path"]) / "report.md").read_text()
+    # The demo's eval_every (250) is past the toy's 4 steps: the eval at the last step is still logged.
+    assert [r["step"] for r in report["eval_during_training"]] == [4]
+
+
+def test_training_shows_progress_in_the_prefect_ui(first):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["jaxtune-train-progress"])))
+    assert found and found[0].type == "progress" and float(found[0].data) == 100.0
 
 
 def test_second_run_is_all_cached(store, first):

@@ -21,13 +21,14 @@ def _batch(seed=2, b=3, t=40):
 
 
 def _train(jm, cfg: TrainConfig, n: int):
-    optimizer = steps.make_optimizer(cfg)
+    optimizer = steps.make_optimizer(cfg, n)
     train_step = steps.make_train_step(jm, optimizer)
     batch, labels = _batch()
+    batch, labels = {k: v[None] for k, v in batch.items()}, labels[None]  # one micro-batch per step
     weights, opt_state = jm.weights, optimizer.init(jm.weights)
     losses = []
-    for _ in range(n):
-        loss, weights, opt_state = train_step(weights, jm.buffers, opt_state, batch, labels)
+    for step in range(1, n + 1):
+        loss, weights, opt_state = train_step(weights, jm.buffers, opt_state, batch, labels, steps.step_key(0, step))
         losses.append(float(loss))
     return losses, weights, opt_state
 

@@ -1,0 +1,95 @@
+"""Training checkpoints: weights, optimizer state, step, data position and RNG, written atomically.
+
+A checkpoint is a folder `step-00000120/` holding `weights.safetensors`, `optimizer.safetensors`
+(every leaf in its own dtype, named by its pytree path) and `state.json`. It is written under a
+temporary name and renamed into place, so a run killed at any instant leaves either the whole
+checkpoint or none of it. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+PREFIX = "step-"
+KEEP = 2  # the newest checkpoints kept; older ones are removed once a newer one is complete
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    weights: dict[str, np.ndarray]
+    opt_state: Any  # the optimizer's pytree, leaves as numpy arrays
+    state: dict  # step, micro_batches (data position), rng, log records so far
+
+
+def tree_to_arrays(tree: Any) -> dict[str, np.ndarray]:
+    """Pytree -> {path string: numpy array}, dtypes kept (optax counts stay int32)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf)) for path, leaf in leaves}
+
+
+def arrays_to_tree(arrays: dict[str, np.ndarray], template: Any) -> Any:
+    """Inverse of `tree_to_arrays`, checked against `template` (e.g. `optimizer.init(weights)`)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    names = [jax.tree_util.keystr(path) for path, _ in leaves]
+    missing = sorted(set(names) - set(arrays))
+    if missing or len(names) != len(arrays):
+        raise ValueError(f"checkpoint optimizer state does not match the optimizer: missing {missing[:3]}, "
+                         f"{len(arrays)} saved vs {len(names)} expected")
+    out = []
+    for name, (_, leaf) in zip(names, leaves):
+        value = arrays[name]
+        if value.shape != np.shape(leaf):
+            raise ValueError(f"checkpoint optimizer state {name}: shape {value.shape}, expected {np.shape(leaf)}")
+        out.append(value.astype(leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def save(folder: Path, step: int, weights: dict, opt_state: Any, state: dict) -> Path:
+    """Write checkpoint `step` into `folder` atomically and drop all but the newest `KEEP`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"{PREFIX}{step:08d}"
+    temp = folder / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    save_file({k: np.asarray(jax.device_get(v), order="C") for k, v in weights.items()}, str(temp / "weights.safetensors"))
+    # asarray, not ascontiguousarray: the latter turns 0-d leaves (counts, norms) into shape (1,)
+    save_file({k: np.asarray(v, order="C") for k, v in tree_to_arrays(opt_state).items()}, str(temp / "optimizer.safetensors"))
+    with open(temp / "state.json", "w") as handle:
+        json.dump({**state, "step": step}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from a run that died after writing it
+    os.replace(temp, final)
+    for old in complete(folder)[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete(folder: Path) -> list[Path]:
+    """Finished checkpoints in `folder`, oldest first (temporary folders of killed runs are ignored)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.name.startswith(PREFIX) and (p / "state.json").is_file())
+
+
+def latest(folder: Path, opt_template: Any) -> Checkpoint | None:
+    """The newest complete checkpoint, its optimizer state rebuilt on `opt_template`'s structure."""
+    found = complete(folder)
+    if not found:
+        return None
+    path = found[-1]
+    state = json.loads((path / "state.json").read_text())
+    weights = load_file(str(path / "weights.safetensors"))
+    opt_state = arrays_to_tree(load_file(str(path / "optimizer.safetensors")), opt_template)
+    return Checkpoint(path=path, step=int(state["step"]), weights=weights, opt_state=opt_state, state=state)

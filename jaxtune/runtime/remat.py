@@ -1,0 +1,105 @@
+"""Rematerialisation per decoder layer: the backward pass recomputes each layer's activations
+from its input instead of keeping every layer's alive at once.
+
+`jax.checkpoint` alone does not lower memory on XLA's CPU backend: its scheduler runs the
+recomputation early, as soon as the layer inputs exist, so all layers' activations are live
+together again (measured: identical temp bytes with and without). `tied_checkpoint` makes the
+recomputation depend on the incoming cotangent, so no scheduler can hoist it; accelerators'
+memory-aware schedulers get the same program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import torch
+
+
+def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, found by the class names transformers lists in `_no_split_modules`."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in base.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(base).__name__} names no decoder layer class (_no_split_modules); train.remat=layer cannot find its layers")
+    return layers
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _recomputed(fn: Callable, consts: tuple, args: tuple):
+    return fn(*args, *consts)
+
+
+def _recomputed_fwd(fn, consts, args):
+    return fn(*args, *consts), (consts, args)
+
+
+def _recomputed_bwd(fn, saved, cotangent):
+    consts, args = saved
+    floats = [x for x in jax.tree.leaves(cotangent) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if floats:  # x + 0·ct[0]: the same values, available only once the cotangent is
+        zero = floats[0].ravel()[0] * 0
+        args = jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, args)
+    _, vjp = jax.vjp(lambda c, a: fn(*a, *c), consts, args)
+    return vjp(cotangent)
+
+
+_recomputed.defvjp(_recomputed_fwd, _recomputed_bwd)
+
+
+def tied_checkpoint(fn: Callable) -> Callable:
+    """Like `jax.checkpoint(fn)` (only the inputs are saved for the backward pass), with the
+    recomputation tied to the cotangent. Closed-over float tracers (the layer's weights) become
+    explicit inputs so their gradients flow."""
+
+    def run(*args):
+        converted, consts = jax.closure_convert(fn, *args)
+        return _recomputed(converted, tuple(consts), args)
+
+    return run
+
+
+def _checkpointed(forward):
+    from torchax import interop
+
+    from jaxtune.runtime.compat import torchax_env
+
+    env = torchax_env()
+
+    def run(*args, **kwargs):
+        # Only tensors cross into the checkpoint as arguments; everything else (flags, caches,
+        # masks passed by keyword, the layer's own weights) is closed over. Dropout inside the
+        # layer draws from a key passed in too: rotating the outer key in there would leak a tracer.
+        where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        key = env.get_and_rotate_prng_key()
+        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+
+        def layer(layer_key, *tensors):
+            full = list(args)
+            for i, t in zip(where, tensors):
+                full[i] = t
+            with env.override_property(prng=interop.jax_view(layer_key)):
+                return forward(*full, **kwargs)
+
+        recomputed = interop.torch_view(tied_checkpoint(interop.jax_view(layer)))
+        return recomputed(interop.torch_view(key), *(args[i] for i in where))
+
+    return run
+
+
+@contextlib.contextmanager
+def layer_remat(module: torch.nn.Module) -> Iterator[None]:
+    """While active (that is, while a step is traced), every decoder layer is recomputed in the backward pass."""
+    layers = decoder_layers(module)
+    for layer in layers:
+        layer.forward = _checkpointed(type(layer).forward.__get__(layer))
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # back to the class's forward

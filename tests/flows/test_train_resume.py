@@ -1,0 +1,95 @@
+"""Crash-safe training: SIGKILL the training process twice at different steps, re-run the flow,
+and the final weights equal an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxtune.config import load_config
+from tests.flows.shapes import TOY_MODEL
+
+pytestmark = [pytest.mark.training, pytest.mark.slow]
+
+ROOT = Path(__file__).parents[2]
+SETTINGS = [
+    *TOY_MODEL, "data.max_train_rows=256", "data.max_eval_rows=16", "data.max_length=64", "lora.dropout=0.1",
+    "train.max_steps=60", "train.batch_size=4", "train.grad_accumulation=2", "train.checkpoint_every=5",
+    "train.log_every=3", "train.warmup_steps=2",
+]
+
+
+def newest_checkpoint(store: Path) -> int:
+    steps = [int(p.name.removeprefix("step-")) for p in store.glob(".scratch/train/*/step-*") if (p / "state.json").is_file()]
+    return max(steps, default=0)
+
+
+def newest_logged(store: Path) -> int:
+    """The last step the running (not yet published) train stage has logged."""
+    steps = [0]
+    for log in store.glob("train/.tmp-*/log.jsonl"):
+        lines = log.read_text().splitlines()
+        steps += [json.loads(line)["step"] for line in lines[-1:] if line.endswith("}")]
+    return max(steps)
+
+
+def run_and_kill(store: Path, after_step: int) -> tuple[int, int]:
+    """Start `jaxtune run --until train` in a new process; SIGKILL it once it has logged `after_step`.
+
+    Returns (the last step it logged, its newest checkpoint)."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    args = [a for s in [*SETTINGS, f"store.root={store}"] for a in ("--set", s)]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "run", *args, "--until", "train"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while newest_logged(store) < after_step:
+        if proc.poll() is not None:
+            pytest.fail(f"training ended before checkpoint {after_step}: {proc.stderr.read()[-2000:]}")
+        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return newest_logged(store), newest_checkpoint(store)
+
+
+def train_in_process(store: Path) -> Path:
+    from jaxtune.flows.finetune import finetune
+
+    return Path(finetune(config=load_config(None, [*SETTINGS, f"store.root={store}"]), until="train")["path"])
+
+
+def test_training_killed_twice_resumes_to_the_uninterrupted_weights(tmp_path):
+    reference = train_in_process(tmp_path / "uninterrupted")
+
+    store = tmp_path / "killed"
+    # Logged every 3 steps, checkpointed every 5: killed at 12 or later, and again at 36 or later,
+    # so each kill loses the steps since the last checkpoint.
+    killed, first = run_and_kill(store, after_step=12)
+    killed_again, second = run_and_kill(store, after_step=36)
+    assert 10 <= first < second < 60 and killed > first and killed_again > second
+    assert not list(store.glob("train/*/manifest.json")), "a killed run leaves no train artifact"
+
+    resumed = train_in_process(store)
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["resumed_from"] >= second
+    log = [json.loads(line) for line in (resumed / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, 61))
+    expected, got = load_file(str(reference / "params.safetensors")), load_file(str(resumed / "params.safetensors"))
+    assert set(got) == set(expected)
+    worst = max(float(np.abs(got[k] - expected[k]).max()) for k in expected)
+    print(f"killed after step {killed} (checkpoint {first}) and {killed_again} (checkpoint {second}), "
+          f"resumed from {summary['resumed_from']}: max abs weight diff {worst:.1e}")
+    assert worst <= 1e-6
+    assert not list(store.glob(".scratch/train/*/step-*")), "checkpoints are removed once the artifact is complete"

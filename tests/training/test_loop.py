@@ -1,0 +1,129 @@
+"""The training loop: determinism, the NaN guard, checkpoints and resume, the memory plan, the log."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
+from jaxtune.runtime import checkpoint, memory, steps, training
+from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.mesh import make_placement
+from tests.conftest import PAD, VOCAB, tiny_model
+
+pytestmark = pytest.mark.training
+
+CFG = TrainConfig(max_steps=8, batch_size=4, grad_accumulation=2, learning_rate=5e-3, warmup_steps=2, log_every=3,
+                  checkpoint_every=2, eval_every=4, seed=3)
+
+
+def data(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(3, VOCAB, int(rng.integers(6, 17))).tolist() for _ in range(n)]  # one length bucket: one compile
+    return ids, ids  # every token scored
+
+
+def fresh_model():
+    module = rt_model.attach_lora(tiny_model("gemma3"), LoraConfig(r=4, dropout=0.1, target_modules="all-linear"))
+    return rt_model.to_jax(module, make_placement(MeshConfig()))
+
+
+def run(cfg=CFG, **kwargs):
+    ids, labels = data()
+    records = []
+    result = training.train(fresh_model(), ids, labels, cfg, PAD, 32, on_log=records.extend,
+                            eval_data=data(8, seed=1), check_memory=False, **kwargs)
+    return result, records
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One uninterrupted run of CFG: (TrainResult, the records it reported)."""
+    return run()
+
+
+def test_same_config_and_seed_give_a_bit_identical_loss_trajectory(reference):
+    first, _ = reference
+    second, _ = run()
+    losses = [r["loss"] for r in first.log if "loss" in r]
+    assert len(losses) == 8 and losses == [r["loss"] for r in second.log if "loss" in r]
+    for name, value in first.weights.items():
+        np.testing.assert_array_equal(value, second.weights[name])
+    third, _ = run(CFG.model_copy(update={"seed": 4}))  # the seed matters: data order and dropout
+    assert [r["loss"] for r in third.log if "loss" in r] != losses
+
+
+def test_log_has_every_step_and_the_periodic_eval(reference):
+    result, records = reference
+    steps_logged = [r["step"] for r in records if "loss" in r]
+    assert steps_logged == list(range(1, 9))
+    assert all({"loss", "lr", "grad_norm", "tokens", "tokens_per_second"} <= set(r) for r in records if "loss" in r)
+    assert [r["step"] for r in records if "eval_loss" in r] == [4, 8]
+    assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(5e-3)  # warmup of 2 steps
+    assert result.summary["rows_per_step"] == 8 and result.summary["resumed_from"] == 0
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(reference, tmp_path, monkeypatch):
+    """Stop after step 5 (the newest checkpoint is step 4), run again: same final weights."""
+    uninterrupted, _ = reference
+    real_step = steps.make_train_step
+
+    def stops_after(limit):
+        def make(*args, **kwargs):
+            step, calls = real_step(*args, **kwargs), []
+
+            def counted(*a):
+                calls.append(1)
+                if len(calls) > limit:
+                    raise KeyboardInterrupt("stopped")
+                return step(*a)
+
+            return counted
+
+        return make
+
+    monkeypatch.setattr(steps, "make_train_step", stops_after(5))
+    with pytest.raises(KeyboardInterrupt):
+        run(checkpoint_dir=tmp_path)
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002", "step-00000004"]
+    monkeypatch.setattr(steps, "make_train_step", real_step)
+    resumed, _ = run(checkpoint_dir=tmp_path)
+    assert resumed.summary["resumed_from"] == 4
+    assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
+    for name, value in uninterrupted.weights.items():
+        assert np.abs(value - resumed.weights[name]).max() <= 1e-6, name
+
+
+def test_non_finite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path, monkeypatch):
+    real_step = steps.make_train_step
+
+    def poisoned(*args, **kwargs):
+        step, calls = real_step(*args, **kwargs), []
+
+        def run_step(*a):
+            calls.append(1)
+            loss, weights, state = step(*a)
+            return (loss * np.nan if len(calls) == 5 else loss), weights, state
+
+        return run_step
+
+    monkeypatch.setattr(steps, "make_train_step", poisoned)
+    with pytest.raises(training.NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
+        run(checkpoint_dir=tmp_path)
+    assert (tmp_path / "step-00000004" / "weights.safetensors").is_file()
+
+
+def test_memory_plan_counts_each_part_and_refuses_what_cannot_fit():
+    model = fresh_model()
+    cfg = TrainConfig(method="lora", batch_size=4, grad_accumulation=2)
+    plan = memory.memory_plan(model, steps.make_optimizer(cfg, 10), cfg, 64)
+    trainable = sum(v.size * 4 for v in model.weights.values())
+    assert plan["gradients"] == trainable and plan["optimizer_state"] >= 2 * trainable  # AdamW: two moments
+    assert plan["activations_per_micro_batch"] > 0 and plan["peak"] > plan["parameters"]
+    memory.check_fits(plan, cfg)  # the CPU reports no limit: nothing to refuse
+    full = TrainConfig(method="full", optimizer="adamw", batch_size=4)
+    with pytest.raises(MemoryError) as refused:
+        memory.check_fits({**plan, "device_limit": plan["peak"] // 2}, full)
+    message = str(refused.value)
+    for knob in ("train.method=lora", "train.optimizer=adafactor", "train.remat=layer", "train.grad_accumulation"):
+        assert knob in message
