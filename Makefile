@@ -1,5 +1,6 @@
 # `make demo`: create .venv, install, run the whole pipeline on the bundled offline default.
-# `make test`: create .venv, install with test extras, run the suite.
+# `make test`: create .venv, install with test extras, run the suite (one worker per core, a
+# test module per worker: the suite is mostly single-threaded compiling).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -20,7 +21,7 @@ demo: $(VENV)/.installed
 	$(BIN)/jaxtune run
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadscope
 
 clean:
 	rm -rf $(VENV) .jaxtune
