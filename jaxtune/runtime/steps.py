@@ -150,9 +150,14 @@ def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, rem
     return step
 
 
+def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: bool):
+    """The train step jitted, donating weights and optimizer state so they update in place."""
+    return jax.jit(_train_step_fn(model, optimizer, remat), donate_argnums=(0, 2))
+
+
 def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: bool = False) -> Callable:
     """The train step jitted, donating weights and optimizer state so they update in place."""
-    jitted = jax.jit(_train_step_fn(model, optimizer, remat), donate_argnums=(0, 2))
+    jitted = _jitted_train_step(model, optimizer, remat)
 
     def run(weights, buffers, opt_state, batch, labels, key):
         with model.env:
@@ -173,7 +178,7 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     Bytes of arguments (weights, frozen tensors, optimizer state, batch), of outputs, of
     temporaries (activations kept for the backward pass, gradients), and their peak.
     """
-    jitted = jax.jit(_train_step_fn(model, optimizer, remat), donate_argnums=(0, 2))
+    jitted = _jitted_train_step(model, optimizer, remat)
     spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
     opt_state = jax.eval_shape(optimizer.init, spec(model.weights))
     shape = (micro_batches, batch_size, length)

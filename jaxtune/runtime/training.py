@@ -101,7 +101,7 @@ def train(
         saving = step % cfg.checkpoint_every == 0 and step < total and checkpoint_dir is not None
         evaluating = evaluate is not None and (step % cfg.eval_every == 0 or step == total)
         if step == start + 1 or step % cfg.log_every == 0 or step == total or saving or evaluating:
-            fetched = jax.device_get([(s, t, l, g) for s, t, l, g in pending])  # the host sync
+            fetched = jax.device_get(pending)  # the host sync
             elapsed = time.perf_counter() - window_start
             if step == start + 1:  # the first call compiles: no tokens/s for it
                 compile_seconds, window_tokens = elapsed, 0
