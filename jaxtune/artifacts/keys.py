@@ -41,14 +41,14 @@ def canonical_json(value: Any) -> str:
 
 def artifact_key(
     stage: str,
-    code_version: str,
+    code: str,
     config: Mapping[str, Any] | BaseModel | None,
     inputs: Mapping[str, str],
 ) -> str:
-    """Key of a stage output: sha256 of the stage, its code version, its config section and its input keys."""
+    """Key of a stage output: sha256 of the stage, the digest of its code, its config section and its input keys."""
     payload = {
         "stage": stage,
-        "code_version": code_version,
+        "code": code,
         "config": plain_config(config),
         "inputs": {str(name): str(key) for name, key in inputs.items()},
     }

@@ -167,7 +167,7 @@ class ArtifactStore:
         *,
         inputs: Mapping[str, str],
         config: Mapping[str, Any] | BaseModel | None,
-        code_version: str,
+        code: Mapping[str, Any],
     ) -> Iterator[Path]:
         """Yield an empty temp folder to fill; on clean exit publish it as `stage/key`, on error delete it."""
         target = self.folder(stage, key)
@@ -176,7 +176,7 @@ class ArtifactStore:
         temp.mkdir()
         try:
             yield temp
-            manifest = self._build_manifest(temp, stage, key, inputs, config, code_version)
+            manifest = self._build_manifest(temp, stage, key, inputs, config, code)
             _write_json_synced(temp / MANIFEST, manifest)
             self._publish(temp, target, stage, key)
         except BaseException:
@@ -190,7 +190,7 @@ class ArtifactStore:
         key: str,
         inputs: Mapping[str, str],
         config: Mapping[str, Any] | BaseModel | None,
-        code_version: str,
+        code: Mapping[str, Any],
     ) -> dict[str, Any]:
         """Describe what the writer left in `temp`: every file with its sha256 and size."""
         names = tree_files(temp)
@@ -202,7 +202,7 @@ class ArtifactStore:
             "key": key,
             "inputs": {str(name): str(value) for name, value in inputs.items()},
             "config": plain_config(config),
-            "code_version": code_version,
+            "code": dict(code),
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "files": files,
         }

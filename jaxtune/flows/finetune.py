@@ -1,23 +1,79 @@
 """The `finetune` flow: tokenize -> baseline eval -> train -> final eval -> export -> generate -> report.
 
-Each stage's Prefect result record lives inside its artifact folder
+`pipeline(config)` lists the stages as data (task, config section, inputs); the flow runs
+them in order, and `planned_keys` derives every artifact key from the same list without
+running anything. Each stage's Prefect result record lives inside its artifact folder
 (`STORE/<stage>/<key>/result.json`), so Prefect reports a stage Cached exactly when its
 verified artifact exists, and deleting a folder makes exactly that stage run again.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Task, flow, get_run_logger
 
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import OFFLINE, JaxtuneConfig, load_config
 from jaxtune.tasks import STAGES, build_model, build_tokenizer, evaluate, export, generate, report, tokenize, train
 from jaxtune.tasks.sources import dataset_ref, model_ref
-from jaxtune.tasks.stage import stage_key
+from jaxtune.tasks.stage import input_keys, stage_key
 
 DEFAULT = load_config()  # the bundled offline demo
+BUILD_STAGES = (build_tokenizer.STAGE, build_model.STAGE)  # the offline model's, before `tokenize`
+
+
+@dataclass(frozen=True)
+class Step:
+    """One stage to run: its task, the config section its key hashes, and its inputs, each an
+    earlier step's stage name or a ref to something outside the store (data file, hub model)."""
+
+    stage: str
+    task: Task
+    section: Any
+    inputs: dict[str, str | ArtifactRef]
+    extra: tuple = ()  # further task arguments that do not change what it computes (the mesh)
+
+    @property
+    def module(self) -> str:
+        return self.task.fn.__module__
+
+
+def pipeline(config: JaxtuneConfig) -> list[Step]:
+    """Every stage `config` asks for, each after the stages it reads."""
+    data, mesh = dataset_ref(config.data), (config.mesh,)
+    steps = []
+    if config.model.name == OFFLINE:
+        tokenizer_section = build_tokenizer.section_for(config.model.tiny.vocab_size)
+        steps += [Step(build_tokenizer.STAGE, build_tokenizer.build_tokenizer, tokenizer_section, {"data": data}),
+                  Step(build_model.STAGE, build_model.build_model, config.model.tiny, {"tokenizer": build_tokenizer.STAGE})]
+        model: str | ArtifactRef = build_model.STAGE
+    else:
+        model = model_ref(config.model)
+    evaluation = evaluate.EvalSection(model=config.model, eval=config.eval)
+    trained = {"model": model, "data": "tokenize", "train": "train"}
+    return steps + [
+        Step("tokenize", tokenize.tokenize, config.data, {"data": data, "model": model}),
+        Step("baseline_eval", evaluate.baseline_eval, evaluation, {"model": model, "data": "tokenize"}, mesh),
+        Step("train", train.train, _train_section(config), {"model": model, "data": "tokenize"}, mesh),
+        Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
+        Step("export", export.export, export.ExportSection(model=config.model, export=config.export),
+             {"model": model, "train": "train"}),
+        Step("generate", generate.generate, generate.GenerateSection(model=config.model, generate=config.generate),
+             trained, mesh),
+        Step("report", report.report, {"examples": report.EXAMPLES}, {stage: stage for stage in STAGES[:-1]}),
+    ]
+
+
+def planned_keys(config: JaxtuneConfig) -> dict[str, str]:
+    """{stage: artifact key} of every stage, derived without running any."""
+    keys: dict[str, str] = {}
+    for step in pipeline(config):
+        inputs = {name: keys[v] if isinstance(v, str) else v.key for name, v in step.inputs.items()}
+        keys[step.stage] = stage_key(step.stage, step.module, step.section, inputs)
+    return keys
 
 
 class StageRunner:
@@ -28,27 +84,20 @@ class StageRunner:
         self.refresh = refresh
         self.states: dict[str, str] = {}  # stage -> Prefect state name (Completed, Cached)
 
-    def __call__(self, task, stage: str, version: str, section, inputs: dict, *extra) -> ArtifactRef:
-        key = stage_key(stage, version, section, inputs)
-        if stage in self.refresh or not self.store.verify(stage, key):
-            self.store.remove(stage, key)  # also drops a result record whose artifact is gone or damaged
-        configured = task.with_options(
+    def __call__(self, step: Step, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
+        key = stage_key(step.stage, step.module, step.section, input_keys(inputs))
+        if step.stage in self.refresh or not self.store.verify(step.stage, key):
+            self.store.remove(step.stage, key)  # also drops a result record whose artifact is gone or damaged
+        configured = step.task.with_options(
             result_storage=self.store.root,
-            result_storage_key=f"{stage}/{key}/result.json",
-            task_run_name=f"{stage}-{key[:8]}",
+            result_storage_key=f"{step.stage}/{key}/result.json",
+            task_run_name=f"{step.stage}-{key[:8]}",
         )
-        state = configured(section, inputs, str(self.store.root), *extra, return_state=True)
+        state = configured(step.section, inputs, str(self.store.root), *step.extra, return_state=True)
         ref = state.result()  # re-raises the stage's error
-        self.states[stage] = state.name
-        return self.store.ref(stage, ref.key)
-
-
-def base_model(config: JaxtuneConfig, run: StageRunner) -> ArtifactRef:
-    if config.model.name != OFFLINE:
-        return model_ref(config.model)
-    tokenizer = run(build_tokenizer.build_tokenizer, build_tokenizer.STAGE, build_tokenizer.VERSION,
-                    build_tokenizer.section_for(config.model.tiny.vocab_size), {"data": dataset_ref(config.data)})
-    return run(build_model.build_model, build_model.STAGE, build_model.VERSION, config.model.tiny, {"tokenizer": tokenizer})
+        self.states[step.stage] = state.name
+        # The record may come from a store since moved: the path is this store's, the key the record's.
+        return self.store.ref(step.stage, ref.key)
 
 
 @flow(name="finetune")
@@ -57,34 +106,15 @@ def finetune(config: JaxtuneConfig = DEFAULT, refresh: list[str] = [], until: st
 
     Returns {"path": the last stage's artifact folder, "stages": {stage: "Completed" | "Cached"}}.
     """
-    unknown = set(refresh) - set(STAGES) - {build_tokenizer.STAGE, build_model.STAGE}
+    unknown = set(refresh) - set(STAGES) - set(BUILD_STAGES)
     if unknown or until not in STAGES:
         raise ValueError(f"unknown stage(s) {sorted(unknown | ({until} - set(STAGES)))}; stages are {', '.join(STAGES)}")
     run = StageRunner(Path(config.store.root).resolve(), set(refresh))
-    last = STAGES.index(until)
-    mesh = config.mesh
-    model = base_model(config, run)
-    done = {"tokenize": run(tokenize.tokenize, tokenize.STAGE, tokenize.VERSION, config.data,
-                            {"data": dataset_ref(config.data), "model": model})}
-    eval_section = evaluate.EvalSection(model=config.model, eval=config.eval)
-    plan = [
-        ("baseline_eval", lambda: run(evaluate.baseline_eval, "baseline_eval", evaluate.VERSION, eval_section,
-                                      {"model": model, "data": done["tokenize"]}, mesh)),
-        ("train", lambda: run(train.train, train.STAGE, train.VERSION, _train_section(config),
-                              {"model": model, "data": done["tokenize"]}, mesh)),
-        ("final_eval", lambda: run(evaluate.final_eval, "final_eval", evaluate.VERSION, eval_section,
-                                   {"model": model, "data": done["tokenize"], "train": done["train"]}, mesh)),
-        ("export", lambda: run(export.export, export.STAGE, export.VERSION,
-                               export.ExportSection(model=config.model, export=config.export),
-                               {"model": model, "train": done["train"]})),
-        ("generate", lambda: run(generate.generate, generate.STAGE, generate.VERSION,
-                                 generate.GenerateSection(model=config.model, generate=config.generate),
-                                 {"model": model, "data": done["tokenize"], "train": done["train"]}, mesh)),
-        ("report", lambda: run(report.report, report.STAGE, report.VERSION, {"examples": report.EXAMPLES},
-                               {name: done[name] for name in STAGES[:-1]})),
-    ]
-    for stage, call in plan[:last]:
-        done[stage] = call()
+    done: dict[str, ArtifactRef] = {}
+    for step in pipeline(config):
+        if step.stage in STAGES and STAGES.index(step.stage) > STAGES.index(until):
+            break
+        done[step.stage] = run(step, {name: done[v] if isinstance(v, str) else v for name, v in step.inputs.items()})
     if "report" in done:
         report.publish_report(done["report"])
     get_run_logger().info("stages: %s", ", ".join(f"{k}={v}" for k, v in run.states.items()))

@@ -13,7 +13,6 @@ from jaxtune.config import TinyModelConfig
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "build_model"
-VERSION = "2"
 
 
 def build_tiny_model(section: TinyModelConfig, tokenizer):
@@ -43,4 +42,4 @@ def build_model(section: TinyModelConfig, inputs: dict[str, ArtifactRef], store_
         build_tiny_model(section, tokenizer).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    return build_artifact(store_root, STAGE, __name__, section, inputs, build)

@@ -12,7 +12,6 @@ from jaxtune.offline.tokenizer import texts_for_tokenizer, train_tokenizer
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "build_tokenizer"
-VERSION = "1"
 
 
 def section_for(vocab_size: int) -> dict:
@@ -28,4 +27,4 @@ def build_tokenizer(section: dict, inputs: dict[str, ArtifactRef], store_root: s
         rows = [json.loads(line) for line in lines if line.strip()]
         train_tokenizer(texts_for_tokenizer(rows), section["vocab_size"], folder)
 
-    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    return build_artifact(store_root, STAGE, __name__, section, inputs, build)

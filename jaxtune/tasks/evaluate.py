@@ -11,27 +11,14 @@ from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import EvalConfig, MeshConfig, ModelConfig, Section
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
-from jaxtune.tasks.train import method_of
+from jaxtune.tasks.trained import open_trained_model
 
-VERSION = "2"
 PARITY_ROWS = 4  # eval rows whose logits are also computed in PyTorch, to certify the numerics
 
 
 class EvalSection(Section):
     model: ModelConfig
     eval: EvalConfig
-
-
-def open_trained_model(inputs: dict[str, ArtifactRef | None], model_cfg: ModelConfig, mesh: MeshConfig):
-    """The base model with the `train` input's weights applied (or the base model alone when it is None)."""
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import open_model
-
-    train_ref = inputs.get("train")
-    method, lora = method_of(train_ref)
-    name, revision = pretrained_location(inputs["model"])
-    trained = train_ref.file("params.safetensors") if train_ref is not None else None
-    return open_model(name, revision, model_cfg, make_placement(mesh), lora=lora, trained=trained)
 
 
 def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, mesh: MeshConfig) -> ArtifactRef:
@@ -53,7 +40,7 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
         logger.info("%s: loss %.4f perplexity %.2f over %d tokens", stage, metrics["loss"], metrics["perplexity"], metrics["tokens"])
         logger.info("%s: JAX vs PyTorch logits max |diff| %.2e (%s)", stage, metrics["parity"]["max_abs_diff"], metrics["parity"]["dtype"])
 
-    return build_artifact(store_root, stage, VERSION, section, inputs, build)
+    return build_artifact(store_root, stage, __name__, section, inputs, build)
 
 
 @task(name="baseline_eval", result_serializer="json")

@@ -12,10 +12,9 @@ from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import ExportConfig, ModelConfig, Section
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
-from jaxtune.tasks.train import method_of
+from jaxtune.tasks.trained import method_of
 
 STAGE = "export"
-VERSION = "1"
 
 
 class ExportSection(Section):
@@ -60,4 +59,4 @@ def export(section: ExportSection, inputs: dict[str, ArtifactRef], store_root: s
         (folder / "export.json").write_text(json.dumps(info, indent=2))
         get_run_logger().info("exported a %s (%s/)", info["kind"], sub)
 
-    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    return build_artifact(store_root, STAGE, __name__, section, inputs, build)

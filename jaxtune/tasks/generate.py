@@ -10,12 +10,11 @@ from prefect import get_run_logger, task
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import GenerateConfig, MeshConfig, ModelConfig, Section
 from jaxtune.data.tokenize import pad_id_of
-from jaxtune.tasks.evaluate import open_trained_model
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
+from jaxtune.tasks.trained import open_trained_model
 
 STAGE = "generate"
-VERSION = "1"
 
 
 class GenerateSection(Section):
@@ -75,4 +74,4 @@ def generate(section: GenerateSection, inputs: dict[str, ArtifactRef], store_roo
         (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
         get_run_logger().info("exact match before %(before).3f after %(after).3f", metrics["exact_match"])
 
-    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    return build_artifact(store_root, STAGE, __name__, section, inputs, build)

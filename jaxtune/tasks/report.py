@@ -13,7 +13,6 @@ from jaxtune.artifacts import ArtifactRef
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "report"
-VERSION = "3"
 EXAMPLES = 6
 
 
@@ -114,7 +113,7 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
         (folder / "report.md").write_text(render_markdown(summary, examples, "loss.png"))
         (folder / "examples.json").write_text(json.dumps(examples, indent=2, ensure_ascii=False))
 
-    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    return build_artifact(store_root, STAGE, __name__, section, inputs, build)
 
 
 @task(name="publish_report")

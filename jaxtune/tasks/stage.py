@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from jaxtune.artifacts import ArtifactRef, ArtifactStore, artifact_key
+from jaxtune.artifacts.code import code_identity
 
 
 def input_keys(inputs: Mapping[str, ArtifactRef | None]) -> dict[str, str]:
@@ -16,25 +17,28 @@ def input_keys(inputs: Mapping[str, ArtifactRef | None]) -> dict[str, str]:
     return {name: (ref.key if ref is not None else "none") for name, ref in inputs.items()}
 
 
-def stage_key(stage: str, version: str, section: BaseModel | Mapping[str, Any], inputs: Mapping[str, ArtifactRef | None]) -> str:
-    return artifact_key(stage, version, section, input_keys(inputs))
+def stage_key(stage: str, module: str, section: BaseModel | Mapping[str, Any], inputs: Mapping[str, str]) -> str:
+    """The artifact key of `stage`, run by the task module `module`, given its inputs' keys."""
+    return artifact_key(stage, code_identity(module)["digest"], section, inputs)
 
 
 def build_artifact(
     store_root: str | Path,
     stage: str,
-    version: str,
+    module: str,
     section: BaseModel | Mapping[str, Any],
     inputs: Mapping[str, ArtifactRef | None],
     build: Callable[[Path], None],
 ) -> ArtifactRef:
     """Return the verified artifact for these arguments, calling `build(folder)` only if it is missing.
 
+    `module` is the task module that defines the stage (its `__name__`): its code is in the key.
     `build` writes into a temporary folder that becomes the artifact only when it returns.
     """
     store = ArtifactStore(store_root)
-    key = stage_key(stage, version, section, inputs)
+    keys = input_keys(inputs)
+    key = stage_key(stage, module, section, keys)
     if not store.verify(stage, key):
-        with store.writing(stage, key, inputs=input_keys(inputs), config=section, code_version=version) as folder:
+        with store.writing(stage, key, inputs=keys, config=section, code=code_identity(module)) as folder:
             build(folder)
     return store.ref(stage, key)

@@ -15,7 +15,6 @@ from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "tokenize"
-VERSION = "1"
 
 
 @task(name=STAGE, result_serializer="json")
@@ -37,5 +36,5 @@ def tokenize(section: DataConfig, inputs: dict[str, ArtifactRef], store_root: st
             {k: v for k, v in stats["dropped"].items() if v},
         )
 
-    return build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    return build_artifact(store_root, STAGE, __name__, section, inputs, build)
 

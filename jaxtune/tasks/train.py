@@ -12,24 +12,15 @@ from prefect import get_run_logger, task
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, Section, TrainConfig
 from jaxtune.tasks.sources import pretrained_location
-from jaxtune.tasks.stage import build_artifact, stage_key
+from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
 
 STAGE = "train"
-VERSION = "2"
 
 
 class TrainSection(Section):
     model: ModelConfig
     train: TrainConfig
     lora: LoraConfig | None  # None for full fine-tuning, so LoRA settings do not touch its key
-
-
-def method_of(train_ref: ArtifactRef | None) -> tuple[str, LoraConfig | None]:
-    """How to rebuild the trained model: ('base'|'lora'|'full', LoRA settings)."""
-    if train_ref is None:
-        return "base", None
-    meta = train_ref.read_json("method.json")
-    return meta["method"], LoraConfig(**meta["lora"]) if meta["lora"] else None
 
 
 @task(name=STAGE, result_serializer="json")
@@ -39,7 +30,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
     Checkpoints go to the store's scratch folder for this key, so re-running the flow after a
     crash resumes from the newest one; they are removed once the artifact is complete.
     """
-    checkpoints = ArtifactStore(store_root).scratch(STAGE, stage_key(STAGE, VERSION, section, inputs))
+    checkpoints = ArtifactStore(store_root).scratch(STAGE, stage_key(STAGE, __name__, section, input_keys(inputs)))
 
     def build(folder: Path) -> None:
         from safetensors.numpy import save_file
@@ -71,7 +62,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         method = {"method": section.train.method, "lora": section.lora.model_dump(mode="json") if section.lora else None}
         (folder / "method.json").write_text(json.dumps(method, indent=2))
 
-    ref = build_artifact(store_root, STAGE, VERSION, section, inputs, build)
+    ref = build_artifact(store_root, STAGE, __name__, section, inputs, build)
     shutil.rmtree(checkpoints, ignore_errors=True)
     return ref
 

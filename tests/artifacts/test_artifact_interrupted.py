@@ -17,7 +17,7 @@ import sys, time
 from jaxtune.artifacts import ArtifactStore
 
 store = ArtifactStore(sys.argv[1])
-with store.writing("train", sys.argv[2], inputs={"data": "d"}, config={"steps": 1}, code_version="1") as folder:
+with store.writing("train", sys.argv[2], inputs={"data": "d"}, config={"steps": 1}, code={"digest": "1"}) as folder:
     with open(folder / "weights.safetensors", "wb") as handle:
         handle.write(b"x" * 4096)
         handle.flush()

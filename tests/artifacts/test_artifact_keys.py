@@ -10,7 +10,7 @@ from jaxtune.artifacts import artifact_key, canonical_json, file_digest, tree_di
 
 BASE = dict(
     stage="tokenize",
-    code_version="3",
+    code="3",
     config={"max_length": 512, "seed": 0},
     inputs={"data": "abc", "model": "def"},
 )
@@ -29,9 +29,9 @@ def test_key_is_deterministic_hex_of_fixed_length():
 
 
 def test_key_is_sha256_prefix_of_canonical_payload():
-    payload = {"stage": BASE["stage"], "code_version": "3", "config": BASE["config"], "inputs": BASE["inputs"]}
+    payload = {"stage": BASE["stage"], "code": "3", "config": BASE["config"], "inputs": BASE["inputs"]}
     text = (
-        '{"code_version":"3","config":{"max_length":512,"seed":0},'
+        '{"code":"3","config":{"max_length":512,"seed":0},'
         '"inputs":{"data":"abc","model":"def"},"stage":"tokenize"}'
     )
     assert canonical_json(payload) == text
@@ -42,7 +42,7 @@ def test_key_is_sha256_prefix_of_canonical_payload():
     "change",
     [
         {"stage": "train"},
-        {"code_version": "4"},
+        {"code": "4"},
         {"config": {"max_length": 256, "seed": 0}},
         {"config": {"max_length": 512, "seed": 0, "extra": None}},
         {"config": None},

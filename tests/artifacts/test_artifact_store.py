@@ -11,7 +11,7 @@ from jaxtune.artifacts import ArtifactMissing, ArtifactRef, ArtifactStore, file_
 
 STAGE = "tokenize"
 KEY = "0123456789abcdef0123"
-META = dict(inputs={"data": "aaaa", "model": "bbbb"}, config={"max_length": 64}, code_version="2")
+META = dict(inputs={"data": "aaaa", "model": "bbbb"}, config={"max_length": 64}, code={"digest": "2"})
 
 
 class Section(BaseModel):
@@ -58,7 +58,7 @@ def test_manifest_lists_files_and_metadata(tmp_path):
     assert manifest["stage"] == STAGE and manifest["key"] == KEY
     assert manifest["inputs"] == {"data": "aaaa", "model": "bbbb"}
     assert manifest["config"] == {"max_length": 64}
-    assert manifest["code_version"] == "2"
+    assert manifest["code"] == {"digest": "2"}
     assert datetime.fromisoformat(manifest["created_at"]).tzinfo is not None
     assert manifest["files"] == {
         "stats/summary.json": {"sha256": file_digest(ref.file("stats/summary.json")), "bytes": 8},
