@@ -63,41 +63,53 @@ def tied_checkpoint(fn: Callable) -> Callable:
     return run
 
 
-def _checkpointed(forward):
+def _keyed(forward: Callable, remat: bool) -> Callable:
+    """`forward` (a decoder layer's) drawing its dropout from a key of its own, recomputed in the
+    backward pass when `remat`.
+
+    Remat needs that key: the recomputation must draw the forward's dropout masks again. The
+    layer takes the same key without remat, so that remat changes memory alone, never the masks.
+    """
     from torchax import interop
 
     from jaxtune.runtime.compat import torchax_env
 
     env = torchax_env()
 
-    def run(*args, **kwargs):
-        # Only tensors cross into the checkpoint as arguments; everything else (flags, caches,
-        # masks passed by keyword, the layer's own weights) is closed over. Dropout inside the
-        # layer draws from a key passed in too: rotating the outer key in there would leak a tracer.
-        where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    def layer_key():
         key = env.get_and_rotate_prng_key()
-        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.key_data(key)
+        return jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
 
-        def layer(layer_key, *tensors):
+    def plain(*args, **kwargs):
+        with env.override_property(prng=layer_key()):
+            return forward(*args, **kwargs)
+
+    def recomputed(*args, **kwargs):
+        # Only tensors cross into the checkpoint as arguments; everything else (flags, caches,
+        # masks passed by keyword, the layer's own weights) is closed over. The key goes in as an
+        # argument too: rotating the outer key in there would leak a tracer.
+        where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def layer(key, *tensors):
             full = list(args)
             for i, t in zip(where, tensors):
                 full[i] = t
-            with env.override_property(prng=interop.jax_view(layer_key)):
+            with env.override_property(prng=interop.jax_view(key)):
                 return forward(*full, **kwargs)
 
-        recomputed = interop.torch_view(tied_checkpoint(interop.jax_view(layer)))
-        return recomputed(interop.torch_view(key), *(args[i] for i in where))
+        checkpointed = interop.torch_view(tied_checkpoint(interop.jax_view(layer)))
+        return checkpointed(interop.torch_view(layer_key()), *(args[i] for i in where))
 
-    return run
+    return recomputed if remat else plain
 
 
 @contextlib.contextmanager
-def layer_remat(module: torch.nn.Module) -> Iterator[None]:
-    """While active (that is, while a step is traced), every decoder layer is recomputed in the backward pass."""
+def keyed_layers(module: torch.nn.Module, remat: bool) -> Iterator[None]:
+    """While active (that is, while a step is traced), every decoder layer draws its dropout from
+    its own key and, with `remat`, is recomputed in the backward pass."""
     layers = decoder_layers(module)
     for layer in layers:
-        layer.forward = _checkpointed(type(layer).forward.__get__(layer))
+        layer.forward = _keyed(type(layer).forward.__get__(layer), remat)
     try:
         yield
     finally:

@@ -34,16 +34,17 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 def forward_logits(model: JaxModel, training: bool = False, remat: bool = False) -> Callable:
     """(weights, buffers, batch) -> logits, the model run as a pure function of its tensors.
 
-    `training` puts the module in train mode (dropout on) while it is traced; `remat` wraps each
-    decoder layer in `jax.checkpoint` while it is traced.
+    `training` puts the module in train mode (dropout on) while it is traced; `remat` recomputes
+    each decoder layer in the backward pass. Either way each layer draws its dropout from a key of
+    its own (see `remat.keyed_layers`), so remat never changes the dropout masks.
     """
-    from jaxtune.runtime.remat import layer_remat
+    from jaxtune.runtime.remat import keyed_layers
 
     module = model.module
 
     def forward(weights, buffers, batch):
         module.train(training)
-        with layer_remat(module) if remat else contextlib.nullcontext():
+        with keyed_layers(module, remat) if training or remat else contextlib.nullcontext():
             out = torch.func.functional_call(
                 module,
                 (model.for_compute(weights), buffers),
