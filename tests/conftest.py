@@ -14,7 +14,8 @@ PAD, EOS, BOS = 0, 1, 2
 VOCAB = 256
 
 
-def tiny_model(family: str = "gemma3", layers: int = 2, sliding_window: int = 16, seed: int = 0):
+def tiny_model(family: str = "gemma3", layers: int = 2, sliding_window: int = 16, seed: int = 0, hidden_size: int = 64,
+               intermediate_size: int = 128):
     """A random fp32 model of `family` (see jaxtune.architectures), eager attention, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -22,7 +23,7 @@ def tiny_model(family: str = "gemma3", layers: int = 2, sliding_window: int = 16
     from jaxtune.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
 
-    shape = TinyModelConfig(architecture=family, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    shape = TinyModelConfig(architecture=family, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
                             vocab_size=VOCAB)
     torch.manual_seed(seed)

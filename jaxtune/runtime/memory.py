@@ -21,7 +21,6 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int) -> dict:
     per_device_rows = cfg.batch_size // model.placement.data_size
     xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, per_device_rows, length, cfg.remat == "layer")
     gradients = _bytes(model.weights)
-    stats = jax.devices()[0].memory_stats() or {}
     return {
         "parameters": _bytes(model.weights) + _bytes(model.buffers),
         "gradients": gradients,
@@ -29,9 +28,14 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int) -> dict:
         # XLA's temporaries hold the gradient accumulator and one micro-batch's gradients besides activations.
         "activations_per_micro_batch": max(xla["temp_bytes"] - 2 * gradients, 0),
         "peak": xla["peak_bytes"],
-        "device_limit": stats.get("bytes_limit"),
+        "device_limit": device_limit(),
         "shape": {"micro_batches": cfg.grad_accumulation, "rows_per_device": per_device_rows, "length": length},
     }
+
+
+def device_limit() -> int | None:
+    """Bytes of memory on the first device, where JAX reports it (accelerators do, the CPU does not)."""
+    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def describe(plan: dict) -> str:

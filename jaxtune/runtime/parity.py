@@ -88,10 +88,11 @@ def jax_greedy(model: JaxModel, prompts: Sequence[Sequence[int]], max_new_tokens
     return np.asarray(tokens).tolist()
 
 
-def torch_greedy(module: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, pad_id: int) -> list[int]:
-    """`generate(do_sample=False)` on one unpadded prompt, never stopping early."""
-    # eos_token_id=[]: None would fall back to the model's own generation config and stop early.
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=pad_id)
+def torch_greedy(module: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, pad_id: int,
+                 eos_ids: Sequence[int] = ()) -> list[int]:
+    """`generate(do_sample=False)` on one unpadded prompt, stopping after any of `eos_ids` (kept)."""
+    # eos_token_id=[] for none: None would fall back to the model's own generation config.
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad_id)
     with torch.no_grad():
         out = module.generate(input_ids=torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               generation_config=config)

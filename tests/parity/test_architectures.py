@@ -16,7 +16,7 @@ import torch
 
 from jaxtune.config import ARCHITECTURES, LoraConfig, MeshConfig
 from jaxtune.runtime import model as rt_model
-from jaxtune.runtime import parity, steps
+from jaxtune.runtime import inference, parity, steps
 from jaxtune.runtime.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
@@ -121,6 +121,19 @@ def test_batched_generation_gives_each_prompt_its_own_tokens(lora_model, decoded
     together = parity.jax_greedy(lora_model, prompts(), 32, PAD)
     assert together == decoded_alone
     assert len({tuple(t) for t in together}) == 3, "distinct prompts, distinct continuations"
+
+
+def test_decoding_stops_at_eos_as_generate_does(lora_model, decoded_alone):
+    """What the generate stage runs (batches of 2, the last one padded) with two stop ids taken
+    from the continuations, against `generate` with the same eos_token_id list."""
+    eos = (decoded_alone[0][5], decoded_alone[1][12])
+    got = inference.greedy_generate(lora_model, prompts(), batch_size=2, max_new_tokens=32, eos_ids=eos, pad_id=PAD)
+    for prompt, tokens in zip(prompts(), got):
+        expected = parity.torch_greedy(lora_model.module, prompt, 32, PAD, eos_ids=eos)
+        if expected[-1] in eos:
+            expected = expected[:-1]  # generate keeps the stop token; the answer text does not
+        assert tokens == expected
+    assert len(got[0]) <= 5 and len(got[1]) <= 12, "both rows stopped at a stop id"
 
 
 def test_right_padded_batch_gives_every_row_its_own_loss(jax_model):

@@ -36,13 +36,46 @@ def _train(jm, cfg: TrainConfig, n: int):
 def test_lora_train_step_lowers_loss_and_only_touches_adapters():
     module = rt_model.attach_lora(tiny_model(), LoraConfig(r=4, alpha=8))
     jm = rt_model.to_jax(module, make_placement(MeshConfig()))
-    assert jm.weights and all("lora_" in name for name in jm.weights)
-    frozen_before = {k: np.asarray(v) for k, v in jm.buffers.items()}
-    losses, _, opt_state = _train(jm, TrainConfig(learning_rate=1e-2, warmup_steps=0, max_steps=20), 20)
+    names = {name for name, _ in module.named_parameters()}
+    adapters = {name for name in names if "lora_" in name}
+    # The step returns (and so can change) the weights alone: they must be the adapters, and
+    # every base tensor must be among the frozen tensors the step only reads.
+    assert set(jm.weights) == adapters and len(adapters) == 4 * 2 * 2  # q/k/v/o x A/B x 2 layers
+    assert names - adapters <= set(jm.buffers)
+    before = {k: np.asarray(v) for k, v in jm.weights.items()}  # the step donates its inputs
+    losses, weights, opt_state = _train(jm, TrainConfig(learning_rate=1e-2, warmup_steps=0, max_steps=20), 20)
     assert losses[-1] < losses[0] - 0.3, losses  # memorising one batch: 5.57 -> 5.06 when written
     assert float(steps.grad_norm_of(opt_state)) > 0
-    for k, v in jm.buffers.items():
-        np.testing.assert_array_equal(np.asarray(v), frozen_before[k])
+    assert set(weights) == adapters
+    assert all(not np.array_equal(np.asarray(weights[k]), before[k]) for k in adapters), "every adapter tensor trained"
+
+
+def test_adafactor_factors_the_second_moment_of_large_matrices():
+    """optax factors matrices whose two sides are both >= 128: one value per row and per column."""
+    import jax
+
+    jm = rt_model.to_jax(tiny_model(hidden_size=128, intermediate_size=256).requires_grad_(True), make_placement(MeshConfig()))
+    cfg = TrainConfig(method="full", optimizer="adafactor", learning_rate=1e-3, warmup_steps=0, max_steps=4)
+    losses, weights, opt_state = _train(jm, cfg, 4)
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    moments = {}  # (moment, weight name) -> shape
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        fields = [getattr(p, "name", None) for p in path]
+        if fields[-2:-1] and fields[-2] in ("v_row", "v_col", "v"):
+            moments[fields[-2], path[-1].key] = leaf.shape
+    factored = [n for n, w in weights.items() if w.ndim == 2 and min(w.shape) >= 128]
+    # Embedding and output head (256 x 128), gate/up (256 x 128), down (128 x 256) in each of 2
+    # layers; the attention projections (64 x 128) are not.
+    assert len(factored) == 2 + 3 * 2 and "model.layers.0.self_attn.q_proj.weight" not in factored
+    for name in factored:
+        rows, cols = weights[name].shape
+        assert sorted([moments["v_row", name], moments["v_col", name]]) == sorted([(rows,), (cols,)])
+        assert moments["v", name] == (1,)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert moments["v", q] == weights[q].shape and moments["v_row", q] == (1,)
+    params = sum(w.size for w in weights.values())
+    state = sum(x.size for x in jax.tree.leaves(opt_state) if hasattr(x, "size"))
+    assert state < 0.25 * params, (state, params)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
@@ -65,5 +98,6 @@ def test_full_fine_tuning_in_bf16_keeps_float32_master_weights(optimizer):
     params = sum(v.size for v in weights.values())
     state = sum(x.size for x in jax.tree.leaves(opt_state) if hasattr(x, "size"))
     # AdamW keeps two moments per weight; Adafactor no first moment, and a second moment that it
-    # factors for matrices with both sides >= 128 (none here, so about one value per weight).
+    # factors only for matrices with both sides >= 128 (none at this width: about one value per
+    # weight; test_adafactor_factors_the_second_moment_of_large_matrices covers the factoring).
     assert state > 2 * params if optimizer == "adamw" else state < 1.01 * params, (state, params)
