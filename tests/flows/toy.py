@@ -1,0 +1,29 @@
+"""The toy pipeline flow tests run: a 2-layer model of width 32 on a few dozen rows, so a whole run takes seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.flows.shapes import TOY_MODEL
+
+TOY = [
+    *TOY_MODEL, "data.max_train_rows=64", "data.max_eval_rows=24",
+    "train.max_steps=4", "train.batch_size=4", "train.log_every=2", "train.warmup_steps=1",
+    "generate.num_prompts=4", "generate.max_new_tokens=6", "generate.batch_size=4",
+]
+ALL_STAGES = ("build_tokenizer", "build_model", "tokenize", "baseline_eval", "train", "final_eval", "export", "generate",
+              "report")
+
+
+def run_toy(store: Path, *overrides: str, refresh=(), until: str = "report") -> dict:
+    """The finetune flow on the toy settings (then `overrides`) in `store`."""
+    from jaxtune.config import load_config
+    from jaxtune.flows.finetune import finetune
+
+    config = load_config(None, [*TOY, f"store.root={store}", *overrides])
+    return finetune(config=config, refresh=list(refresh), until=until)
+
+
+def states(result: dict) -> dict[str, str]:
+    """{stage: Completed | Cached} of a flow result."""
+    return dict(result["stages"])
