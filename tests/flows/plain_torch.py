@@ -10,9 +10,10 @@ from pathlib import Path
 # Exports are checked against the pipeline's own eval loss at 1e-4 relative (float32; 2e-6
 # measured). An export that lost its trained tensors would score the baseline loss instead, so
 # the check tells the two apart only if training moved the loss by far more than that: the flow
-# tests require a drop of 1% of the baseline, 100x the tolerance (4 toy steps drop 3.5%).
+# tests require a drop of 10x the tolerance (measured: 3.5% in 4 toy steps, 0.85% or more in the
+# 8 steps of each family's run).
 EXPORT_RTOL = 1e-4
-TRAINED_MARGIN = 0.01
+TRAINED_MARGIN = 10 * EXPORT_RTOL
 
 SCRIPT = """
 import json, sys, torch, pyarrow as pa
