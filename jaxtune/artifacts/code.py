@@ -108,8 +108,8 @@ def code_digest(modules: dict[str, str], libraries: dict[str, str]) -> str:
 
 @functools.cache
 def code_identity(module: str) -> dict:
-    """{"digest", "modules", "libraries"} of the code a stage in `module` runs; read once per process,
-    so it describes the code this process loaded even if the files change under it later."""
+    """{"digest", "modules", "libraries"} of the code a stage in `module` runs. Read once per
+    process: a long-lived worker keeps keying by the code it first saw, which is the code it runs."""
     modules = module_digests(module)
     libraries = library_versions()
     return {"digest": code_digest(modules, libraries), "modules": modules, "libraries": libraries}
