@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.toy import ALL_STAGES, run_toy, states
+from tests.flows.toy import ALL_STAGES, run_toy, states, toy_config
 
 pytestmark = [pytest.mark.cache, pytest.mark.slow]
 
@@ -59,11 +59,9 @@ def test_refresh_recomputes_exactly_the_named_stage(store, stage):
 
 
 def _folder(store: Path, stage: str) -> Path:
-    from jaxtune.config import load_config
     from jaxtune.flows.finetune import planned_keys
-    from tests.flows.toy import TOY
 
-    return store / stage / planned_keys(load_config(None, [*TOY, f"store.root={store}"]))[stage]
+    return store / stage / planned_keys(toy_config(store))[stage]
 
 
 @pytest.mark.parametrize("stage, name", [("train", "params.safetensors"), ("final_eval", "metrics.json"),

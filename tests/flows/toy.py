@@ -15,13 +15,18 @@ ALL_STAGES = ("build_tokenizer", "build_model", "tokenize", "baseline_eval", "tr
               "report")
 
 
+def toy_config(store: Path, *overrides: str):
+    """The toy settings (then `overrides`) with `store` as the artifact store."""
+    from jaxtune.config import load_config
+
+    return load_config(None, [*TOY, f"store.root={store}", *overrides])
+
+
 def run_toy(store: Path, *overrides: str, refresh=(), until: str = "report") -> dict:
     """The finetune flow on the toy settings (then `overrides`) in `store`."""
-    from jaxtune.config import load_config
     from jaxtune.flows.finetune import finetune
 
-    config = load_config(None, [*TOY, f"store.root={store}", *overrides])
-    return finetune(config=config, refresh=list(refresh), until=until)
+    return finetune(config=toy_config(store, *overrides), refresh=list(refresh), until=until)
 
 
 def states(result: dict) -> dict[str, str]:
