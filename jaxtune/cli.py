@@ -1,5 +1,6 @@
-"""`jaxtune run [CONFIG] [--set section.key=value]... [--refresh STAGE]... [--until STAGE]`
-and `jaxtune doctor MODEL [--config CONFIG] [--set section.key=value]...`."""
+"""`jaxtune run [CONFIG] [--set section.key=value]... [--refresh STAGE]... [--until STAGE]`,
+`jaxtune doctor MODEL [--config CONFIG] [--set section.key=value]...`,
+`jaxtune chat SOURCE [sampling flags]` and `jaxtune generate SOURCE PROMPT... [--prompts-file FILE]`."""
 
 from __future__ import annotations
 
@@ -27,19 +28,43 @@ def _parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser(
         "doctor", help="check a model's JAX numerics against PyTorch and its training memory; exit 1 when parity fails"
     )
-    doctor.add_argument("model", help="hub id (e.g. google/gemma-3-1b-it) or local model directory")
+    doctor.add_argument("model", help="hub id (e.g. google/gemma-3-1b-it), local model directory, or .gguf file")
     doctor.add_argument("--config", help="YAML config whose lora, train and data.max_length are used (default: built-in defaults)")
     doctor.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable)")
     doctor.add_argument("--revision", help="hub revision")
     doctor.add_argument("--tokens", type=int, default=48, help="sequence length of the parity batch")
+    chat = commands.add_parser("chat", help="talk with a trained or base model; answers stream as they are decoded")
+    _decoding_arguments(chat)
+    chat.add_argument("--show-prompt", action="store_true", help="write each turn's rendered prompt to stderr")
+    generate = commands.add_parser("generate", help="answer prompts, one answer a line on stdout; tokens/s on stderr")
+    _decoding_arguments(generate)
+    generate.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts, each answered alone")
+    generate.add_argument("--prompts-file", help="more prompts: one a line, or a .jsonl file with a \"prompt\" field")
+    generate.add_argument("--jsonl", action="store_true", help='write {"prompt", "answer"} lines instead of plain answers')
     return parser
+
+
+def _decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxtune.config import StoreConfig
+
+    parser.add_argument("source", help="a report, export or train artifact folder of the store, a hub id, "
+                        "a local HF model folder, or a .gguf file")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) decodes greedily")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens holding this much probability")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (each answer starts from it)")
+    parser.add_argument("--system", help="a system message before the conversation")
+    parser.add_argument("--store", default=StoreConfig().root, help="store a .gguf file is imported into (default: %(default)s)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Before Prefect is imported: no telemetry leaves this machine.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if args.command in ("chat", "generate"):
+        return _decode(args)
     from jaxtune.config import ConfigError, config_from_dict, load_config
 
     try:
@@ -68,12 +93,46 @@ def _doctor(args, config) -> int:
     from jaxtune.doctor import DoctorError, diagnose, render
 
     try:
-        diagnosis = diagnose(args.model, config, revision=args.revision, tokens=args.tokens)
+        model = _model_folder(args.model, config)
+        diagnosis = diagnose(model, config, revision=args.revision, tokens=args.tokens)
     except (DoctorError, OSError) as e:
         print(f"jaxtune doctor: {e}", file=sys.stderr)
         return 2
     print(render(diagnosis))
     return 0 if diagnosis.ok else 1
+
+
+def _decode(args) -> int:
+    from jaxtune import chat
+
+    chat.quiet_loading()
+    try:
+        prompts = chat.read_prompts(args.prompts, args.prompts_file) if args.command == "generate" else []
+        session = chat.open_session(args.source, args.store, args.max_new_tokens, args.seed, args.temperature,
+                                    args.top_k, args.top_p)
+        if args.command == "chat":
+            chat.require_chat_template(session)
+    except (ValueError, OSError) as e:  # SourceError, bad flags, files the model needs
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"jaxtune {args.command}: {message}", file=sys.stderr)
+        return 2
+    if args.command == "chat":
+        chat.chat(session, sys.stdin, sys.stdout, sys.stderr, system=args.system, show_prompt=args.show_prompt)
+    else:
+        chat.generate(session, prompts, sys.stdout, sys.stderr, system=args.system, jsonl=args.jsonl)
+    return 0
+
+
+def _model_folder(name: str, config) -> str:
+    """`name` itself, or for a .gguf file the HF folder it is imported to in the store (once)."""
+    if not name.lower().endswith(".gguf"):
+        return name
+    from jaxtune.tasks.import_gguf import imported
+    from jaxtune.tasks.sources import model_ref
+
+    ref = imported(config.store.root, model_ref(config.model.model_copy(update={"name": name})))
+    print(f"jaxtune: {name} imported as {ref.path}", file=sys.stderr)
+    return ref.path
 
 
 if __name__ == "__main__":

@@ -44,9 +44,22 @@ def test_bad_value_is_named():
         load_config(None, ["data.eval_fraction=1.5"])
 
 
-def test_offline_model_needs_offline_data():
-    with pytest.raises(ConfigError, match="both be 'offline'"):
-        load_config(None, ["data.source=some/dataset"])
+def test_model_and_data_pair_freely():
+    own_data = load_config(None, ["data.source=rows.jsonl"])  # the offline model, its tokenizer trained on rows.jsonl
+    assert own_data.model.name == "offline" and own_data.data.source == "rows.jsonl"
+    assert own_data.lora.r == 64  # still the offline demo's settings: the model is the offline one
+    real_model = load_config(None, ["model.name=models/smol.gguf"])
+    assert real_model.data.source == "offline"
+
+
+def test_a_real_model_without_a_config_gets_the_recipe_defaults_not_the_toys():
+    config = load_config(None, ["model.name=google/gemma-3-1b-it"])
+    assert (config.lora.r, config.lora.alpha, config.lora.modules_to_save) == (8, 16, ())
+    assert config.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert config.train.learning_rate == 1e-4 and config.train.method == "lora"
+    assert config.model.compute_dtype == "bfloat16"
+    offline = load_config(None, [])
+    assert (offline.lora.r, offline.train.learning_rate) == (64, 3e-3)  # the offline YAML
 
 
 def test_config_is_frozen():

@@ -63,6 +63,27 @@ def read_rows(cfg: DataConfig, path_or_id: str | Path | None = None) -> list[dic
     return examples
 
 
+def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
+    """The non-empty text fields of every row, in row order, for training a tokenizer on the data:
+    instruction, context and response (or the format's equivalents), or each message's content."""
+    source = str(OFFLINE_DATA) if str(path_or_id) == OFFLINE else str(path_or_id)
+    _check_columns(cfg)
+    required, optional = FORMAT_COLUMNS[cfg.format]
+    fields = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)
+    for where, row in _records(source, cfg):
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected an object with named columns, got {_type_name(row)}")
+        row = _rename(row, cfg.columns)
+        for name in fields:
+            value = row.get(name)
+            if name == "messages":
+                prompt, response = _split_messages(value, where)
+                values = [m["content"] for m in prompt] + [response]
+            else:
+                values = [value]
+            yield from (v for v in values if isinstance(v, str) and v.strip())
+
+
 def normalize_row(row: Any, cfg: DataConfig, where: str) -> dict:
     """One raw row -> normalized example; `where` prefixes error messages."""
     if not isinstance(row, dict):

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from jaxtune.config import DataConfig
 from jaxtune.data.rows import DataError
+from jaxtune.data.templates import ChatTemplateError
 
 IGNORE_INDEX = -100  # label value the loss skips
 DROP_REASONS = ("duplicate_of_train", "empty_response", "too_long", "max_train_rows", "max_eval_rows")
@@ -32,10 +33,6 @@ ARROW_SCHEMA = pa.schema(
         ("response", pa.string()),
     ]
 )
-
-
-class ChatTemplateError(ValueError):
-    """The tokenizer's chat template cannot separate prompt tokens from answer tokens."""
 
 
 def pad_id_of(tokenizer: Any) -> int:

@@ -17,12 +17,13 @@ from prefect import Task, flow, get_run_logger
 
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import OFFLINE, JaxtuneConfig, load_config
-from jaxtune.tasks import STAGES, build_model, build_tokenizer, evaluate, export, generate, report, tokenize, train
-from jaxtune.tasks.sources import dataset_ref, model_ref
+from jaxtune.tasks import STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf, report, tokenize, train
+from jaxtune.tasks.sources import GGUF, dataset_ref, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
 
 DEFAULT = load_config()  # the bundled offline demo
-BUILD_STAGES = (build_tokenizer.STAGE, build_model.STAGE)  # the offline model's, before `tokenize`
+# Before `tokenize`, making the base model: the offline model's two, or a GGUF file's import.
+BUILD_STAGES = (build_tokenizer.STAGE, build_model.STAGE, import_gguf.STAGE)
 
 
 @dataclass(frozen=True)
@@ -46,22 +47,26 @@ def pipeline(config: JaxtuneConfig) -> list[Step]:
     data, mesh = dataset_ref(config.data), (config.mesh,)
     steps = []
     if config.model.name == OFFLINE:
-        tokenizer_section = build_tokenizer.section_for(config.model.tiny.vocab_size)
+        tokenizer_section = build_tokenizer.section_for(config.model.tiny.vocab_size, config.data)
         steps += [Step(build_tokenizer.STAGE, build_tokenizer.build_tokenizer, tokenizer_section, {"data": data}),
                   Step(build_model.STAGE, build_model.build_model, config.model.tiny, {"tokenizer": build_tokenizer.STAGE})]
         model: str | ArtifactRef = build_model.STAGE
     else:
         model = model_ref(config.model)
-    evaluation = evaluate.EvalSection(model=config.model, eval=config.eval)
+        if model.stage == GGUF:
+            steps.append(Step(import_gguf.STAGE, import_gguf.import_gguf, import_gguf.SECTION, {"gguf": model}))
+            model = import_gguf.STAGE
+    model_section = keyed_model(config.model)
+    evaluation = evaluate.EvalSection(model=model_section, eval=config.eval)
     trained = {"model": model, "data": "tokenize", "train": "train"}
     return steps + [
-        Step("tokenize", tokenize.tokenize, config.data, {"data": data, "model": model}),
+        Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model), {"data": data, "model": model}),
         Step("baseline_eval", evaluate.baseline_eval, evaluation, {"model": model, "data": "tokenize"}, mesh),
         Step("train", train.train, _train_section(config), {"model": model, "data": "tokenize"}, mesh),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
-        Step("export", export.export, export.ExportSection(model=config.model, export=config.export),
+        Step("export", export.export, export.ExportSection(model=model_section, export=config.export),
              {"model": model, "train": "train"}),
-        Step("generate", generate.generate, generate.GenerateSection(model=config.model, generate=config.generate),
+        Step("generate", generate.generate, generate.GenerateSection(model=model_section, generate=config.generate),
              trained, mesh),
         Step("report", report.report, {"examples": report.EXAMPLES}, {stage: stage for stage in STAGES[:-1]}),
     ]
@@ -123,4 +128,4 @@ def finetune(config: JaxtuneConfig = DEFAULT, refresh: list[str] = [], until: st
 
 def _train_section(config: JaxtuneConfig) -> train.TrainSection:
     lora = config.lora if config.train.method == "lora" else None
-    return train.TrainSection(model=config.model, train=config.train, lora=lora)
+    return train.TrainSection(model=keyed_model(config.model), train=config.train, lora=lora)

@@ -1,30 +1,33 @@
-"""Stage `build_tokenizer` (offline default only): a BPE tokenizer trained on the bundled data."""
+"""Stage `build_tokenizer` (offline model only): a BPE tokenizer trained on the run's data,
+the bundled rows by default or a user's own file."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import task
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.offline.tokenizer import texts_for_tokenizer, train_tokenizer
+from jaxtune.config import DataConfig
+from jaxtune.offline.tokenizer import train_tokenizer
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "build_tokenizer"
+_READING = {"format", "columns", "hub_split", "revision"}  # the data settings that decide which texts are read
 
 
-def section_for(vocab_size: int) -> dict:
-    return {"vocab_size": vocab_size}
+def section_for(vocab_size: int, data: DataConfig) -> dict:
+    return {"vocab_size": vocab_size, "data": data.model_dump(mode="json", include=_READING)}
 
 
 @task(name=STAGE, result_serializer="json")
 def build_tokenizer(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
-    """inputs: `data`, the bundled Dolly-schema jsonl."""
+    """inputs: `data`, the rows' source."""
 
     def build(folder: Path) -> None:
-        lines = inputs["data"].folder.read_text(encoding="utf-8").splitlines()
-        rows = [json.loads(line) for line in lines if line.strip()]
-        train_tokenizer(texts_for_tokenizer(rows), section["vocab_size"], folder)
+        from jaxtune.data.rows import source_texts
+
+        texts = list(source_texts(DataConfig(**section["data"]), inputs["data"].path))
+        train_tokenizer(texts, section["vocab_size"], folder)
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)

@@ -9,8 +9,9 @@ from prefect import get_run_logger, task
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import GenerateConfig, MeshConfig, ModelConfig, Section
+from jaxtune.data.templates import stop_ids
 from jaxtune.data.tokenize import pad_id_of
-from jaxtune.tasks.sources import pretrained_location
+from jaxtune.tasks.sources import open_tokenizer
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.trained import open_trained_model
 
@@ -27,13 +28,6 @@ def exact_match(output: str, reference: str) -> bool:
     return output.strip() == reference.strip()
 
 
-def stop_ids(tokenizer, generation_config) -> list[int]:
-    """Every id that ends an answer: the tokenizer's eos and the model's generation eos ids."""
-    ids = generation_config.eos_token_id if generation_config is not None else None
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    return [i for i in dict.fromkeys([tokenizer.eos_token_id, *ids]) if i is not None]
-
-
 def _answers(model, tokenizer, prompts: list[list[int]], cfg: GenerateConfig) -> list[str]:
     from jaxtune.runtime.inference import greedy_generate
 
@@ -47,12 +41,9 @@ def generate(section: GenerateSection, inputs: dict[str, ArtifactRef], store_roo
     """inputs: `model`, `data`, `train`."""
 
     def build(folder: Path) -> None:
-        from transformers import AutoTokenizer
-
         from jaxtune.data.tokenize import read_arrow
 
-        name, revision = pretrained_location(inputs["model"])
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+        tokenizer = open_tokenizer(inputs["model"], section.model)
         table = read_arrow(inputs["data"].file("eval.arrow")).slice(0, section.generate.num_prompts).to_pydict()
         prompts = [ids[:n] for ids, n in zip(table["input_ids"], table["prompt_length"])]
         before = _answers(open_trained_model({**inputs, "train": None}, section.model, mesh), tokenizer, prompts, section.generate)

@@ -8,26 +8,35 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.config import DataConfig
+from jaxtune.config import DataConfig, ModelConfig, Section
 from jaxtune.data.rows import read_rows
 from jaxtune.data.tokenize import tokenize_dataset, write_arrow
-from jaxtune.tasks.sources import pretrained_location
+from jaxtune.tasks.sources import open_tokenizer
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "tokenize"
 
 
+class TokenizeSection(Section):
+    data: DataConfig
+    chat_template: str | None  # model.chat_template: it decides every token of every row
+
+    @classmethod
+    def of(cls, data: DataConfig, model: ModelConfig) -> TokenizeSection:
+        return cls(data=data, chat_template=model.chat_template)
+
+
 @task(name=STAGE, result_serializer="json")
-def tokenize(section: DataConfig, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
+def tokenize(section: TokenizeSection, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
     """inputs: `data` (the rows' source) and `model` (whose tokenizer and chat template are used)."""
 
     def build(folder: Path) -> None:
-        from transformers import AutoTokenizer
+        from jaxtune.data.templates import require_chat_template
 
-        name, revision = pretrained_location(inputs["model"])
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
-        examples = read_rows(section, inputs["data"].path)
-        train_rows, eval_rows, stats = tokenize_dataset(examples, tokenizer, section)
+        tokenizer = open_tokenizer(inputs["model"], ModelConfig(chat_template=section.chat_template))
+        require_chat_template(tokenizer, inputs["model"].path)
+        examples = read_rows(section.data, inputs["data"].path)
+        train_rows, eval_rows, stats = tokenize_dataset(examples, tokenizer, section.data)
         write_arrow(train_rows, folder / "train.arrow")
         write_arrow(eval_rows, folder / "eval.arrow")
         (folder / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True))

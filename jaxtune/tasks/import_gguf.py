@@ -1,0 +1,47 @@
+"""Stage `import_gguf`: a local GGUF checkpoint -> a normal HF model folder in the store.
+
+transformers reads GGUF (given the `gguf` package) by dequantising every tensor to float32,
+which takes tens of seconds and leaves a model it refuses to `save_pretrained`. Doing it once
+here, keyed by the file's content, gives every later stage, `jaxtune doctor` and plain PyTorch
+users a folder of float32 safetensors plus tokenizer (and chat template, when the file has one)
+that loads in a second like any HF checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from jaxtune.artifacts import ArtifactRef
+from jaxtune.tasks.stage import build_artifact
+
+STAGE = "import_gguf"
+SECTION = {"dtype": "float32"}  # dequantised values are exact in float32; bf16 would round them
+
+
+def write_hf_folder(gguf: Path, folder: Path) -> None:
+    """Dequantise `gguf` and save it, tokenizer included, as an HF model folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The tensors are plain float32 now; what marks the model as quantized is only bookkeeping.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
+@task(name=STAGE, result_serializer="json")
+def import_gguf(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
+    """inputs: `gguf`, the checkpoint file (keyed by its sha256)."""
+    return build_artifact(store_root, STAGE, __name__, section, inputs, lambda folder: write_hf_folder(inputs["gguf"].folder, folder))
+
+
+def imported(store_root: str | Path, gguf_ref: ArtifactRef) -> ArtifactRef:
+    """The HF folder for a GGUF file outside any flow (doctor, chat): built once, then reused."""
+    return import_gguf.fn(SECTION, {"gguf": gguf_ref}, str(store_root))

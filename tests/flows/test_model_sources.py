@@ -1,0 +1,66 @@
+"""Which model goes with which data: any pairing, and a GGUF file keyed by its content."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jaxtune.config import load_config
+from tests.flows.toy import TOY, run_toy, states
+
+
+def _keys(*overrides: str) -> dict[str, str]:
+    from jaxtune.flows.finetune import planned_keys
+
+    return planned_keys(load_config(None, list(overrides)))
+
+
+def test_a_gguf_file_is_imported_first_and_keyed_by_its_bytes_not_its_path(tmp_path):
+    first = tmp_path / "a" / "model.gguf"
+    first.parent.mkdir()
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    moved = tmp_path / "b" / "renamed.gguf"
+    moved.parent.mkdir()
+    shutil.copy(first, moved)
+    keys = _keys(f"model.name={first}")
+    assert list(keys)[:2] == ["import_gguf", "tokenize"]  # no offline build stages, the import before tokenize
+    assert _keys(f"model.name={moved}") == keys
+    edited = bytearray(first.read_bytes())
+    edited[100] ^= 1
+    moved.write_bytes(bytes(edited))
+    changed = _keys(f"model.name={moved}")
+    assert {stage for stage in keys if changed[stage] == keys[stage]} == set()  # every stage reads the model
+
+
+def test_a_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nothere\.gguf.*no such GGUF file"):
+        _keys(f"model.name={tmp_path / 'nothere.gguf'}")
+
+
+def test_the_chat_template_setting_keys_every_stage_that_formats_or_decodes_text():
+    plain, gemma = _keys(*TOY), _keys(*TOY, "model.chat_template=gemma")
+    assert {stage for stage in plain if plain[stage] != gemma[stage]} == {
+        "tokenize", "baseline_eval", "train", "final_eval", "export", "generate", "report"}
+
+
+@pytest.mark.slow
+def test_the_offline_model_trains_its_tokenizer_on_a_users_own_file(tmp_path):
+    from transformers import AutoTokenizer
+
+    rows = [{"prompt": f"Where does the quorbix number {i} live?", "completion": f"The quorbix {i} lives in Zandervale."}
+            for i in range(40)]
+    data = tmp_path / "own.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    store = tmp_path / "store"
+    result = run_toy(store, f"data.source={data}", "data.format=prompt_completion", "data.max_train_rows=null",
+                     "data.max_eval_rows=null", until="tokenize")
+    assert states(result) == {"build_tokenizer": "Completed", "build_model": "Completed", "tokenize": "Completed"}
+    (folder,) = (store / "build_tokenizer").iterdir()
+    own = AutoTokenizer.from_pretrained(folder)
+    # Words only this file has are whole tokens of its tokenizer; the bundled data's splits them up.
+    assert len(own.tokenize(" quorbix")) == 1 and len(own.tokenize(" Zandervale")) == 1
+    stats = json.loads(next((store / "tokenize").glob("*/stats.json")).read_text())
+    assert stats["rows_in"] == 40
