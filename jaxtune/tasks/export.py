@@ -1,5 +1,5 @@
-"""Stage `export`: trained weights -> a PEFT adapter folder (LoRA) or a full HF model folder,
-both loadable by plain PyTorch without jaxtune."""
+"""Stage `export`: trained weights -> a PEFT adapter folder (LoRA) or a full HF model folder, and with
+`export.merge` also the LoRA merged into a full HF model; all load in plain PyTorch without jaxtune."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import ExportConfig, ModelConfig, Section
-from jaxtune.tasks.sources import pretrained_location
+from jaxtune.tasks.sources import open_tokenizer, pretrained_location
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.trained import method_of
 
@@ -41,22 +41,40 @@ def trained_torch_model(inputs: dict[str, ArtifactRef], model_cfg: ModelConfig):
     return module, method
 
 
+def save_model(module, folder: Path, section: ExportSection, model_ref: ArtifactRef) -> None:
+    """`module` cast to export.dtype (in place) plus the base model's tokenizer: a folder `from_pretrained` loads."""
+    import torch
+
+    module.to(getattr(torch, section.export.dtype)).save_pretrained(folder, safe_serialization=True)
+    open_tokenizer(model_ref, section.model).save_pretrained(folder)
+
+
+def save_merged(folder: Path, section: ExportSection, inputs: dict[str, ArtifactRef]) -> None:
+    """LoRA folded into the base weights, modules_to_save swapped in: a plain HF model for serving.
+
+    The trained model is loaded afresh in float32 (saving the adapter cast the first copy in place) and
+    merged before the cast, so W + scale * B @ A is rounded once. Where modules_to_save untie a tied
+    embedding, PEFT's merge sets tie_word_embeddings=False, so both trained matrices are saved and kept.
+    """
+    module, _ = trained_torch_model(inputs, section.model)
+    save_model(module.merge_and_unload(), folder, section, inputs["model"])
+
+
 @task(name=STAGE, result_serializer="json")
 def export(section: ExportSection, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
     """inputs: `model`, `train`."""
 
     def build(folder: Path) -> None:
-        import torch
-        from transformers import AutoTokenizer
-
         module, method = trained_torch_model(inputs, section.model)
-        module = module.to(getattr(torch, section.export.dtype))
         sub = "adapter" if method == "lora" else "model"
-        module.save_pretrained(folder / sub, safe_serialization=True)
-        name, revision = pretrained_location(inputs["model"])
-        AutoTokenizer.from_pretrained(name, revision=revision).save_pretrained(folder / sub)
+        save_model(module, folder / sub, section, inputs["model"])
+        del module  # before a merge loads a second copy
+        name, _ = pretrained_location(inputs["model"])
         info = {"kind": "peft_adapter" if method == "lora" else "hf_model", "subfolder": sub, "base_model": name}
+        if method == "lora" and section.export.merge:
+            save_merged(folder / "merged", section, inputs)
+            info["merged"] = "merged"
         (folder / "export.json").write_text(json.dumps(info, indent=2))
-        get_run_logger().info("exported a %s (%s/)", info["kind"], sub)
+        get_run_logger().info("exported a %s (%s/)%s", info["kind"], sub, " and merged/" if "merged" in info else "")
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)
