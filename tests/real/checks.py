@@ -1,0 +1,130 @@
+"""What every real checkpoint must pass, written once for the SmolLM2 and Gemma 3 test modules.
+
+Parity is measured on the imported float32 weights with LoRA on every linear layer, B drawn
+small and random (at PEFT's B = 0 no A gets a gradient), on two chat-formatted prompts, the
+second right-padded, so masks and the template's special tokens are exercised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Logits: JAX and PyTorch add the same float32 products in different orders (XLA's CPU dot
+# against oneDNN's), so each dot product rounds differently, and 30 layers compound that.
+# Measured on these prompts: 1.2e-4 on SmolLM2's logits up to 37.5, 2.1e-4 on Gemma 3's up to
+# 89.6: 3e-6 of the logits' scale, where every layer's output is within about 1e-7 of its scale
+# of a float64 reference on both backends. The bound, 5e-5 of the scale, leaves 15x headroom
+# yet fails on any wrong op: a dropped rope, a missing norm offset or embedding scale moves
+# logits by a sizeable fraction of their scale.
+LOGITS_RTOL = 5e-5
+LOSS_RTOL = 1e-3
+# Gradients: all LoRA gradients as one vector within 1e-3 relative (measured 3.0e-4 on Gemma 3,
+# 4e-5 on SmolLM2), and no single tensor beyond 3e-3. On Gemma 3, whose residual stream reaches
+# 1e5 before the final norm, JAX's float32 backward is further from a float64 reference than
+# PyTorch's (worst tensor 8.4e-4 against 1.2e-5, a k_proj lora_A of small gradient norm), while
+# every layer's forward output agrees with float64 as closely on both (about 1e-7 of its scale).
+GRADIENT_RTOL = 1e-3
+WORST_GRADIENT_RTOL = 3e-3
+GREEDY_TOKENS = 16
+EXPORT_LOSS_RTOL = 0.01
+QUESTIONS = ("What is the capital of France?", "Which of these animals is a fish: goat, crow, cod?")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    gguf: Path
+    folder: Path  # the import_gguf artifact: an HF folder
+    store: Path
+    chat_template: str | None
+
+
+def import_checkpoint(place, tmp: Path, chat_template: str | None = None) -> Checkpoint:
+    from jaxtune.config import ModelConfig
+    from jaxtune.tasks.import_gguf import imported
+    from jaxtune.tasks.sources import model_ref
+
+    gguf = place(tmp / "models")
+    store = tmp / "store"
+    ref = imported(store, model_ref(ModelConfig(name=str(gguf))))
+    return Checkpoint(gguf=gguf, folder=Path(ref.path), store=store, chat_template=chat_template)
+
+
+def tokenizer_of(checkpoint: Checkpoint):
+    from jaxtune.artifacts import ArtifactRef
+    from jaxtune.config import ModelConfig
+    from jaxtune.tasks.sources import open_tokenizer
+
+    ref = ArtifactRef(stage="import_gguf", key="k", path=str(checkpoint.folder))
+    return open_tokenizer(ref, ModelConfig(chat_template=checkpoint.chat_template))
+
+
+def lora_model(checkpoint: Checkpoint):
+    """The float32 model with random-B LoRA on every linear layer, on JAX (`doctor`'s set-up)."""
+    from jaxtune.config import load_config
+    from jaxtune.doctor import _trainable
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import load_torch_model, to_jax
+
+    config = load_config(None, [f"model.name={checkpoint.folder}", "lora.target_modules=all-linear"])
+    module = load_torch_model(str(checkpoint.folder), None, False, "float32")
+    return to_jax(_trainable(module, config, randomize_lora=True), make_placement(config.mesh))
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)) for q in QUESTIONS]
+
+
+def parity_batch(tokenizer) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The two prompts right-padded together; labels are the real tokens."""
+    rows = prompts(tokenizer)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id or 0
+    ids = np.array([r + [pad] * (width - len(r)) for r in rows], np.int32)
+    mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows], np.int32)
+    return {"input_ids": ids, "attention_mask": mask}, np.where(mask == 1, ids, -100).astype(np.int32)
+
+
+def loss_and_gradient_errors(model, tokenizer) -> tuple[float, float, str, float]:
+    """(relative loss difference, relative difference of all LoRA gradients together, the worst
+    tensor's name and its relative difference)."""
+    from jaxtune.runtime import parity
+
+    batch, labels = parity_batch(tokenizer)
+    jax_loss, jax_grads = parity.jax_loss_and_grads(model, batch, labels)
+    torch_loss, torch_grads = parity.torch_loss_and_grads(model, batch, labels)
+    names = sorted(torch_grads)
+    together = parity.relative_diff(np.concatenate([jax_grads[n].ravel() for n in names]),
+                                    np.concatenate([torch_grads[n].ravel() for n in names]))
+    name, worst = parity.worst_gradient(jax_grads, torch_grads)
+    return abs(jax_loss - torch_loss) / abs(torch_loss), together, name, worst
+
+
+def greedy_pairs(model, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(compiled KV-cache decoder, `generate(do_sample=False)`) tokens for each prompt, no early stop."""
+    from jaxtune.runtime import parity
+
+    rows = prompts(tokenizer)
+    pad = tokenizer.pad_token_id or 0
+    together = parity.jax_greedy(model, rows, GREEDY_TOKENS, pad)
+    return [(got, parity.torch_greedy(model.module, row, GREEDY_TOKENS, pad)) for got, row in zip(together, rows)]
+
+
+def three_lora_steps(checkpoint: Checkpoint, *overrides: str) -> dict:
+    """The pipeline up to export: 3 LoRA steps on 24 of the bundled rows, in the checkpoint's store."""
+    from jaxtune.config import load_config
+    from jaxtune.data.rows import OFFLINE_DATA
+    from jaxtune.flows.finetune import finetune
+
+    rows = checkpoint.store.parent / "rows.jsonl"  # a few rows: tokenizing all 6,000 would take longer than training
+    rows.write_text("".join(OFFLINE_DATA.read_text().splitlines(keepends=True)[:24]))
+    settings = [f"model.name={checkpoint.gguf}", "model.dtype=float32", f"store.root={checkpoint.store}",
+                f"data.source={rows}", "data.eval_fraction=0.25", "data.max_length=96",
+                "lora.r=8", "train.max_steps=3", "train.batch_size=4", "train.warmup_steps=0",
+                "train.learning_rate=1e-3", "train.log_every=1"]
+    if checkpoint.chat_template:
+        settings.append(f"model.chat_template={checkpoint.chat_template}")
+    return finetune(config=load_config(None, [*settings, *overrides]), until="export")
