@@ -96,19 +96,28 @@ def _model_config(folder: Path, manifest: dict) -> ModelConfig:
 
 
 def _base_ref(folder: Path, manifest: dict, cfg: ModelConfig) -> ArtifactRef:
-    """The base model an export or train artifact was made from, as the pipeline referred to it."""
+    """The base model an export or train artifact was made from, as the pipeline referred to it.
+
+    A model the store built (the offline model, an imported .gguf file) is found by its key in
+    the same store, so a moved store still opens; a hub id or local folder, which stage sections
+    do not name, by what the artifact records: export.json's or method.json's `base_model`.
+    """
     key = manifest["inputs"].get("model")
     if not key:
         raise SourceError(f"{folder / MANIFEST}: names no base model input")
-    stage = "build_model" if cfg.name == OFFLINE else "import_gguf" if cfg.name.lower().endswith(".gguf") else None
-    if stage is not None:
-        base = _store_root(folder) / stage / key
-        if not base.is_dir():
-            raise SourceError(f"{folder}: its base model {base} is missing from the store")
-        return ArtifactRef(stage=stage, key=key, path=str(base))
-    if Path(cfg.name).expanduser().is_dir():
-        return ArtifactRef(stage="source", key=key, path=str(Path(cfg.name).expanduser().resolve()))
-    return ArtifactRef(stage="hub", key=key, path=f"{cfg.name}@{cfg.revision}")
+    root = _store_root(folder)
+    for stage in ("build_model", "import_gguf"):
+        if (root / stage / key).is_dir():
+            return ArtifactRef(stage=stage, key=key, path=str(root / stage / key))
+    if cfg.name == OFFLINE:
+        raise SourceError(f"{folder}: its base model {root / 'build_model' / key} is missing from the store")
+    record = next((folder / name for name in ("export.json", "method.json") if (folder / name).is_file()), None)
+    base = json.loads(record.read_text(encoding="utf-8")).get("base_model") if record is not None else None
+    if not base:
+        raise SourceError(f"{folder}: records no base_model and its base {key} is not in the store")
+    if Path(base).is_dir():
+        return ArtifactRef(stage="source", key=key, path=base)
+    return ArtifactRef(stage="hub", key=key, path=f"{base}@{cfg.revision}")
 
 
 def _open_export(folder: Path, manifest: dict) -> Opened:

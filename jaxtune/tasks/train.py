@@ -59,7 +59,8 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         save_file(tree_to_arrays(result.opt_state), str(folder / "optimizer.safetensors"))
         (folder / "summary.json").write_text(json.dumps(result.summary, indent=2))
         (folder / "memory.json").write_text(json.dumps(result.memory, indent=2))
-        method = {"method": section.train.method, "lora": section.lora.model_dump(mode="json") if section.lora else None}
+        method = {"method": section.train.method, "lora": section.lora.model_dump(mode="json") if section.lora else None,
+                  "base_model": name}  # what `jaxtune chat` opens the weights on; the key hashes the model by content
         (folder / "method.json").write_text(json.dumps(method, indent=2))
 
     ref = build_artifact(store_root, STAGE, __name__, section, inputs, build)

@@ -60,7 +60,8 @@ def test_the_offline_model_trains_its_tokenizer_on_a_users_own_file(tmp_path):
     assert states(result) == {"build_tokenizer": "Completed", "build_model": "Completed", "tokenize": "Completed"}
     (folder,) = (store / "build_tokenizer").iterdir()
     own = AutoTokenizer.from_pretrained(folder)
-    # Words only this file has are whole tokens of its tokenizer; the bundled data's splits them up.
-    assert len(own.tokenize(" quorbix")) == 1 and len(own.tokenize(" Zandervale")) == 1
+    # A word only this file has, 80 times, is one token of its tokenizer (7 bytes, so 7 pieces
+    # for a BPE that never saw it, such as the bundled data's).
+    assert len(own.tokenize(" quorbix")) == 1
     stats = json.loads(next((store / "tokenize").glob("*/stats.json")).read_text())
     assert stats["rows_in"] == 40

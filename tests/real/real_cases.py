@@ -1,12 +1,61 @@
-"""The checks of `checks.py` as tests, instantiated by each checkpoint's module with its own fixture."""
+"""The checks of `checks.py` as tests: each checkpoint's module subclasses `RealCheckpointTests`,
+naming how to place its GGUF file, its chat template and the token that ends its turns."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.flows.plain_torch import plain_torch_losses
 from tests.real import checks
+
+
+class RealCheckpointTests:
+    """Every fixture is class-scoped: one import, one model and one flow run per checkpoint."""
+
+    name: str
+    chat_template: str | None = None
+    end_of_turn: str
+
+    @staticmethod
+    def place(folder: Path) -> Path:
+        raise NotImplementedError
+
+    @pytest.fixture(scope="class")
+    def checkpoint(self, tmp_path_factory):
+        return checks.import_checkpoint(self.place, tmp_path_factory.mktemp(self.name), self.chat_template)
+
+    @pytest.fixture(scope="class")
+    def run(self, checkpoint):
+        return checks.three_lora_steps(checkpoint)
+
+    @pytest.fixture(scope="class")
+    def model(self, checkpoint):
+        return checks.lora_model(checkpoint)
+
+    @pytest.fixture(scope="class")
+    def tokenizer(self, checkpoint):
+        return checks.tokenizer_of(checkpoint)
+
+    def test_decoding_stops_first_at_the_templates_end_of_turn(self, tokenizer):
+        from jaxtune.data.templates import end_of_turn_ids, stop_ids
+
+        assert tokenizer.convert_ids_to_tokens(end_of_turn_ids(tokenizer)) == [self.end_of_turn]
+        assert stop_ids(tokenizer)[0] == tokenizer.convert_tokens_to_ids(self.end_of_turn)
+
+    def test_logits_match_pytorch(self, checkpoint, run):
+        check_logits(checkpoint.store)
+
+    def test_loss_and_lora_gradients_match_pytorch(self, model, tokenizer):
+        check_loss_and_gradients(model, tokenizer)
+
+    def test_greedy_tokens_equal_generate(self, model, tokenizer):
+        check_greedy(model, tokenizer)
+
+    def test_three_lora_steps_export_an_adapter_plain_pytorch_scores_alike(self, checkpoint, run):
+        check_three_steps_export(checkpoint, run)
 
 
 def check_logits(store: Path) -> None:
