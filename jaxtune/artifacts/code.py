@@ -73,6 +73,21 @@ def source_digest(tree: ast.Module) -> str:
     return hashlib.sha256(ast.dump(_without_docstrings(tree)).encode("utf-8")).hexdigest()
 
 
+def _parse(path: Path, attempts: int = 3) -> ast.Module:
+    """`ast.parse` of a source file, again if CPython 3.11 raises its spurious "AST constructor
+    recursion depth mismatch" (python/cpython#106905): its AST builder keeps the depth in shared
+    state, so another thread building an AST at the same moment (Prefect's, during a flow run)
+    can trip the check. The source is unchanged, so a second parse gives the true tree."""
+    source = path.read_text(encoding="utf-8")
+    for attempt in range(attempts):
+        try:
+            return ast.parse(source, filename=str(path))
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def module_digests(module: str, root: Path = PACKAGE_ROOT) -> dict[str, str]:
     """{name: source digest} for `module`, every jaxtune module it imports transitively, and their packages."""
     digests: dict[str, str] = {}
@@ -84,7 +99,7 @@ def module_digests(module: str, root: Path = PACKAGE_ROOT) -> dict[str, str]:
         path = module_file(name, root)
         if path is None:
             raise ModuleNotFoundError(f"no source for {name} below {root}")
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        tree = _parse(path)
         parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]  # their __init__ runs first
         pending += [*imported_modules(name, tree, path, root), *parents]
         digests[name] = source_digest(tree)

@@ -129,3 +129,27 @@ def test_editing_the_tokenizer_code_rekeys_everything_after_the_model(tmp_path):
 def test_module_digests_follow_relative_imports():
     digests = module_digests("jaxtune.artifacts")
     assert {"jaxtune", "jaxtune.artifacts", "jaxtune.artifacts.keys", "jaxtune.artifacts.ref", "jaxtune.artifacts.store"} <= set(digests)
+
+
+def test_a_spurious_ast_recursion_error_is_parsed_again(monkeypatch):
+    """CPython 3.11 can raise SystemError('AST constructor recursion depth mismatch') when threads
+    build ASTs at once; the code key must not fail a flow for it, nor hide any other error."""
+    from jaxtune.artifacts import code
+
+    real_parse, calls = ast.parse, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemError("AST constructor recursion depth mismatch (before=198, after=76)")
+        return real_parse(*args, **kwargs)
+
+    monkeypatch.setattr(code.ast, "parse", flaky)
+    assert code._parse(code.module_file("jaxtune.config")).body and len(calls) == 2
+
+    def broken(*args, **kwargs):
+        raise SystemError("something else")
+
+    monkeypatch.setattr(code.ast, "parse", broken)
+    with pytest.raises(SystemError, match="something else"):
+        code._parse(code.module_file("jaxtune.config"))
