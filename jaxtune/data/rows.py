@@ -68,8 +68,8 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
     instruction, context and response (or the format's equivalents), or each message's content."""
     source = str(OFFLINE_DATA) if str(path_or_id) == OFFLINE else str(path_or_id)
     _check_columns(cfg)
-    required, optional = FORMAT_COLUMNS[cfg.format]
-    fields = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)
+    required, _ = FORMAT_COLUMNS[cfg.format]
+    fields = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
     for where, row in _records(source, cfg):
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected an object with named columns, got {_type_name(row)}")

@@ -70,7 +70,8 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     special = set(tokenizer.all_special_ids) | {
         i for i, token in tokenizer.added_tokens_decoder.items() if getattr(token, "special", False)
     }
-    return [next(i for i in full[len(prompt) :] if i in special)] if special & set(full[len(prompt) :]) else []
+    first = next((i for i in full[len(prompt) :] if i in special), None)
+    return [] if first is None else [first]
 
 
 def stop_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
