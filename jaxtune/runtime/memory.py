@@ -12,14 +12,15 @@ def _bytes(tree) -> int:
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def memory_plan(model, optimizer, cfg: TrainConfig, length: int) -> dict:
+def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | None = None, fused: bool = True) -> dict:
     """Bytes per device for parameters, gradients, optimizer state and one micro-batch's
-    activations at sequence `length`, XLA's peak for the whole step, and the device's memory
-    where JAX reports it (accelerators do, the CPU does not)."""
+    activations at `rows` (default `train.batch_size`) sequences of `length`, XLA's peak for the
+    whole step, and the device's memory where JAX reports it (accelerators do, the CPU does not)."""
     from jaxtune.runtime import steps
 
-    per_device_rows = cfg.batch_size // model.placement.data_size
-    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, per_device_rows, length, cfg.remat == "layer")
+    per_device_rows = (rows or cfg.batch_size) // model.placement.data_size
+    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, per_device_rows, length,
+                                  cfg.remat, fused=fused)
     gradients = _bytes(model.weights)
     return {
         "parameters": _bytes(model.weights) + _bytes(model.buffers),
@@ -58,7 +59,7 @@ def check_fits(plan: dict, cfg: TrainConfig) -> None:
         knobs.append("train.method=lora (gradients and optimizer state for adapters only)")
     if cfg.optimizer == "adamw":
         knobs.append("train.optimizer=adafactor (factored second moments, no first moment)")
-    if cfg.remat == "none":
+    if cfg.remat != "layer":
         knobs.append("train.remat=layer (recompute each layer's activations in the backward pass)")
     if cfg.batch_size > 1:
         knobs.append(f"a smaller train.batch_size with a larger train.grad_accumulation "

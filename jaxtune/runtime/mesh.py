@@ -18,8 +18,12 @@ class Placement:
     def data_size(self) -> int:
         return self.mesh.shape["data"]
 
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
     def replicate(self, array: jax.Array) -> jax.Array:
-        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
+        return jax.device_put(array, self.replicated)
 
     def shard_batch(self, arrays):
         """Split the leading (batch) dimension of every array in `arrays` (any pytree) over the data axis."""

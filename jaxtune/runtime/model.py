@@ -102,23 +102,27 @@ def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
     return get_peft_model(model, peft_cfg)
 
 
-def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None) -> JaxModel:
+def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None,
+           shapes_only: bool = False) -> JaxModel:
     """Split trainable from frozen tensors and place both on the mesh; `trained` overrides weights.
 
-    Frozen tensors keep the module's dtype; trainable ones become float32 master weights.
+    Frozen tensors keep the module's dtype; trainable ones become float32 master weights. With
+    `shapes_only` the tensors are `jax.ShapeDtypeStruct`s (a module on the meta device will do):
+    enough to compile a step and read XLA's memory plan for a model too big to build here.
     """
     _use_eager_attention(module)
+    convert = _to_shape if shapes_only else _to_array
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     weights, buffers, casts = {}, {}, {}
     for name, param in module.named_parameters():
         if param.requires_grad:
-            weights[name] = _to_array(param, placement, jnp.float32)
+            weights[name] = convert(param, placement, jnp.float32)
             if param.dtype != torch.float32:
                 casts[name] = param.dtype
         else:
-            buffers[name] = _to_array(param, placement)
+            buffers[name] = convert(param, placement)
     for name, buf in module.named_buffers():
-        buffers[name] = _to_array(buf, placement)
+        buffers[name] = convert(buf, placement)
     if trained is not None:
         _check_names(trained, weights)
         weights = {name: placement.replicate(jnp.asarray(trained[name], jnp.float32)) for name in weights}
@@ -143,6 +147,12 @@ def _to_array(tensor: torch.Tensor, placement: Placement, dtype=None) -> jax.Arr
         value = value.float()
     array = jnp.asarray(value.numpy()).astype(dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own)
     return placement.replicate(array)
+
+
+def _to_shape(tensor: torch.Tensor, placement: Placement, dtype=None) -> jax.ShapeDtypeStruct:
+    own = jnp.dtype(str(tensor.dtype).removeprefix("torch."))
+    dtype = dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own
+    return jax.ShapeDtypeStruct(tuple(tensor.shape), dtype, sharding=placement.replicated)
 
 
 def _check_names(trained: dict[str, np.ndarray], expected: dict[str, jax.Array]) -> None:

@@ -1,5 +1,10 @@
-"""Rematerialisation per decoder layer: the backward pass recomputes each layer's activations
-from its input instead of keeping every layer's alive at once.
+"""Rematerialisation per decoder layer: what each layer keeps for the backward pass.
+
+`layer`: only the layer's input; the backward pass recomputes the whole layer. `matmuls`: the
+outputs of its weight matmuls; the elementwise ops between them (norms, activations, rotary
+embeddings, dtype casts, residual adds), whose saved intermediates otherwise outweigh the
+matmul outputs several times over, are recomputed, which costs memory bandwidth, not FLOPs.
+`none`: everything autodiff saves.
 
 `jax.checkpoint` alone does not lower memory on XLA's CPU backend: its scheduler runs the
 recomputation early, as soon as the layer inputs exist, so all layers' activations are live
@@ -63,9 +68,14 @@ def tied_checkpoint(fn: Callable) -> Callable:
     return run
 
 
-def _keyed(forward: Callable, remat: bool) -> Callable:
+# Saved under `matmuls`: outputs of dots without batch dimensions, i.e. x @ W for the layer's weights
+# (attention's own q·k and p·v are batched dots, recomputed inside the fused attention anyway).
+SAVE_MATMULS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def _keyed(forward: Callable, remat: str) -> Callable:
     """`forward` (a decoder layer's) drawing its dropout from a key of its own, recomputed in the
-    backward pass when `remat`.
+    backward pass as `remat` says (none, matmuls or layer).
 
     Remat needs that key: the recomputation must draw the forward's dropout masks again. The
     layer takes the same key without remat, so that remat changes memory alone, never the masks.
@@ -97,16 +107,17 @@ def _keyed(forward: Callable, remat: bool) -> Callable:
             with env.override_property(prng=interop.jax_view(key)):
                 return forward(*full, **kwargs)
 
-        checkpointed = interop.torch_view(tied_checkpoint(interop.jax_view(layer)))
+        wrap = tied_checkpoint if remat == "layer" else functools.partial(jax.checkpoint, policy=SAVE_MATMULS)
+        checkpointed = interop.torch_view(wrap(interop.jax_view(layer)))
         return checkpointed(interop.torch_view(layer_key()), *(args[i] for i in where))
 
-    return recomputed if remat else plain
+    return plain if remat == "none" else recomputed
 
 
 @contextlib.contextmanager
-def keyed_layers(module: torch.nn.Module, remat: bool) -> Iterator[None]:
+def keyed_layers(module: torch.nn.Module, remat: str) -> Iterator[None]:
     """While active (that is, while a step is traced), every decoder layer draws its dropout from
-    its own key and, with `remat`, is recomputed in the backward pass."""
+    its own key and keeps for the backward pass what `remat` says."""
     layers = decoder_layers(module)
     for layer in layers:
         layer.forward = _keyed(type(layer).forward.__get__(layer), remat)

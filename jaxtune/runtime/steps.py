@@ -8,7 +8,6 @@ backward pass, and draws dropout from a key the caller derives from (seed, step)
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -17,44 +16,8 @@ import optax
 import torch
 
 from jaxtune.config import TrainConfig
-from jaxtune.data.tokenize import IGNORE_INDEX
+from jaxtune.runtime.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.model import JaxModel
-
-
-def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row summed next-token NLL and count of scored tokens; labels of -100 are not scored."""
-    logits = logits[:, :-1].float()  # (b, t-1, v): fp32 log-softmax whatever the weights' dtype
-    target = labels[:, 1:]  # (b, t-1)
-    scored = target != IGNORE_INDEX
-    logp = torch.log_softmax(logits, dim=-1)
-    picked = torch.gather(logp, -1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return -(picked * scored).sum(-1), scored.sum(-1)
-
-
-def forward_logits(model: JaxModel, training: bool = False, remat: bool = False) -> Callable:
-    """(weights, buffers, batch) -> logits, the model run as a pure function of its tensors.
-
-    `training` puts the module in train mode (dropout on) while it is traced; `remat` recomputes
-    each decoder layer in the backward pass. Either way each layer draws its dropout from a key of
-    its own (see `remat.keyed_layers`), so remat never changes the dropout masks.
-    """
-    from jaxtune.runtime.remat import keyed_layers
-
-    module = model.module
-
-    def forward(weights, buffers, batch):
-        module.train(training)
-        with keyed_layers(module, remat) if training or remat else contextlib.nullcontext():
-            out = torch.func.functional_call(
-                module,
-                (model.for_compute(weights), buffers),
-                args=(),
-                kwargs={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False},
-            )
-        module.eval()
-        return out.logits
-
-    return forward
 
 
 class GradNormState(NamedTuple):
@@ -88,33 +51,49 @@ def learning_rate_schedule(cfg: TrainConfig, total_steps: int) -> optax.Schedule
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
-def make_optimizer(cfg: TrainConfig, total_steps: int) -> optax.GradientTransformation:
-    schedule = learning_rate_schedule(cfg, total_steps)
-    if cfg.optimizer == "adafactor":
-        # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting.
-        update = optax.adafactor(schedule, multiply_by_parameter_scale=False, weight_decay_rate=cfg.weight_decay or None)
-    elif cfg.optimizer == "sgd":
-        update = optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.sgd(schedule, momentum=0.9))
-    else:
-        update = optax.adamw(schedule, weight_decay=cfg.weight_decay)
-    return optax.chain(record_grad_norm(), optax.clip_by_global_norm(cfg.max_grad_norm), update)
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clipping and the update rule, with the learning rate a hyperparameter held in the state.
+
+    The train step writes each step's rate into the state (`with_learning_rate`), so the
+    schedule is evaluated on the host and a new rate or schedule never recompiles the step.
+    """
+
+    def chain(learning_rate):
+        if cfg.optimizer == "adafactor":
+            # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting.
+            update = optax.adafactor(learning_rate, multiply_by_parameter_scale=False,
+                                     weight_decay_rate=cfg.weight_decay or None)
+        elif cfg.optimizer == "sgd":
+            update = optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.sgd(learning_rate, momentum=0.9))
+        else:
+            update = optax.adamw(learning_rate, weight_decay=cfg.weight_decay)
+        return optax.chain(record_grad_norm(), optax.clip_by_global_norm(cfg.max_grad_norm), update)
+
+    # A strongly typed float32: a weak-typed Python float here would make the state the step
+    # returns (strong float32) differ in type from the one it was first called with: a recompile.
+    return optax.inject_hyperparams(chain)(learning_rate=jnp.asarray(cfg.learning_rate, jnp.float32))
+
+
+def with_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
+    """`opt_state` with this step's learning rate."""
+    return opt_state._replace(hyperparams={**opt_state.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
 
 
 def grad_norm_of(opt_state: Any) -> jax.Array:
-    return opt_state[0].grad_norm
+    return opt_state.inner_state[0].grad_norm
 
 
-def _summed_nll(model: JaxModel, training: bool, remat: bool) -> Callable:
+def _summed_nll(model: JaxModel, training: bool, remat: str, fused: bool) -> Callable:
     """JAX function (weights, buffers, batch, labels, key) -> (summed token NLL, scored tokens);
     dropout, if any, draws from `key`."""
     from torchax import interop
 
-    forward = forward_logits(model, training=training, remat=remat)
+    forward = forward_token_nll(model, training=training, remat=remat, fused=fused)
 
     def summed(weights, buffers, batch, labels):
         with model.env:
-            nll, count = token_nll(forward(weights, buffers, batch), labels)
-            return nll.sum(), count.sum()
+            nll, scored = forward(weights, buffers, batch, labels)
+            return nll.sum(), scored.sum()
 
     as_jax = interop.jax_view(summed)
 
@@ -125,15 +104,15 @@ def _summed_nll(model: JaxModel, training: bool, remat: bool) -> Callable:
     return run
 
 
-def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, remat: bool) -> Callable:
-    """step(weights, buffers, opt_state, batch, labels, key) -> (loss, weights, opt_state).
+def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool) -> Callable:
+    """step(weights, buffers, opt_state, batch, labels, key, lr) -> (loss, weights, opt_state).
 
     `batch` arrays and `labels` are (k, b, t): k micro-batches whose summed gradients, divided
-    by all k·b rows' scored tokens, equal one (k·b)-row batch's mean-token-loss gradient.
+    by all k micro-batches' scored tokens, equal one big batch's mean-token-loss gradient.
     """
-    grad = jax.value_and_grad(_summed_nll(model, training=True, remat=remat), has_aux=True)
+    grad = jax.value_and_grad(_summed_nll(model, training=True, remat=remat, fused=fused), has_aux=True)
 
-    def step(weights, buffers, opt_state, batch, labels, key):
+    def train_step(weights, buffers, opt_state, batch, labels, key, lr):
         def micro(carry, xs):
             grads, nll, count = carry
             micro_batch, micro_labels, index = xs
@@ -145,25 +124,31 @@ def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, rem
         (grads, nll, count), _ = jax.lax.scan(micro, zeros, (batch, labels, jnp.arange(k)))
         scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, weights)
+        updates, opt_state = optimizer.update(grads, with_learning_rate(opt_state, lr), weights)
         return nll * scale, optax.apply_updates(weights, updates), opt_state
 
-    return step
+    return train_step
 
 
-def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: bool):
+def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool):
     """The train step jitted, donating weights and optimizer state so they update in place."""
-    return jax.jit(_train_step_fn(model, optimizer, remat), donate_argnums=(0, 2))
+    return jax.jit(_train_step_fn(model, optimizer, remat, fused), donate_argnums=(0, 2))
 
 
-def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: bool = False) -> Callable:
-    """The train step jitted, donating weights and optimizer state so they update in place."""
-    jitted = _jitted_train_step(model, optimizer, remat)
+def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
+                    fused: bool = True) -> Callable:
+    """step(weights, buffers, opt_state, batch, labels, key, lr), jitted; weights and optimizer state are donated.
 
-    def run(weights, buffers, opt_state, batch, labels, key):
+    `fused=False` runs transformers' eager attention and full logits (what PyTorch eager
+    computes); it cannot isolate packed rows, so it takes unpacked batches only.
+    """
+    jitted = _jitted_train_step(model, optimizer, remat, fused)
+
+    def run(weights, buffers, opt_state, batch, labels, key, lr):
         with model.env:
-            return jitted(weights, buffers, opt_state, batch, labels, key)
+            return jitted(weights, buffers, opt_state, batch, labels, key, jnp.asarray(lr, jnp.float32))
 
+    run.jitted = jitted  # for counting compilations
     return run
 
 
@@ -172,22 +157,26 @@ def step_key(seed: int, step: int) -> jax.Array:
     return jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
 
+BATCH_KEYS = ("input_ids", "attention_mask", "segment_ids", "position_ids")
+
+
 def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
-                      length: int, remat: bool = False) -> dict:
+                      length: int, remat: str = "none", fused: bool = True) -> dict:
     """XLA's memory plan for one train step of (micro_batches, batch_size, length), compiled from shapes alone.
 
     Bytes of arguments (weights, frozen tensors, optimizer state, batch), of outputs, of
     temporaries (activations kept for the backward pass, gradients), and their peak.
     """
-    jitted = _jitted_train_step(model, optimizer, remat)
+    jitted = _jitted_train_step(model, optimizer, remat, fused)
     spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
     opt_state = jax.eval_shape(optimizer.init, spec(model.weights))
     shape = (micro_batches, batch_size, length)
-    batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in ("input_ids", "attention_mask")}
+    batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in BATCH_KEYS}
     labels = jax.ShapeDtypeStruct(shape, jnp.int32)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    lr = jax.ShapeDtypeStruct((), jnp.float32)
     with model.env:
-        compiled = jitted.lower(spec(model.weights), spec(model.buffers), opt_state, batch, labels, key).compile()
+        compiled = jitted.lower(spec(model.weights), spec(model.buffers), opt_state, batch, labels, key, lr).compile()
     stats = compiled.memory_analysis()
     plan = {
         "argument_bytes": int(stats.argument_size_in_bytes),
@@ -201,22 +190,20 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
 
 
 def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean NLL over every scored token of the batch (the training objective)."""
-    nll, count = token_nll(logits, labels)
-    return nll.sum() / torch.clamp(count.sum(), min=1)
+    """Mean NLL over every scored token of the batch (the training objective), from full logits."""
+    nll, scored = token_nll(logits, labels)
+    return nll.sum() / torch.clamp(scored.sum(), min=1)
 
 
-def make_loss_and_grad(model: JaxModel, remat: bool = False) -> Callable:
+def make_loss_and_grad(model: JaxModel, remat: str = "none", fused: bool = True) -> Callable:
     """grad(weights, buffers, batch, labels) -> (mean token loss, gradients of the weights), jitted."""
-    from torchax import interop
-
-    forward = forward_logits(model, remat=remat)
+    summed = _summed_nll(model, training=False, remat=remat, fused=fused)
 
     def loss(weights, buffers, batch, labels):
-        with model.env:
-            return mean_token_loss(forward(weights, buffers, batch), labels)
+        nll, count = summed(weights, buffers, batch, labels, jnp.zeros((2,), jnp.uint32))
+        return nll / jnp.maximum(count, 1)
 
-    jitted = jax.jit(jax.value_and_grad(interop.jax_view(loss)))
+    jitted = jax.jit(jax.value_and_grad(loss))
 
     def run(weights, buffers, batch, labels):
         with model.env:
@@ -225,14 +212,15 @@ def make_loss_and_grad(model: JaxModel, remat: bool = False) -> Callable:
     return run
 
 
-def make_eval_step(model: JaxModel) -> Callable:
+def make_eval_step(model: JaxModel, fused: bool = True) -> Callable:
     """eval(weights, buffers, batch, labels) -> (per-row NLL sum, per-row scored tokens)."""
     from torchax import interop
 
-    forward = forward_logits(model)
+    forward = forward_token_nll(model, fused=fused)
 
     def evaluate(weights, buffers, batch, labels):
-        return token_nll(forward(weights, buffers, batch), labels)
+        nll, scored = forward(weights, buffers, batch, labels)
+        return nll.sum(-1), scored.sum(-1)
 
     jitted = interop.jax_jit(evaluate)
 

@@ -18,8 +18,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime import checkpoint, memory, steps
-from jaxtune.runtime.batches import bucket_length, pad_batch, train_batches
+from jaxtune.runtime import attention, checkpoint, memory, steps
+from jaxtune.runtime.feed import Feed, make_feed
 from jaxtune.runtime.model import JaxModel
 
 
@@ -36,11 +36,16 @@ class TrainResult:
     memory: dict = field(default_factory=dict)
 
 
-def total_steps(cfg: TrainConfig, n_rows: int) -> int:
-    """`max_steps`, or the optimizer steps in `epochs` passes (each pass drops its last partial micro-batch)."""
+def feed_for(model: JaxModel, lengths: Sequence[int], cfg: TrainConfig, max_length: int, packing: bool = True) -> Feed:
+    """Packed micro-batches when asked for and the model's attention can isolate rows (else padded ones)."""
+    return make_feed(lengths, cfg, max_length, model.placement.data_size, packing and attention.supported(model.module))
+
+
+def total_steps(cfg: TrainConfig, feed: Feed) -> int:
+    """`max_steps`, or the optimizer steps in `epochs` passes over the feed's micro-batches."""
     if cfg.max_steps is not None:
         return cfg.max_steps
-    return max(cfg.epochs * (n_rows // cfg.batch_size) // cfg.grad_accumulation, 1)
+    return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 1)
 
 
 def train(
@@ -54,22 +59,25 @@ def train(
     eval_data: tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]] | None = None,
     checkpoint_dir: Path | None = None,
     check_memory: bool = True,
+    packing: bool = True,
 ) -> TrainResult:
     """Train for `total_steps`; resume from the newest checkpoint in `checkpoint_dir` if there is one."""
-    if cfg.batch_size % model.placement.data_size:
-        raise ValueError(f"train.batch_size={cfg.batch_size} must divide over {model.placement.data_size} data-parallel devices")
-    total = total_steps(cfg, len(input_ids))
-    optimizer = steps.make_optimizer(cfg, total)
+    feed = feed_for(model, [len(x) for x in input_ids], cfg, max_length, packing)
+    fused = attention.supported(model.module)
+    total = total_steps(cfg, feed)
+    optimizer = steps.make_optimizer(cfg)
     schedule = steps.learning_rate_schedule(cfg, total)
     plan = {}
     if check_memory:
-        plan = memory.memory_plan(model, optimizer, cfg, max_length)
+        plan = memory.memory_plan(model, optimizer, cfg, feed.length, rows=feed.rows, fused=fused)
         on_log([{"memory_plan": plan, "message": memory.describe(plan)}])
         memory.check_fits(plan, cfg)
-    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat == "layer")
+    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused)
     evaluate = _evaluator(model, eval_data, cfg, pad_id) if cfg.eval_every and eval_data else None
+    flops = flops_per_token(model, feed)
 
-    weights, opt_state, start, log = model.weights, optimizer.init(model.weights), 0, []
+    # Placed on the mesh as the step's outputs are: a state on one device would compile the step twice.
+    weights, opt_state, start, log = model.weights, model.placement.replicate(optimizer.init(model.weights)), 0, []
     resumed = checkpoint.latest(checkpoint_dir, opt_state) if checkpoint_dir else None
     if resumed is not None:
         weights = {name: model.placement.replicate(jax.numpy.asarray(resumed.weights[name])) for name in weights}
@@ -79,23 +87,22 @@ def train(
     last_checkpoint = str(resumed.path) if resumed else None
 
     k = cfg.grad_accumulation
-    micro_batches = train_batches(len(input_ids), cfg.batch_size, cfg.seed)
+    micro_batches = feed.micro_batches(input_ids, labels, pad_id)
     for _ in range(start * k):  # the data position: every micro-batch before the resumed step
         next(micro_batches)
-    pending, window_tokens = [], 0
+    pending, window_tokens, slots = [], 0, [0, 0]
     started = window_start = time.perf_counter()
     compile_seconds = 0.0
     for step in tqdm(range(start + 1, total + 1), desc="train", unit="step", initial=start, total=total):
-        rows = [next(micro_batches) for _ in range(k)]
-        length = bucket_length(max(len(input_ids[r]) for chunk in rows for r in chunk), max_length)
-        parts = [pad_batch([input_ids[r] for r in chunk], [labels[r] for r in chunk], pad_id, length, cfg.batch_size)
-                 for chunk in rows]
+        parts = [next(micro_batches) for _ in range(k)]
         batch = {name: np.stack([part[name] for part in parts]) for name in parts[0]}
         tokens = int(batch["attention_mask"].sum())
         window_tokens += tokens
+        slots[0], slots[1] = slots[0] + tokens, slots[1] + batch["attention_mask"].size
         batch = model.placement.shard_micro_batches(batch)
         batch_labels = batch.pop("labels")
-        loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, batch, batch_labels, steps.step_key(cfg.seed, step))
+        loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, batch, batch_labels,
+                                           steps.step_key(cfg.seed, step), schedule(step - 1))
         pending.append((step, tokens, loss, steps.grad_norm_of(opt_state)))
 
         saving = step % cfg.checkpoint_every == 0 and step < total and checkpoint_dir is not None
@@ -106,7 +113,7 @@ def train(
             if step == start + 1:  # the first call compiles: no tokens/s for it
                 compile_seconds, window_tokens = elapsed, 0
             records = [_record(s, float(l), float(g), t, schedule, window_tokens / elapsed if window_tokens else 0.0,
-                               last_checkpoint) for s, t, l, g in fetched]
+                               last_checkpoint, flops) for s, t, l, g in fetched]
             log += records
             on_log(records)
             pending, window_tokens, window_start = [], 0, time.perf_counter()
@@ -123,12 +130,19 @@ def train(
     train_records = [r for r in log if "loss" in r]
     window = [r for r in train_records if r["step"] > total - cfg.log_every] or train_records[-1:]
     steady = [r for r in train_records if r["step"] > start + 1 and r["tokens_per_second"]]
+    tokens_per_second = float(np.mean([r["tokens_per_second"] for r in steady])) if steady else 0.0
     summary = {
         "steps": total,
         "resumed_from": start,
         "seconds": round(time.perf_counter() - started, 3),
         "compile_seconds": round(compile_seconds, 3),
-        "tokens_per_second": round(float(np.mean([r["tokens_per_second"] for r in steady])), 1) if steady else 0.0,
+        "tokens_per_second": round(tokens_per_second, 1),
+        "mfu": round(tokens_per_second * flops["per_token"] / flops["peak"], 4) if flops["peak"] else None,
+        "mfu_derivation": flops["derivation"],
+        "packed": feed.packed,
+        "fused_attention": fused,
+        "batch_shape": [k, feed.rows, feed.length],
+        "nonpad_fraction": round(slots[0] / slots[1], 4) if slots[1] else None,
         "final_loss": float(np.mean([r["loss"] for r in window])),
         "trainable_parameters": int(sum(np.prod(v.shape) for v in weights.values())),
         "rows_per_step": cfg.batch_size * k,
@@ -137,8 +151,20 @@ def train(
     return TrainResult(weights=weights, opt_state=jax.device_get(opt_state), log=log, summary=summary, memory=plan)
 
 
+def flops_per_token(model: JaxModel, feed: Feed) -> dict:
+    """Model FLOPs per real token (attention over about half the mean row, causally) and the devices' peak."""
+    from jaxtune.runtime.flops import device_peak, train_flops_per_token
+
+    context = float(np.mean(feed.lengths)) / 2
+    per_token = train_flops_per_token(model, context)["total"]
+    peak = device_peak()
+    return {"per_token": per_token, "peak": peak["peak_flops"],
+            "derivation": f"{per_token / 1e6:.1f} MFLOP per token (forward + backward, attention over {context:.0f} "
+                          f"tokens); peak {peak['derivation']}"}
+
+
 def _record(step: int, loss: float, grad_norm: float, tokens: int, schedule, tokens_per_second: float,
-            last_checkpoint: str | None) -> dict:
+            last_checkpoint: str | None, flops: dict) -> dict:
     if not (np.isfinite(loss) and np.isfinite(grad_norm)):
         where = f"last good checkpoint: {last_checkpoint} (kept)" if last_checkpoint else "no checkpoint was written yet"
         raise NonFiniteLoss(f"train step {step}: loss {loss}, gradient norm {grad_norm}; {where}")
@@ -149,6 +175,7 @@ def _record(step: int, loss: float, grad_norm: float, tokens: int, schedule, tok
         "grad_norm": round(grad_norm, 6),
         "tokens": tokens,
         "tokens_per_second": round(tokens_per_second, 1),
+        "mfu": round(tokens_per_second * flops["per_token"] / flops["peak"], 4) if flops["peak"] else None,
     }
 
 

@@ -21,14 +21,15 @@ def _batch(seed=2, b=3, t=40):
 
 
 def _train(jm, cfg: TrainConfig, n: int):
-    optimizer = steps.make_optimizer(cfg, n)
+    optimizer = steps.make_optimizer(cfg)
     train_step = steps.make_train_step(jm, optimizer)
     batch, labels = _batch()
     batch, labels = {k: v[None] for k, v in batch.items()}, labels[None]  # one micro-batch per step
     weights, opt_state = jm.weights, optimizer.init(jm.weights)
     losses = []
     for step in range(1, n + 1):
-        loss, weights, opt_state = train_step(weights, jm.buffers, opt_state, batch, labels, steps.step_key(0, step))
+        loss, weights, opt_state = train_step(weights, jm.buffers, opt_state, batch, labels, steps.step_key(0, step),
+                                                 cfg.learning_rate)
         losses.append(float(loss))
     return losses, weights, opt_state
 

@@ -9,6 +9,7 @@ from jaxtune.config import ConfigError, LoraConfig, MeshConfig, TrainConfig, loa
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime import steps
 from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.feed import make_feed
 from jaxtune.runtime.training import total_steps
 from tests.conftest import PAD, VOCAB, tiny_model
 
@@ -37,14 +38,14 @@ def rows(n: int, seed: int = 0, longest: int = 40) -> tuple[np.ndarray, np.ndarr
     return ids, mask, np.where(mask == 1, ids, -100).astype(np.int32)
 
 
-def one_step(model, cfg: TrainConfig, ids, mask, labels, k: int, remat: bool = False):
+def one_step(model, cfg: TrainConfig, ids, mask, labels, k: int, remat: str = "none"):
     """One optimizer step over the rows split into k micro-batches; returns (loss, new weights)."""
-    optimizer = steps.make_optimizer(cfg, 10)
+    optimizer = steps.make_optimizer(cfg)
     step = steps.make_train_step(model, optimizer, remat=remat)
     shape = lambda a: a.reshape(k, a.shape[0] // k, a.shape[1])  # noqa: E731
     weights = {name: value.copy() for name, value in model.weights.items()}  # the step donates its inputs
     loss, weights, _ = step(weights, model.buffers, optimizer.init(weights), {"input_ids": shape(ids), "attention_mask": shape(mask)},
-                            shape(labels), steps.step_key(0, 1))
+                            shape(labels), steps.step_key(0, 1), cfg.learning_rate)
     return float(loss), {name: np.asarray(value) for name, value in weights.items()}
 
 
@@ -69,16 +70,16 @@ def test_four_micro_batches_make_the_update_of_one_batch_four_times_larger():
 def test_layer_remat_cuts_temporary_memory_and_keeps_the_loss():
     """4 layers at sequence length 512: XLA's temp bytes drop by >= 30%, loss and update unchanged."""
     model = lora_model(layers=4)
-    optimizer = steps.make_optimizer(TrainConfig(), 10)
-    plain = steps.train_step_memory(model, optimizer, 1, 2, 512, remat=False)["temp_bytes"]
-    remat = steps.train_step_memory(model, optimizer, 1, 2, 512, remat=True)["temp_bytes"]
+    optimizer = steps.make_optimizer(TrainConfig())
+    plain = steps.train_step_memory(model, optimizer, 1, 2, 512, remat="none")["temp_bytes"]
+    remat = steps.train_step_memory(model, optimizer, 1, 2, 512, remat="layer")["temp_bytes"]
     print(f"temp memory at 2 x 512, 4 layers: no remat {plain / 2**20:.1f} MiB, remat layer {remat / 2**20:.1f} MiB "
           f"({100 * (1 - remat / plain):.0f}% less)")
     assert remat <= 0.7 * plain
     ids, mask, labels = rows(2, longest=512)
     batch = {"input_ids": ids, "attention_mask": mask}
     loss, grads = steps.make_loss_and_grad(model)(model.weights, model.buffers, batch, labels)
-    remat_loss, remat_grads = steps.make_loss_and_grad(model, remat=True)(model.weights, model.buffers, batch, labels)
+    remat_loss, remat_grads = steps.make_loss_and_grad(model, remat="layer")(model.weights, model.buffers, batch, labels)
     as_np = lambda g: {n: np.asarray(v) for n, v in g.items()}  # noqa: E731
     # Recomputed activations may be fused differently by XLA: equal up to float rounding.
     assert abs(float(remat_loss) - float(loss)) <= 1e-6 * float(loss)
@@ -98,19 +99,23 @@ def test_learning_rate_schedules(schedule, expected):
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "sgd"])
 def test_every_optimizer_lowers_the_loss_on_one_batch(optimizer):
     model = lora_model()
-    opt = steps.make_optimizer(TrainConfig(optimizer=optimizer, learning_rate=1e-2, warmup_steps=0), 10)
+    opt = steps.make_optimizer(TrainConfig(optimizer=optimizer, learning_rate=1e-2, warmup_steps=0))
     step = steps.make_train_step(model, opt)
     ids, mask, labels = rows(4)
     batch, labels = {"input_ids": ids[None], "attention_mask": mask[None]}, labels[None]
     weights, state, losses = model.weights, opt.init(model.weights), []
     for i in range(1, 9):
-        loss, weights, state = step(weights, model.buffers, state, batch, labels, steps.step_key(0, i))
+        loss, weights, state = step(weights, model.buffers, state, batch, labels, steps.step_key(0, i), 1e-2)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.05, losses
 
 
 def test_epochs_set_the_step_count():
     cfg = load_config(None, ["train.max_steps=null", "train.epochs=3", "train.batch_size=4", "train.grad_accumulation=2"])
-    assert total_steps(cfg.train, 100) == 3 * (100 // 4) // 2 == 37
+    assert total_steps(cfg.train, make_feed([10] * 100, cfg.train, 64, 1, packed=False)) == 3 * (100 // 4) // 2 == 37
+    # Packed: 8-token rows, two to a 16-token sequence, two sequences hold the batch's 4 rows.
+    packed = make_feed([8] * 100, cfg.train, 64, 1, packed=True)
+    assert (packed.rows, packed.length, packed.micro_batches_per_epoch) == (2, 16, 25)
+    assert total_steps(cfg.train, packed) == 37
     with pytest.raises(ConfigError, match="exactly one of train.max_steps and train.epochs"):
         load_config(None, ["train.epochs=3"])  # max_steps is set too

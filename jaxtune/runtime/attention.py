@@ -1,0 +1,125 @@
+"""Fused, segment-aware attention for the models' own attention layers, as one JAX call.
+
+transformers lets a model's attention layers dispatch to a registered function
+(`AttentionInterface`). jaxtune registers `ATTENTION` there and switches a model to it only
+while a train or eval step is traced, so PyTorch eager (the parity reference) and the decoder's
+KV-cache path keep transformers' own eager attention.
+
+The function builds its mask from `segment_ids` (which the step passes as a model keyword, and
+transformers hands on to every attention layer): a token sees the earlier tokens of its own
+segment, within the layer's sliding window if it has one. Padding is a segment of its own, so no
+row is ever fully masked (no NaN) and a padded row computes what it computes alone; packed rows
+are segments too. transformers builds no (b, 1, t, t) mask for it: `ATTENTION` is absent from
+its mask registry on purpose.
+
+The scores never outlive one layer: the core runs under `tied_checkpoint`, so the backward
+pass recomputes them from q, k and v instead of keeping (b, heads, t, t) per layer. The core is
+`jax.nn.dot_product_attention` (XLA on CPU and TPU, cuDNN's fused kernel on GPU where it applies);
+soft-capped scores (Gemma 2) and attention dropout, which that function cannot express, run
+the same math written out in JAX, still checkpointed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from jaxtune.runtime.remat import tied_checkpoint
+
+ATTENTION = "jaxtune_fused"
+
+
+def segment_mask(segment_ids: jax.Array, window: int | None) -> jax.Array:
+    """(b, 1, t, t) bool: query i sees key j when both are in one segment, j <= i, and i - j < window."""
+    t = segment_ids.shape[-1]
+    index = jnp.arange(t)
+    allowed = segment_ids[:, :, None] == segment_ids[:, None, :]  # (b, t, t)
+    allowed &= index[:, None] >= index[None, :]
+    if window is not None:
+        allowed &= index[:, None] - index[None, :] < window  # transformers' sliding_window_overlay
+    return allowed[:, None]
+
+
+def _core(query, key, value, segment_ids, *, scale, window, softcap, dropout, dropout_key):
+    """q (b, t, n, h), k/v (b, t, kv, h) -> (b, t, n, h)."""
+    mask = segment_mask(segment_ids, window)
+    if softcap is None and dropout == 0.0:
+        return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale)
+    groups = query.shape[2] // key.shape[2]
+    key, value = (jnp.repeat(x, groups, axis=2) for x in (key, value))
+    scores = jnp.einsum("btnh,bsnh->bnts", query, key).astype(jnp.float32) * scale  # (b, n, t, t)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if dropout:
+        keep = jax.random.bernoulli(dropout_key, 1.0 - dropout, probs.shape)
+        probs = jnp.where(keep, probs / (1.0 - dropout), 0.0)
+    return jnp.einsum("bnts,bsnh->btnh", probs.astype(value.dtype), value)
+
+
+def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                    softcap=None, segment_ids=None, **kwargs):
+    """transformers' attention signature: q (b, n, t, h), k/v (b, kv, t, h) -> ((b, t, n, h), None)."""
+    from torchax import interop
+
+    from jaxtune.runtime.compat import torchax_env
+
+    if segment_ids is None:
+        raise ValueError(f"{ATTENTION} attention needs the segment_ids keyword; it runs only inside jaxtune's steps")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    dropout_key = torchax_env().get_and_rotate_prng_key() if dropout else None
+    if dropout_key is not None and jax.dtypes.issubdtype(dropout_key.dtype, jax.dtypes.prng_key):
+        dropout_key = jax.random.key_data(dropout_key)
+    core = functools.partial(_core, scale=float(scale), window=sliding_window, softcap=softcap, dropout=float(dropout))
+
+    def run(q, k, v, segments, key_data):
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (b, t, heads, h)
+        return tied_checkpoint(lambda *a: core(*a[:4], dropout_key=a[4]))(q, k, v, segments, key_data)
+
+    if dropout_key is None:
+        dropout_key = jnp.zeros((2,), jnp.uint32)
+    out = interop.call_jax(run, query, key, value, segment_ids, interop.torch_view(dropout_key))
+    return out, None
+
+
+def register() -> None:
+    """Make `ATTENTION` a name transformers' attention layers can dispatch to (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, fused_attention)
+
+
+def supported(module: torch.nn.Module) -> bool:
+    """Whether the model's attention layers dispatch through transformers' AttentionInterface (and so
+    can run `fused_attention`). Models that do not (older remote code) keep eager attention and padded batches."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return bool(getattr(base, "_supports_attention_backend", False))
+
+
+def _configs(module: torch.nn.Module) -> list:
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return list({id(c): c for c in (base.config, base.config.get_text_config())}.values())
+
+
+@contextlib.contextmanager
+def fused(module: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """While active (while a step is traced), the model's attention layers run `fused_attention`."""
+    if not enabled:
+        yield
+        return
+    register()
+    configs = _configs(module)
+    before = [c._attn_implementation for c in configs]
+    for config in configs:
+        config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        for config, name in zip(configs, before):
+            config._attn_implementation = name

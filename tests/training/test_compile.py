@@ -1,0 +1,106 @@
+"""Compilation: one train-step program per distinct batch shape, a learning rate that never
+recompiles, and a persistent cache that a later process (here: a cleared in-memory cache) reads."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.experimental.compilation_cache.compilation_cache
+import numpy as np
+import pytest
+
+from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
+from jaxtune.runtime import compile_cache, steps, training
+from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.feed import make_feed
+from jaxtune.runtime.mesh import make_placement
+from tests.conftest import PAD, VOCAB, tiny_model
+
+pytestmark = pytest.mark.training
+
+LENGTHS = [9, 14, 22, 30, 41, 47, 60, 12, 18, 35, 50, 25] * 2  # one to four 16-token buckets per batch of 4
+
+
+def lora_model():
+    module = rt_model.attach_lora(tiny_model("llama"), LoraConfig(r=4, alpha=8))
+    return rt_model.to_jax(module, make_placement(MeshConfig()))
+
+
+def rows():
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(3, VOCAB, n).tolist() for n in LENGTHS]
+    return ids, [list(r) for r in ids]
+
+
+def train_step_compiles(caplog, packing: bool, cfg: TrainConfig) -> int:
+    ids, labels = rows()
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level(logging.WARNING, logger="jax._src.interpreters.pxla"):
+        training.train(lora_model(), ids, labels, cfg, PAD, 64, check_memory=False, packing=packing)
+    return sum("Compiling jit(train_step)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_packed_run_compiles_its_step_once_a_padded_one_once_per_length_bucket(caplog):
+    cfg = TrainConfig(max_steps=6, batch_size=4, warmup_steps=2, log_every=3)
+    assert train_step_compiles(caplog, packing=True, cfg=cfg) == 1
+    feed = make_feed(LENGTHS, cfg, 64, 1, packed=False)
+    batches = feed.micro_batches(*rows(), PAD)
+    buckets = {next(batches)["input_ids"].shape for _ in range(cfg.max_steps)}
+    assert len(buckets) > 1
+    assert train_step_compiles(caplog, packing=False, cfg=cfg) == len(buckets)
+
+
+def test_the_learning_rate_is_an_input_of_the_step_not_a_constant():
+    """Two runs differing only in rate and schedule lower to the very same program, so the second
+    finds the first's in the persistent cache; one jitted step serves every rate."""
+    model = lora_model()
+    batch = {name: np.zeros((1, 2, 16), np.int32) for name in steps.BATCH_KEYS}
+    labels = np.zeros((1, 2, 16), np.int32)
+
+    def lowered(cfg: TrainConfig) -> str:
+        optimizer = steps.make_optimizer(cfg)
+        step = steps.make_train_step(model, optimizer)
+        with model.env:
+            return step.jitted.lower(model.weights, model.buffers, optimizer.init(model.weights), batch, labels,
+                                     steps.step_key(0, 1), np.float32(cfg.learning_rate)).as_text()
+
+    first = lowered(TrainConfig(learning_rate=1e-4, warmup_steps=10, lr_schedule="warmup_cosine"))
+    assert first == lowered(TrainConfig(learning_rate=3e-3, warmup_steps=0, lr_schedule="linear"))
+
+    optimizer = steps.make_optimizer(TrainConfig())
+    step = steps.make_train_step(model, optimizer)
+    weights, state = {k: v.copy() for k, v in model.weights.items()}, model.placement.replicate(optimizer.init(model.weights))
+    for i, lr in enumerate((0.0, 1e-3, 2e-3), start=1):
+        _, weights, state = step(weights, model.buffers, state, batch, labels, steps.step_key(0, i), lr)
+        assert float(state.hyperparams["learning_rate"]) == pytest.approx(lr)
+    assert step.jitted._cache_size() == 1
+
+
+def test_the_persistent_cache_serves_a_step_compiled_before(tmp_path):
+    hits = []
+    jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event))
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        compile_cache.enable(tmp_path / "xla-cache")
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # a toy model compiles fast
+        model = lora_model()
+        optimizer = steps.make_optimizer(TrainConfig())
+        batch = {name: np.ones((1, 2, 32), np.int32) for name in steps.BATCH_KEYS}
+        labels = np.ones((1, 2, 32), np.int32)
+
+        def run():
+            weights = {k: v.copy() for k, v in model.weights.items()}
+            step = steps.make_train_step(model, optimizer)
+            return float(step(weights, model.buffers, optimizer.init(weights), batch, labels, steps.step_key(0, 1), 1e-3)[0])
+
+        first = run()
+        assert any((tmp_path / "xla-cache").iterdir()), "the compiled step was written to the cache"
+        jax.clear_caches()  # what a new process starts with
+        hits.clear()
+        assert run() == first
+        assert "/jax/compilation_cache/cache_hits" in hits
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", compile_cache.MIN_COMPILE_SECONDS)
+        jax.experimental.compilation_cache.compilation_cache.reset_cache()
