@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 def _doctor(args, config) -> int:
     from jaxtune.doctor import DoctorError, diagnose, render
 
+    if config.store.compile_cache:
+        _compile_cache(config.store.root)
     try:
         model = _model_folder(args.model, config)
         diagnosis = diagnose(model, config, revision=args.revision, tokens=args.tokens)
@@ -106,6 +108,7 @@ def _decode(args) -> int:
     from jaxtune import chat
 
     chat.quiet_loading()
+    _compile_cache(args.store)
     try:
         prompts = chat.read_prompts(args.prompts, args.prompts_file) if args.command == "generate" else []
         session = chat.open_session(args.source, args.store, args.max_new_tokens, args.seed, args.temperature,
@@ -121,6 +124,12 @@ def _decode(args) -> int:
     else:
         chat.generate(session, prompts, sys.stdout, sys.stderr, system=args.system, jsonl=args.jsonl)
     return 0
+
+
+def _compile_cache(store_root: str) -> None:
+    from jaxtune.runtime import compile_cache
+
+    compile_cache.enable(compile_cache.folder_of(store_root))
 
 
 def _model_folder(name: str, config) -> str:

@@ -34,6 +34,12 @@ class DataConfig(Section):
     max_eval_rows: int | None = Field(None, gt=0, description="keep at most this many eval rows (None: all)")
     max_length: int = Field(512, ge=8, description="rows longer than this many tokens are dropped, not truncated")
     train_on_prompt: bool = Field(False, description="also compute loss on prompt tokens")
+    packing: bool = Field(
+        True,
+        description="pack several rows into each training sequence (kept apart by segment ids, positions restarting "
+        "per row): one compiled shape and almost no padding. Models whose attention cannot isolate rows train on "
+        "padded batches whatever this says. Changes batches, not tokens: only the train stage's key hashes it",
+    )
     seed: int = Field(0, description="seed of the train/eval split")
 
 
@@ -117,7 +123,12 @@ class TrainConfig(Section):
     epochs: int | None = Field(None, gt=0, description="passes over the training rows (needs max_steps: null)")
     batch_size: int = Field(8, gt=0, description="rows per micro-batch")
     grad_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step, summed inside one compiled step")
-    remat: Literal["none", "layer"] = Field("none", description="layer: recompute each decoder layer in the backward pass instead of storing its activations")
+    remat: Literal["none", "matmuls", "layer"] = Field(
+        "matmuls",
+        description="what each decoder layer keeps for the backward pass: none (keep every activation); matmuls "
+        "(keep the matmul outputs, recompute the elementwise ops between them: a fraction of the memory for little "
+        "compute); layer (keep only the layer's input and recompute the whole layer: least memory, one more forward)",
+    )
     eval_every: int | None = Field(None, gt=0, description="steps between eval-loss measurements during training (null: none)")
     checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints a crashed run resumes from")
     seed: int = Field(0, description="data order and dropout")
@@ -162,6 +173,10 @@ class MeshConfig(Section):
 
 class StoreConfig(Section):
     root: str = Field(".jaxtune/store", description="artifact store folder; not part of any cache key")
+    compile_cache: bool = Field(
+        True, description="keep XLA's compiled programs in <root>/xla-cache, so a later run with the same shapes "
+        "skips compiling; not part of any cache key",
+    )
 
 
 class JaxtuneConfig(Section):

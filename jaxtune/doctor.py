@@ -148,8 +148,7 @@ def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]
     module = _trainable(load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
     model = to_jax(module, make_placement(config.mesh))
     train = config.train
-    steps_for_schedule = train.max_steps or 1  # the schedule's length does not change the memory plan
-    plan = memory.memory_plan(model, steps.make_optimizer(train, steps_for_schedule), train, config.data.max_length)
+    plan = memory.memory_plan(model, steps.make_optimizer(train), train, config.data.max_length)
     shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {config.data.max_length}"
     limit = _size(plan["device_limit"]) if plan["device_limit"] else "not reported"
     return [

@@ -115,6 +115,10 @@ def finetune(config: JaxtuneConfig = DEFAULT, refresh: list[str] = [], until: st
     if unknown or until not in STAGES:
         raise ValueError(f"unknown stage(s) {sorted(unknown | ({until} - set(STAGES)))}; stages are {', '.join(STAGES)}")
     run = StageRunner(Path(config.store.root).resolve(), set(refresh))
+    if config.store.compile_cache:
+        from jaxtune.runtime import compile_cache
+
+        compile_cache.enable(compile_cache.folder_of(run.store.root))
     done: dict[str, ArtifactRef] = {}
     for step in pipeline(config):
         if step.stage in STAGES and STAGES.index(step.stage) > STAGES.index(until):
@@ -128,4 +132,4 @@ def finetune(config: JaxtuneConfig = DEFAULT, refresh: list[str] = [], until: st
 
 def _train_section(config: JaxtuneConfig) -> train.TrainSection:
     lora = config.lora if config.train.method == "lora" else None
-    return train.TrainSection(model=keyed_model(config.model), train=config.train, lora=lora)
+    return train.TrainSection(model=keyed_model(config.model), train=config.train, lora=lora, packing=config.data.packing)

@@ -28,8 +28,9 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "per_category": {c: {"baseline": baseline["per_category"][c]["loss"], "final": m["loss"]}
                          for c, m in final["per_category"].items()},
         "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
-        "train": {k: train[k] for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "trainable_parameters",
-                                         "rows_per_step", "resumed_from")},
+        "train": {k: train.get(k) for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "mfu",
+                                             "mfu_derivation", "nonpad_fraction", "packed", "batch_shape",
+                                             "trainable_parameters", "rows_per_step", "resumed_from")},
         "eval_during_training": [r for r in _log(inputs["train"]) if "eval_loss" in r],
         "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
         "data": inputs["tokenize"].read_json("stats.json"),
@@ -62,6 +63,16 @@ def plot_loss(log: list[dict], baseline: float, final: float, path: Path) -> Non
     plt.close(fig)
 
 
+def _speed_lines(t: dict) -> list[str]:
+    """Batch shape, the share of it that was real tokens, and model-FLOPs utilisation with its derivation."""
+    if t.get("batch_shape") is None:
+        return []
+    k, rows, length = t["batch_shape"]
+    kind = "packed sequences" if t["packed"] else "padded rows"
+    mfu = f"MFU {100 * t['mfu']:.1f}% ({t['mfu_derivation']})" if t.get("mfu") is not None else "MFU not known for this device"
+    return [f"Batches: {k} x {rows} {kind} of {length} tokens, {100 * t['nonpad_fraction']:.1f}% of them real tokens; {mfu}.", ""]
+
+
 def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
     b, f, em, t = summary["baseline"], summary["final"], summary["exact_match"], summary["train"]
     lines = [
@@ -72,6 +83,7 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         f"| exact match | {em['before']:.3f} | {em['after']:.3f} |", "",
         f"Training: {t['steps']} steps in {t['seconds']:.1f} s ({t['compile_seconds']:.1f} s compiling), "
         f"{t['tokens_per_second']:.0f} tokens/s, {t['trainable_parameters']:,} trainable parameters.", "",
+        *_speed_lines(t),
         f"![loss curve]({image})", "",
         "## Loss by category", "", "| category | before | after |", "|---|---|---|",
         *[f"| {c} | {v['baseline']:.4f} | {v['final']:.4f} |" for c, v in summary["per_category"].items()], "",

@@ -23,7 +23,8 @@ class TokenizeSection(Section):
 
     @classmethod
     def of(cls, data: DataConfig, model: ModelConfig) -> TokenizeSection:
-        return cls(data=data, chat_template=model.chat_template)
+        # Packing changes how the train stage batches the tokens, not the tokens: it is left out of this key.
+        return cls(data=data.model_copy(update={"packing": DataConfig().packing}), chat_template=model.chat_template)
 
 
 @task(name=STAGE, result_serializer="json")

@@ -21,6 +21,7 @@ class TrainSection(Section):
     model: ModelConfig
     train: TrainConfig
     lora: LoraConfig | None  # None for full fine-tuning, so LoRA settings do not touch its key
+    packing: bool  # data.packing
 
 
 @task(name=STAGE, result_serializer="json")
@@ -48,11 +49,12 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
                                     train_all=section.lora is None)
         table = read_arrow(inputs["data"].file("train.arrow")).to_pydict()
         evals = read_arrow(inputs["data"].file("eval.arrow")).to_pydict()
-        log = TrainLog(folder / "log.jsonl", training.total_steps(section.train, len(table["input_ids"])))
+        feed = training.feed_for(model, table["length"], section.train, max(table["length"]), section.packing)
+        log = TrainLog(folder / "log.jsonl", training.total_steps(section.train, feed))
         try:
             result = training.train(model, table["input_ids"], table["labels"], section.train, pad_id_of(tokenizer),
                                     max(table["length"]), log, eval_data=(evals["input_ids"], evals["labels"]),
-                                    checkpoint_dir=checkpoints)
+                                    checkpoint_dir=checkpoints, packing=section.packing)
         finally:
             log.close()
         rt_model.save_weights(result.weights, folder / "params.safetensors")

@@ -15,7 +15,7 @@ from tests.flows.toy import TOY
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[2]
-TIMINGS = ("seconds", "compile_seconds", "tokens_per_second")  # wall-clock figures, the only ones allowed to differ
+TIMINGS = ("seconds", "compile_seconds", "tokens_per_second", "mfu")  # wall-clock figures, the only ones allowed to differ
 
 
 def run_in_fresh_process(store: Path) -> Path:
