@@ -34,3 +34,29 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
 def test_doctor_on_a_missing_model_exits_2_naming_it(tmp_path, capsys):
     assert main(["doctor", str(tmp_path / "no-such-model")]) == 2
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_the_command_runs_under_a_fixed_hash_seed(monkeypatch):
+    """Under a random seed, Gemma 3's `set(layer_types)` traces a differently ordered program in
+    each process and the persistent compilation cache misses; the command re-executes itself once."""
+    import os
+    import sys
+
+    from jaxtune import cli
+
+    execs = []
+
+    def execv(executable, args):
+        execs.append((executable, args, os.environ["PYTHONHASHSEED"]))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execv", execv)
+    monkeypatch.setattr(sys, "argv", ["jaxtune", "run", "--set", "train.max_steps=3"])
+    monkeypatch.setenv("PYTHONHASHSEED", "random")
+    with pytest.raises(SystemExit):
+        cli.entry()
+    assert execs == [(sys.executable, [sys.executable, "-m", "jaxtune.cli", "run", "--set", "train.max_steps=3"], "0")]
+    monkeypatch.setattr(cli, "main", lambda: 0)  # already fixed: runs in place
+    with pytest.raises(SystemExit) as done:
+        cli.entry()
+    assert done.value.code == 0 and len(execs) == 1
