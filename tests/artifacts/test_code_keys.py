@@ -110,8 +110,8 @@ def test_editing_the_training_loop_rekeys_train_and_downstream_only(tmp_path):
     assert commented == here, "a docstring or comment is not code"
     edited = planned_keys_in(copy_with_edit(
         tmp_path, "edited", "runtime/training.py",
-        "return max(cfg.epochs * (n_rows // cfg.batch_size) // cfg.grad_accumulation, 1)",
-        "return max(cfg.epochs * (n_rows // cfg.batch_size) // cfg.grad_accumulation, 2)"))
+        "return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 1)",
+        "return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 2)"))
     changed = {stage for stage in here if edited[stage] != here[stage]}
     assert changed == AFTER_TRAIN, changed
 
