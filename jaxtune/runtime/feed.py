@@ -45,7 +45,7 @@ def make_feed(lengths: Sequence[int], cfg: TrainConfig, max_length: int, data_si
     """The feed of `cfg`'s run over rows of `lengths`; `data_size` devices split each micro-batch."""
     lengths = tuple(int(n) for n in lengths)
     if packed:
-        shape = packing.packed_shape(lengths, cfg.batch_size, max_length, multiple_of=data_size)
+        shape = packing.packed_shape(lengths, cfg.batch_size, max_length, multiple_of=data_size, seed=cfg.seed)
         per_epoch = packing.micro_batches_per_epoch(lengths, shape, cfg.seed)
         return Feed(True, shape.sequences, shape.length, per_epoch, cfg.seed, lengths)
     if cfg.batch_size % data_size:

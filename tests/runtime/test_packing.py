@@ -93,12 +93,19 @@ def test_pack_rejects_overfull_bins_and_mismatched_labels():
         pack([[1]], [[1]], [[0], [0]], 0, shape)
 
 
-def test_packed_shape_arithmetic():
-    lengths = [100] * 10 + [300]  # longest 300 -> bucket 384; mean 118.2 * 8 rows = 945.5 tokens -> 2.46 sequences
-    assert packed_shape(lengths, 8, 512) == PackedShape(sequences=3, length=384)
-    assert packed_shape(lengths, 8, 512, multiple_of=2) == PackedShape(sequences=4, length=384)
-    assert packed_shape(lengths, 8, 512, multiple_of=8) == PackedShape(sequences=8, length=384)
-    assert packed_shape(lengths, 8, 320) == PackedShape(sequences=3, length=320)  # the cap trims the bucket
+def test_packed_shape_holds_a_batch_of_rows_with_the_fewest_sequences():
+    lengths = instruction_lengths(n=500)
+    shape = packed_shape(lengths, 8, 512)
+    assert shape.length == bucket_length(max(lengths), 512)
+
+    def rows_per_micro_batch(sequences):
+        return len(lengths) / micro_batches_per_epoch(lengths, PackedShape(sequences, shape.length), seed=0)
+
+    assert rows_per_micro_batch(shape.sequences) >= 8 > rows_per_micro_batch(shape.sequences - 1)
+    even = packed_shape(lengths, 8, 512, multiple_of=2)
+    assert even.sequences % 2 == 0 and even.sequences - shape.sequences in (0, 1)
+    lengths = [100] * 10 + [300]  # longest 300 -> bucket 384
+    assert packed_shape(lengths, 8, 320).length == 320  # the cap trims the bucket
     assert packed_shape([10], 1, 512, multiple_of=4) == PackedShape(sequences=4, length=16)  # at least multiple_of
     assert packed_shape([600, 10], 2, 512).length == 600  # never shorter than the longest row
 
