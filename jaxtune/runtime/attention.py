@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jaxtune.runtime.remat import tied_checkpoint
+from jaxtune.runtime.remat import next_key, tied_checkpoint
 
 ATTENTION = "jaxtune_fused"
 
@@ -68,22 +68,16 @@ def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     """transformers' attention signature: q (b, n, t, h), k/v (b, kv, t, h) -> ((b, t, n, h), None)."""
     from torchax import interop
 
-    from jaxtune.runtime.compat import torchax_env
-
     if segment_ids is None:
         raise ValueError(f"{ATTENTION} attention needs the segment_ids keyword; it runs only inside jaxtune's steps")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    dropout_key = torchax_env().get_and_rotate_prng_key() if dropout else None
-    if dropout_key is not None and jax.dtypes.issubdtype(dropout_key.dtype, jax.dtypes.prng_key):
-        dropout_key = jax.random.key_data(dropout_key)
+    dropout_key = next_key() if dropout else jnp.zeros((2,), jnp.uint32)
     core = functools.partial(_core, scale=float(scale), window=sliding_window, softcap=softcap, dropout=float(dropout))
 
     def run(q, k, v, segments, key_data):
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (b, t, heads, h)
         return tied_checkpoint(lambda *a: core(*a[:4], dropout_key=a[4]))(q, k, v, segments, key_data)
 
-    if dropout_key is None:
-        dropout_key = jnp.zeros((2,), jnp.uint32)
     out = interop.call_jax(run, query, key, value, segment_ids, interop.torch_view(dropout_key))
     return out, None
 
@@ -95,15 +89,18 @@ def register() -> None:
     AttentionInterface.register(ATTENTION, fused_attention)
 
 
+def _base(module: torch.nn.Module) -> torch.nn.Module:
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
 def supported(module: torch.nn.Module) -> bool:
     """Whether the model's attention layers dispatch through transformers' AttentionInterface (and so
     can run `fused_attention`). Models that do not (older remote code) keep eager attention and padded batches."""
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    return bool(getattr(base, "_supports_attention_backend", False))
+    return bool(getattr(_base(module), "_supports_attention_backend", False))
 
 
 def _configs(module: torch.nn.Module) -> list:
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    base = _base(module)
     return list({id(c): c for c in (base.config, base.config.get_text_config())}.values())
 
 

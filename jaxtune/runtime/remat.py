@@ -68,6 +68,14 @@ def tied_checkpoint(fn: Callable) -> Callable:
     return run
 
 
+def next_key() -> jax.Array:
+    """The next key of the key torchax draws randomness from while a step is traced, as raw uint32 data."""
+    from jaxtune.runtime.compat import torchax_env
+
+    key = torchax_env().get_and_rotate_prng_key()
+    return jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
 # Saved under `matmuls`: outputs of dots without batch dimensions, i.e. x @ W for the layer's weights
 # (attention's own q·k and p·v are batched dots, recomputed inside the fused attention anyway).
 SAVE_MATMULS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
@@ -86,12 +94,8 @@ def _keyed(forward: Callable, remat: str) -> Callable:
 
     env = torchax_env()
 
-    def layer_key():
-        key = env.get_and_rotate_prng_key()
-        return jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-
     def plain(*args, **kwargs):
-        with env.override_property(prng=layer_key()):
+        with env.override_property(prng=next_key()):
             return forward(*args, **kwargs)
 
     def recomputed(*args, **kwargs):
@@ -109,7 +113,7 @@ def _keyed(forward: Callable, remat: str) -> Callable:
 
         wrap = tied_checkpoint if remat == "layer" else functools.partial(jax.checkpoint, policy=SAVE_MATMULS)
         checkpointed = interop.torch_view(wrap(interop.jax_view(layer)))
-        return checkpointed(interop.torch_view(layer_key()), *(args[i] for i in where))
+        return checkpointed(interop.torch_view(next_key()), *(args[i] for i in where))
 
     return plain if remat == "none" else recomputed
 
