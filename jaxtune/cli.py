@@ -1,4 +1,5 @@
 """`jaxtune run [CONFIG] [--set section.key=value]... [--refresh STAGE]... [--until STAGE]`,
+`jaxtune serve [--only DEPLOYMENT]...`,
 `jaxtune doctor MODEL [--config CONFIG] [--set section.key=value]...`,
 `jaxtune chat SOURCE [sampling flags]` and `jaxtune generate SOURCE PROMPT... [--prompts-file FILE]`."""
 
@@ -9,7 +10,9 @@ import logging
 import os
 import sys
 
-from jaxtune.tasks import STAGES
+from jaxtune.tasks import BUILD_STAGES, STAGES
+
+REFRESHABLE = (*BUILD_STAGES, *STAGES)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,9 +25,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="YAML config (default: the bundled offline demo)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config value, e.g. --set train.max_steps=50 (repeatable)")
-    run.add_argument("--refresh", action="append", default=[], metavar="STAGE",
-                     help=f"recompute this stage even if cached (repeatable): {', '.join(STAGES)}")
+    run.add_argument("--refresh", action="append", default=[], metavar="STAGE", choices=REFRESHABLE,
+                     help=f"recompute this stage even if cached (repeatable): {', '.join(REFRESHABLE)}")
     run.add_argument("--until", default="report", choices=STAGES, help="last stage to run")
+    serve = commands.add_parser(
+        "serve", help="serve prefect.yaml's deployments with their schedules from this process (no work pool needed)"
+    )
+    serve.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT",
+                       help="serve only this deployment (repeatable; default: all of them)")
+    serve.add_argument("--prefect-yaml", default="prefect.yaml", help="file declaring the deployments (default: %(default)s)")
+    serve.add_argument("--limit", type=int, default=1, help="flow runs at once (default: %(default)s)")
     doctor = commands.add_parser(
         "doctor", help="check a model's JAX numerics against PyTorch and its training memory; exit 1 when parity fails"
     )
@@ -65,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if args.command in ("chat", "generate"):
         return _decode(args)
-    from jaxtune.config import ConfigError, config_from_dict, load_config
+    if args.command == "serve":
+        return _serve(args)
+    from jaxtune.config import OFFLINE, ConfigError, config_from_dict, load_config
 
     try:
         if args.command == "doctor" and args.config is None:
@@ -79,13 +91,24 @@ def main(argv: list[str] | None = None) -> int:
         return _doctor(args, config)
     from jaxtune.flows.finetune import finetune
 
-    result = finetune(config=config, refresh=args.refresh, until=args.until)
+    result = finetune(recipe=args.config or OFFLINE, overrides=args.overrides, refresh=args.refresh, until=args.until)
     # The temporary Prefect server logs its shutdown at exit; keep the report path the last line.
     logging.getLogger("prefect").setLevel(logging.WARNING)
     width = max(len(stage) for stage in result["stages"])
     for stage, state in result["stages"].items():
         print(f"{stage:<{width}}  {state}")
     print(result["path"])
+    return 0
+
+
+def _serve(args) -> int:
+    from jaxtune.flows.serve import ServeError, serve
+
+    try:
+        serve(args.prefect_yaml, args.only, args.limit)
+    except ServeError as e:
+        print(f"jaxtune serve: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

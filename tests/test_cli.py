@@ -1,5 +1,7 @@
 """The command line: help, and config errors that exit 2 naming the key."""
 
+from pathlib import Path
+
 import pytest
 
 from jaxtune.cli import main
@@ -60,3 +62,21 @@ def test_the_command_runs_under_a_fixed_hash_seed(monkeypatch):
     with pytest.raises(SystemExit) as done:
         cli.entry()
     assert done.value.code == 0 and len(execs) == 1
+
+
+PREFECT_YAML = str(Path(__file__).parents[1] / "prefect.yaml")
+
+
+def test_serve_of_an_undeclared_deployment_exits_2_naming_those_declared(capsys):
+    assert main(["serve", "--prefect-yaml", PREFECT_YAML, "--only", "no-such-deployment"]) == 2
+    err = capsys.readouterr().err
+    assert "declares no deployment no-such-deployment" in err and "offline-nightly" in err
+
+
+def test_serve_builds_each_declared_deployment_with_its_schedule_and_recipe():
+    from jaxtune.flows.serve import read_deployments, runner_deployments
+
+    [nightly] = runner_deployments(read_deployments(PREFECT_YAML, only=["offline-nightly"]))
+    assert nightly.name == "offline-nightly" and nightly.parameters == {"recipe": "offline"}
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
+    assert nightly.entrypoint == "jaxtune/flows/finetune.py:finetune"

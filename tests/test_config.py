@@ -92,13 +92,22 @@ def test_every_family_in_the_config_has_a_tiny_config():
 DEPLOYMENTS = Path(__file__).parents[1] / "prefect.yaml"
 
 
-def test_every_recipe_deployment_runs_exactly_its_config_file():
-    """prefect.yaml inlines each recipe (the Prefect UI shows it as the run form); it must not drift."""
+def test_every_recipe_has_a_deployment_that_names_its_file():
+    """prefect.yaml names each recipe's file, the one place its settings are written."""
     import yaml
 
+    from jaxtune.flows.finetune import finetune, load_recipe
+
+    root = Path(__file__).parents[1]
     deployments = {d["name"]: d for d in yaml.safe_load(DEPLOYMENTS.read_text())["deployments"]}
-    recipes = sorted(Path(__file__).parents[1].joinpath("configs").glob("*.yaml"))
-    assert {p.stem for p in recipes} <= set(deployments)
+    recipes = sorted(root.joinpath("configs").glob("*.yaml"))
     for path in recipes:
-        assert JaxtuneConfig.model_validate(deployments[path.stem]["parameters"]["config"]) == load_config(path), path.name
-    assert deployments["offline-nightly"]["parameters"] == {}  # the flow's default: the offline demo
+        parameters = deployments[path.stem]["parameters"]
+        assert parameters == {"recipe": f"configs/{path.name}"}, path.name
+        assert load_recipe(str(root / parameters["recipe"])) == load_config(path)
+    assert deployments["offline-nightly"]["parameters"] == {"recipe": "offline"}
+    assert set(deployments) == {p.stem for p in recipes} | {"offline-nightly"}
+    for deployment in deployments.values():  # what the flow accepts, as the UI's form will send it
+        validated = finetune.validate_parameters(deployment["parameters"])
+        assert {name: validated[name] for name in deployment["parameters"]} == deployment["parameters"]
+        assert deployment["entrypoint"] == "jaxtune/flows/finetune.py:finetune"

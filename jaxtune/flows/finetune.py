@@ -5,25 +5,38 @@ them in order, and `planned_keys` derives every artifact key from the same list 
 running anything. Each stage's Prefect result record lives inside its artifact folder
 (`STORE/<stage>/<key>/result.json`), so Prefect reports a stage Cached exactly when its
 verified artifact exists, and deleting a folder makes exactly that stage run again.
+
+Two runs of one config at once (a nightly and a manual run) build each stage once: a stage's
+record path is its Prefect transaction key, taken with SERIALIZABLE isolation under a lock in
+the store (`jaxtune.artifacts.locks`), so the second run waits for the first and then finds
+the stage Cached.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import Task, flow, get_run_logger
+from prefect.cache_policies import CachePolicy
 
+from jaxtune import ui
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
+from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.config import OFFLINE, JaxtuneConfig, load_config
-from jaxtune.tasks import STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf, report, tokenize, train
+from jaxtune.flows import browse
+from jaxtune.tasks import BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf, report, tokenize, train
 from jaxtune.tasks.sources import GGUF, dataset_ref, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
 
-DEFAULT = load_config()  # the bundled offline demo
-# Before `tokenize`, making the base model: the offline model's two, or a GGUF file's import.
-BUILD_STAGES = (build_tokenizer.STAGE, build_model.STAGE, import_gguf.STAGE)
+Stage = Literal[STAGES]
+AnyStage = Literal[BUILD_STAGES + STAGES]
+
+
+def load_recipe(recipe: str = OFFLINE, overrides: list[str] = ()) -> JaxtuneConfig:
+    """The config of `recipe` ('offline' or a YAML file) with `section.key=value` overrides applied."""
+    return load_config(None if recipe == OFFLINE else recipe, list(overrides))
 
 
 @dataclass(frozen=True)
@@ -81,40 +94,84 @@ def planned_keys(config: JaxtuneConfig) -> dict[str, str]:
     return keys
 
 
+@dataclass
+class ArtifactRecord(CachePolicy):
+    """Prefect's cache key of a stage: the path of its result record, inside its artifact folder."""
+
+    record: str = ""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str:
+        return self.record
+
+
 class StageRunner:
     """Calls a stage task with its cache location set from the artifact key."""
 
-    def __init__(self, store_root: Path, refresh: set[str]):
+    def __init__(self, store_root: Path, refresh: set[str], config: JaxtuneConfig):
         self.store = ArtifactStore(store_root)
+        self.locks = StoreLocks(self.store.root)
         self.refresh = refresh
+        self.config = config
         self.states: dict[str, str] = {}  # stage -> Prefect state name (Completed, Cached)
 
     def __call__(self, step: Step, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
         key = stage_key(step.stage, step.module, step.section, input_keys(inputs))
         if step.stage in self.refresh or not self.store.verify(step.stage, key):
             self.store.remove(step.stage, key)  # also drops a result record whose artifact is gone or damaged
+        policy = ArtifactRecord(record=f"{step.stage}/{key}/result.json")
+        name = ui.stage_run_name(step.stage, self.config)
         configured = step.task.with_options(
             result_storage=self.store.root,
-            result_storage_key=f"{step.stage}/{key}/result.json",
-            task_run_name=f"{step.stage}-{key[:8]}",
+            cache_policy=policy.configure(isolation_level="SERIALIZABLE", lock_manager=self.locks),
+            task_run_name=lambda: name,
         )
         state = configured(step.section, inputs, str(self.store.root), *step.extra, return_state=True)
         ref = state.result()  # re-raises the stage's error
         self.states[step.stage] = state.name
         # The record may come from a store since moved: the path is this store's, the key the record's.
-        return self.store.ref(step.stage, ref.key)
+        ref = self.store.ref(step.stage, ref.key)
+        browse.publish_stage(ref, state.name)
+        return ref
 
 
-@flow(name="finetune")
-def finetune(config: JaxtuneConfig = DEFAULT, refresh: list[str] = [], until: str = "report") -> dict:  # noqa: B006
-    """Run every stage up to `until`, recomputing the stages named in `refresh`.
+def _run_name() -> str:
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    recipe = parameters.get("recipe") or OFFLINE
+    try:
+        config = parameters.get("config") or load_recipe(recipe, parameters.get("overrides") or [])
+        config = JaxtuneConfig.model_validate(config)
+    except ValueError:
+        return f"{ui.recipe_label(recipe)}{ui.SEPARATOR}invalid config"
+    return ui.flow_run_name(recipe, config, list(parameters.get("refresh") or []), parameters.get("until") or "report")
+
+
+@flow(name="finetune", flow_run_name=_run_name)
+def finetune(
+    recipe: str = OFFLINE,
+    overrides: list[str] = [],  # noqa: B006
+    refresh: list[AnyStage] = [],  # noqa: B006
+    until: Stage = "report",
+    config: JaxtuneConfig | None = None,
+) -> dict:
+    """Fine-tune a model as the recipe says: every stage up to `until`, cached stages skipped.
+
+    Args:
+        recipe: 'offline' (the bundled demo: a tiny model and data, runs on a CPU in minutes) or a
+            recipe YAML file, relative to the folder the flow runs in, e.g. configs/gemma3-1b-dolly-lora.yaml.
+        overrides: settings changed for this run, each section.key=value, e.g. train.max_steps=50.
+        refresh: stages to recompute even if their artifact is cached.
+        until: the last stage to run.
+        config: a whole config instead of recipe and overrides (for Python callers).
 
     Returns {"path": the last stage's artifact folder, "stages": {stage: "Completed" | "Cached"}}.
     """
-    unknown = set(refresh) - set(STAGES) - set(BUILD_STAGES)
-    if unknown or until not in STAGES:
-        raise ValueError(f"unknown stage(s) {sorted(unknown | ({until} - set(STAGES)))}; stages are {', '.join(STAGES)}")
-    run = StageRunner(Path(config.store.root).resolve(), set(refresh))
+    if config is None:
+        config = load_recipe(recipe, overrides)
+    elif recipe != OFFLINE or overrides:
+        raise ValueError("give either config, or recipe and overrides, not both")
+    run = StageRunner(Path(config.store.root).resolve(), set(refresh), config)
     if config.store.compile_cache:
         from jaxtune.runtime import compile_cache
 
@@ -126,6 +183,7 @@ def finetune(config: JaxtuneConfig = DEFAULT, refresh: list[str] = [], until: st
         done[step.stage] = run(step, {name: done[v] if isinstance(v, str) else v for name, v in step.inputs.items()})
     if "report" in done:
         report.publish_report(done["report"])
+    browse.publish_stages(done, run.states)
     get_run_logger().info("stages: %s", ", ".join(f"{k}={v}" for k, v in run.states.items()))
     return {"path": done[until].path, "stages": run.states}
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from jaxtune import ui
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.tasks.stage import build_artifact
 
@@ -128,14 +129,14 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)
 
 
-@task(name="publish_report")
+@task(name="publish_report", task_run_name="publish report")
 def publish_report(report_ref: ArtifactRef) -> None:
     """Show the report in the Prefect UI: Markdown with the loss curve inlined as a PNG, and a metrics table."""
     summary = report_ref.read_json("report.json")
     png = base64.b64encode(report_ref.file("loss.png").read_bytes()).decode()
     examples = report_ref.read_json("examples.json")
     create_markdown_artifact(
-        key="jaxtune-report",
+        key=ui.artifact_key("report"),
         markdown=render_markdown(summary, examples, f"data:image/png;base64,{png}"),
         description=f"report {report_ref.key}",
     )
@@ -144,4 +145,4 @@ def publish_report(report_ref: ArtifactRef) -> None:
         {"metric": "perplexity", "before": summary["baseline"]["perplexity"], "after": summary["final"]["perplexity"]},
         {"metric": "exact match", "before": summary["exact_match"]["before"], "after": summary["exact_match"]["after"]},
     ]
-    create_table_artifact(key="jaxtune-metrics", table=rows, description="before vs after fine-tuning")
+    create_table_artifact(key=ui.artifact_key("metrics"), table=rows, description="before vs after fine-tuning")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
+from jaxtune import ui
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, Section, TrainConfig
 from jaxtune.tasks.sources import pretrained_location
@@ -80,7 +81,8 @@ class TrainLog:
         self.file = path.open("w")
         self.total = total_steps
         self.logger = get_run_logger()
-        self.progress = create_progress_artifact(0.0, key="jaxtune-train-progress", description=f"training, {total_steps} steps")
+        self.progress = create_progress_artifact(0.0, key=ui.artifact_key("train-progress"),
+                                                 description=f"training, {total_steps} steps")
 
     def __call__(self, records: list[dict]) -> None:
         from prefect.artifacts import update_progress_artifact

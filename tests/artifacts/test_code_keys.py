@@ -74,8 +74,8 @@ def test_library_versions_are_in_the_digest_and_the_manifest():
 
 def planned_keys_in(package_copy: Path) -> dict[str, str]:
     """The default config's stage keys as a fresh interpreter computes them from the package copy's source."""
-    script = ("import json, jaxtune; from jaxtune.flows.finetune import DEFAULT, planned_keys; "
-              "print(json.dumps({'file': jaxtune.__file__, 'keys': planned_keys(DEFAULT)}))")
+    script = ("import json, jaxtune; from jaxtune.flows.finetune import load_recipe, planned_keys; "
+              "print(json.dumps({'file': jaxtune.__file__, 'keys': planned_keys(load_recipe())}))")
     out = subprocess.run([sys.executable, "-c", script], cwd=package_copy, env={**os.environ, "PYTHONPATH": str(package_copy)},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -98,9 +98,9 @@ def copy_with_edit(root: Path, name: str, path: str | None = None, old: str = ""
 
 
 def test_editing_the_training_loop_rekeys_train_and_downstream_only(tmp_path):
-    from jaxtune.flows.finetune import DEFAULT, planned_keys
+    from jaxtune.flows.finetune import load_recipe, planned_keys
 
-    here = planned_keys(DEFAULT)
+    here = planned_keys(load_recipe())
     moved = planned_keys_in(copy_with_edit(tmp_path, "same"))
     assert moved == here, "the package's location is not in any key"
     commented = planned_keys_in(copy_with_edit(
@@ -117,9 +117,9 @@ def test_editing_the_training_loop_rekeys_train_and_downstream_only(tmp_path):
 
 
 def test_editing_the_tokenizer_code_rekeys_everything_after_the_model(tmp_path):
-    from jaxtune.flows.finetune import DEFAULT, planned_keys
+    from jaxtune.flows.finetune import load_recipe, planned_keys
 
-    here = planned_keys(DEFAULT)
+    here = planned_keys(load_recipe())
     edited = planned_keys_in(copy_with_edit(tmp_path, "edited", "data/tokenize.py", "IGNORE_INDEX = -100", "IGNORE_INDEX = -101"))
     changed = {stage for stage in here if edited[stage] != here[stage]}
     # data.tokenize is read by tokenize and by the runtime (IGNORE_INDEX), not by the offline model's builders.

@@ -63,7 +63,7 @@ def test_training_shows_progress_in_the_prefect_ui(first):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["jaxtune-train-progress"])))
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["offline-train-progress"])))
     assert found and found[0].type == "progress" and float(found[0].data) == 100.0
 
 

@@ -26,7 +26,7 @@ def run_toy(store: Path, *overrides: str, refresh=(), until: str = "report") -> 
     """The finetune flow on the toy settings (then `overrides`) in `store`."""
     from jaxtune.flows.finetune import finetune
 
-    return finetune(config=toy_config(store, *overrides), refresh=list(refresh), until=until)
+    return finetune(overrides=[*TOY, f"store.root={store}", *overrides], refresh=list(refresh), until=until)
 
 
 def states(result: dict) -> dict[str, str]:

@@ -1,0 +1,86 @@
+"""`jaxtune serve`: the deployments of `prefect.yaml`, with their schedules and parameters, served
+from one process (Prefect's `serve`), for people without a work pool and worker.
+
+The same file is the one source for both ways of running: `prefect deploy --all` reads it for a
+work pool, and this reads it for `serve`. The process runs each due flow run in a subprocess
+and pauses its deployments when it stops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PREFECT_YAML = Path("prefect.yaml")
+
+
+class ServeError(ValueError):
+    """prefect.yaml is missing or names no deployment of the finetune flow that was asked for."""
+
+
+def read_deployments(path: Path = PREFECT_YAML, only: list[str] = ()) -> list[dict[str, Any]]:
+    """The deployments declared in `path` (those named in `only`, if given), as written there."""
+    try:
+        declared = yaml.safe_load(Path(path).read_text())["deployments"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        raise ServeError(f"{path}: no deployments to serve ({e})") from e
+    names = [d["name"] for d in declared]
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        raise ServeError(f"{path} declares no deployment {', '.join(unknown)}; it declares {', '.join(names)}")
+    return [d for d in declared if not only or d["name"] in only]
+
+
+def runner_deployments(declared: list[dict[str, Any]]) -> list:
+    """Prefect `RunnerDeployment`s of the finetune flow, one per declared deployment."""
+    from prefect.schedules import Cron
+
+    from jaxtune.flows.finetune import finetune
+
+    return [
+        finetune.to_deployment(
+            name=d["name"],
+            description=d.get("description"),
+            parameters=d.get("parameters") or {},
+            schedules=[Cron(s["cron"], timezone=s.get("timezone")) for s in d.get("schedules") or []],
+            tags=d.get("tags") or [],
+        )
+        for d in declared
+    ]
+
+
+def take_over(names: list[str]) -> list[str]:
+    """Delete the work-pool deployments named `names`, returning those deleted.
+
+    A served deployment cannot share its name with a pool one: serving upserts the same record,
+    which keeps the pool but loses the pull step, and its runs then crash loading the flow. Run
+    `prefect deploy --all` again to go back to the pool.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deleted = []
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                existing = client.read_deployment_by_name(f"finetune/{name}")
+            except ObjectNotFound:
+                continue
+            if existing.work_pool_name is not None:
+                client.delete_deployment(existing.id)
+                deleted.append(name)
+    return deleted
+
+
+def serve(path: Path = PREFECT_YAML, only: list[str] = (), limit: int | None = 1) -> None:
+    """Serve until interrupted. `limit` runs at once: one by default, since a run uses every core."""
+    import sys
+
+    from prefect import serve as prefect_serve
+
+    deployments = runner_deployments(read_deployments(path, only))
+    for name in take_over([d.name for d in deployments]):
+        print(f"jaxtune serve: finetune/{name} was a work-pool deployment; it is served from here now", file=sys.stderr)
+    prefect_serve(*deployments, limit=limit)
