@@ -174,8 +174,8 @@ class MeshConfig(Section):
 class StoreConfig(Section):
     root: str = Field(".jaxtune/store", description="artifact store folder; not part of any cache key")
     compile_cache: bool = Field(
-        True, description="keep XLA's compiled programs in <root>/xla-cache, so a later run with the same shapes "
-        "skips compiling; not part of any cache key",
+        True, description="keep XLA's compiled programs in <root>/xla-cache (or in $JAXTUNE_COMPILE_CACHE, one folder "
+        "for every store), so a later run with the same shapes skips compiling; not part of any cache key",
     )
 
 

@@ -10,6 +10,8 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="jaxtune-prefect-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest
+
 PAD, EOS, BOS = 0, 1, 2
 VOCAB = 256
 
@@ -29,3 +31,17 @@ def tiny_model(family: str = "gemma3", layers: int = 2, sliding_window: int = 16
     torch.manual_seed(seed)
     config = tiny_config(family, shape, VOCAB, PAD, BOS, EOS)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compile_cache(tmp_path_factory, worker_id):
+    """One XLA compilation cache for the whole session, every xdist worker and every process the
+    tests start: the toy model's programs compile once instead of once per test store.
+    test_reproducible opts out, to compile in each fresh process."""
+    from jaxtune.runtime.compile_cache import SHARED_FOLDER_VARIABLE
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if worker_id != "master" else base) / "xla-cache"
+    os.environ[SHARED_FOLDER_VARIABLE] = str(folder)
+    yield folder
+    os.environ.pop(SHARED_FOLDER_VARIABLE, None)

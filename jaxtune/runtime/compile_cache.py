@@ -7,12 +7,15 @@ so a new rate or schedule hits the same entry.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 MIN_COMPILE_SECONDS = 0.5  # programs that compile faster than this are not worth a file
+# A folder holding one cache for every store on this machine, in place of each store's own.
+SHARED_FOLDER_VARIABLE = "JAXTUNE_COMPILE_CACHE"
 
 
 def enable(folder: str | Path) -> Path:
@@ -27,4 +30,6 @@ def enable(folder: str | Path) -> Path:
 
 
 def folder_of(store_root: str | Path) -> Path:
-    return Path(store_root) / "xla-cache"
+    """`$JAXTUNE_COMPILE_CACHE` when set (several stores, one cache), else `<store root>/xla-cache`."""
+    shared = os.environ.get(SHARED_FOLDER_VARIABLE)
+    return Path(shared) if shared else Path(store_root) / "xla-cache"

@@ -66,12 +66,19 @@ class PrefectServer:
         return process
 
     def run(self, *args: str, cwd: Path = ROOT, timeout: float = 600, env: dict | None = None) -> str:
-        """Run a command to completion; its output, or an error that shows it."""
-        done = subprocess.run(args, cwd=cwd, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-        return done.stdout + done.stderr
+        """Run a command to completion; its output, or an error that shows it. On timeout its whole
+        process group goes (a worker's flow run process with it)."""
+        process = subprocess.Popen(args, cwd=cwd, env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, _ = process.communicate()
+            raise RuntimeError(f"{' '.join(args)} ran past {timeout:.0f} s:\n{out[-4000:]}") from None
+        if process.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} exited {process.returncode}:\n{out[-8000:]}")
+        return out
 
     def prefect(self, *args: str, timeout: float = 600) -> str:
         return self.run(str(BIN / "prefect"), *args, timeout=timeout)

@@ -87,7 +87,8 @@ def test_every_declared_deployment_is_deployed_with_its_recipe_and_schedule(depl
 
 def test_a_deployment_run_executed_by_a_worker_runs_every_stage(deployed, first):
     run = flow_run(deployed, first)
-    assert run.state.is_completed() and run.name == NAME
+    assert run.state.is_completed(), run.state.message
+    assert run.name == NAME
     assert task_states(deployed, first) == {**{f"{stage} · tiny gemma3 · lora r64": "Completed" for stage in ALL_STAGES},
                                             "publish report": "Completed"}
 

@@ -23,6 +23,7 @@ def run_in_fresh_process(store: Path) -> Path:
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    env.pop("JAXTUNE_COMPILE_CACHE", None)  # each process compiles for itself: a shared cache would hide a differing program
     args = [a for s in [*TOY, f"store.root={store}"] for a in ("--set", s)]
     out = subprocess.run([sys.executable, "-m", "jaxtune.cli", "run", *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)

@@ -104,3 +104,10 @@ def test_the_persistent_cache_serves_a_step_compiled_before(tmp_path):
         jax.config.update("jax_compilation_cache_dir", previous)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", compile_cache.MIN_COMPILE_SECONDS)
         jax.experimental.compilation_cache.compilation_cache.reset_cache()
+
+
+def test_one_folder_can_hold_the_compile_cache_of_every_store(monkeypatch, tmp_path):
+    monkeypatch.delenv(compile_cache.SHARED_FOLDER_VARIABLE, raising=False)
+    assert compile_cache.folder_of(tmp_path / "store") == tmp_path / "store" / "xla-cache"
+    monkeypatch.setenv(compile_cache.SHARED_FOLDER_VARIABLE, str(tmp_path / "shared"))
+    assert compile_cache.folder_of(tmp_path / "a") == compile_cache.folder_of(tmp_path / "b") == tmp_path / "shared"

@@ -101,3 +101,16 @@ def test_artifact_pages_list_the_run_s_artifacts(run, tmp_path):
     for key in (REPORT_KEY, "offline-nightly-metrics", "offline-nightly-train-progress", "offline-nightly-stages",
                 "offline-nightly-stage-train"):
         assert key in dom, f"{key} missing from the artifacts page"
+
+
+def test_custom_run_form_offers_the_flows_typed_parameters(run, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    server = run[0]
+    with server.client_settings(), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("finetune/offline-nightly")
+    dom = render(f"{server.url}/deployments/deployment/{deployment.id}/run", "ui-custom-run.png", tmp_path)
+    # Each parameter is a field with its docstring's description; the recipe is filled in from prefect.yaml.
+    for text in ("recipe", "overrides", "refresh", "until", "the last stage to run", "section.key=value"):
+        assert text in dom, f"{text!r} missing from the custom run form"
+    assert 'value="offline"' in dom or ">offline<" in dom, "the deployment's recipe is not filled in"
