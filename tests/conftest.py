@@ -46,21 +46,3 @@ def shared_compile_cache(tmp_path_factory, worker_id):
     yield folder
     os.environ.pop(SHARED_FOLDER_VARIABLE, None)
 
-
-# The modules that take minutes, in the order the two xdist workers should start them. With
-# `--dist loadscope --no-loadscope-reorder` (make test) whole modules are handed out in
-# collection order, so the longest go first and the short ones even out the end: the workers
-# finish together instead of one running a long module alone.
-LONGEST_FIRST = (
-    "tests/real/test_gemma3.py", "tests/flows/test_architectures_flow.py", "tests/real/test_smollm2.py",
-    "tests/flows/test_recipes.py", "tests/flows/test_invalidation.py", "tests/test_chat.py",
-    "tests/deployment/test_deployment.py", "tests/parity/test_architectures.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
-        path = item.nodeid.split("::")[0]
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: each module keeps its own order
