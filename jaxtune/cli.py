@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--refresh", action="append", default=[], metavar="STAGE", choices=REFRESHABLE,
                      help=f"recompute this stage even if cached (repeatable): {', '.join(REFRESHABLE)}")
     run.add_argument("--until", default="report", choices=STAGES, help="last stage to run")
+    run.add_argument("--debug", action="store_true", help="print the Python tracebacks of a failure, not only its message")
     serve = commands.add_parser(
         "serve", help="serve prefect.yaml's deployments with their schedules from this process (no work pool needed)"
     )
@@ -89,9 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "doctor":
         return _doctor(args, config)
-    from jaxtune.flows.finetune import finetune
+    from jaxtune.flows.finetune import STAGE_NOTE, finetune
 
-    result = finetune(recipe=args.config or OFFLINE, overrides=args.overrides, refresh=args.refresh, until=args.until)
+    if not args.debug:
+        _console_without_tracebacks()
+    try:
+        result = finetune(recipe=args.config or OFFLINE, overrides=args.overrides, refresh=args.refresh, until=args.until)
+    except Exception as error:
+        if args.debug:
+            raise
+        # The temporary Prefect server logs its shutdown at exit; keep the error the last line.
+        logging.getLogger("prefect").setLevel(logging.WARNING)
+        stage = next((note[len(STAGE_NOTE):] for note in getattr(error, "__notes__", []) if note.startswith(STAGE_NOTE)), None)
+        print(f"jaxtune: {f'{stage}: ' if stage else ''}{_one_line(error)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
     # The temporary Prefect server logs its shutdown at exit; keep the report path the last line.
     logging.getLogger("prefect").setLevel(logging.WARNING)
     width = max(len(stage) for stage in result["stages"])
@@ -99,6 +111,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{stage:<{width}}  {state}")
     print(result["path"])
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class _WithoutTraceback(logging.Formatter):
+    """Formats a record as `inner` does, leaving out its traceback (the record keeps it for Prefect's API handler)."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def _console_without_tracebacks() -> None:
+    """A failed stage logs its traceback through Prefect's console handlers; on the console the
+    error's one line is enough, while the run recorded by Prefect keeps the whole traceback."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _WithoutTraceback):
+                handler.setFormatter(_WithoutTraceback(handler.formatter))
 
 
 def _serve(args) -> int:

@@ -31,6 +31,7 @@ from jaxtune.tasks.sources import GGUF, dataset_ref, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
 
 Stage = Literal[STAGES]
+STAGE_NOTE = "in stage "  # the note a stage's error carries out of the flow
 AnyStage = Literal[BUILD_STAGES + STAGES]
 
 
@@ -126,7 +127,11 @@ class StageRunner:
             task_run_name=lambda: name,
         )
         state = configured(step.section, inputs, str(self.store.root), *step.extra, return_state=True)
-        ref = state.result()  # re-raises the stage's error
+        try:
+            ref = state.result()  # re-raises the stage's error
+        except Exception as error:
+            error.add_note(f"{STAGE_NOTE}{step.stage}")  # for the one line `jaxtune run` prints
+            raise
         self.states[step.stage] = state.name
         # The record may come from a store since moved: the path is this store's, the key the record's.
         ref = self.store.ref(step.stage, ref.key)
