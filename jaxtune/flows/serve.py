@@ -8,6 +8,7 @@ and pauses its deployments when it stops.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,6 @@ def take_over(names: list[str]) -> list[str]:
 
 def serve(path: Path = PREFECT_YAML, only: list[str] = (), limit: int | None = 1) -> None:
     """Serve until interrupted. `limit` runs at once: one by default, since a run uses every core."""
-    import sys
-
     from prefect import serve as prefect_serve
 
     deployments = runner_deployments(read_deployments(path, only))

@@ -52,6 +52,6 @@ def test_two_runs_started_together_build_each_stage_once(server, tmp_path):
 
     artifacts = ArtifactStore(store)
     for stage in ALL_STAGES:
-        folders = [p for p in (store / stage).iterdir()]
+        folders = list((store / stage).iterdir())
         assert len(folders) == 1 and artifacts.verify(stage, folders[0].name), folders  # no temp folder left either
     assert not list(store.glob(".scratch/*/*"))
