@@ -7,6 +7,7 @@ stage's cache key hashes, so a setting lives in the section of the stage it chan
 from __future__ import annotations
 
 import copy
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,7 +33,12 @@ class DataConfig(Section):
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of rows held out for eval")
     max_train_rows: int | None = Field(None, gt=0, description="keep at most this many training rows (None: all)")
     max_eval_rows: int | None = Field(None, gt=0, description="keep at most this many eval rows (None: all)")
-    max_length: int = Field(512, ge=8, description="rows longer than this many tokens are dropped, not truncated")
+    max_length: int = Field(512, ge=8, description="longest row in tokens; what happens to longer ones is `too_long`")
+    too_long: Literal["drop", "truncate"] = Field(
+        "drop",
+        description="rows longer than max_length: drop them, or truncate them to max_length (the answer is cut, "
+        "the prompt kept; a row whose prompt alone reaches max_length is still dropped). Both are counted in stats.json",
+    )
     train_on_prompt: bool = Field(False, description="also compute loss on prompt tokens")
     packing: bool = Field(
         True,
@@ -170,6 +176,12 @@ class MeshConfig(Section):
 
     data: int = Field(-1, description="devices on the data axis (-1: all)")
 
+    @model_validator(mode="after")
+    def _size(self) -> MeshConfig:
+        if self.data == 0 or self.data < -1:
+            raise ValueError("mesh.data must be a number of devices (1 or more), or -1 for all of them")
+        return self
+
 
 class StoreConfig(Section):
     root: str = Field(".jaxtune/store", description="artifact store folder; not part of any cache key")
@@ -225,8 +237,41 @@ def config_from_dict(raw: dict[str, Any], overrides: list[str] = (), where: str 
     try:
         return JaxtuneConfig.model_validate(raw)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"{where}: invalid config\n  " + "\n  ".join(lines)) from None
+        # One line per bad setting, each naming the file and the key, so whichever comes last is enough.
+        problems: dict[str, list[str]] = {}
+        for err in e.errors():
+            key, problem = _explain(err)
+            problems.setdefault(key, []).append(problem)
+        lines = [f"{where}: {key + ': ' if key else ''}{' or '.join(p)}" for key, p in problems.items()]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def _explain(err: dict) -> tuple[str, str]:
+    """(section.key, what is wrong), with a did-you-mean for a misspelt key and the value given for a bad one."""
+    # A union's members add their type to the location (tuple[str, ...]); the user named only the key.
+    loc = [str(p) for p in err["loc"] if not any(c in str(p) for c in "[('")]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        known = _keys_at(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        hint = (f"did you mean {'.'.join([*loc[:-1], close[0]])}?" if close
+                else f"{'.'.join(loc[:-1]) or 'the top level'} has {', '.join(known)}")
+        return key, f"unknown key; {hint}"
+    message = err["msg"].removeprefix("Value error, ")
+    if "input" in err and err["type"] not in ("missing", "value_error"):
+        message += f" (got {err['input']!r})"
+    return key, message
+
+
+def _keys_at(path: list[str]) -> list[str]:
+    """The keys of the config section at `path` (e.g. ["model", "tiny"])."""
+    model: type[BaseModel] = JaxtuneConfig
+    for part in path:
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -33,8 +33,24 @@ def test_overrides_are_typed_by_yaml():
 def test_unknown_key_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  max_stepz: 3\n")
-    with pytest.raises(ConfigError, match=r"(?s)bad.yaml.*train\.max_stepz: Extra inputs"):
+    with pytest.raises(ConfigError) as raised:
         load_config(bad)
+    assert str(raised.value) == f"{bad}: train.max_stepz: unknown key; did you mean train.max_steps?"
+
+
+def test_an_unknown_key_far_from_any_lists_the_section_keys():
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, ["export.zzz=1"])
+    assert str(raised.value) == "--set: export.zzz: unknown key; export has dtype, merge"
+
+
+def test_each_bad_setting_is_one_line_naming_its_key_and_the_value_given():
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, ["train.learning_rate=-0.1", "train.batch_size=eight"])
+    assert str(raised.value).splitlines() == [
+        "--set: train.learning_rate: Input should be greater than 0 (got -0.1)",
+        "--set: train.batch_size: Input should be a valid integer, unable to parse string as an integer (got 'eight')",
+    ]
 
 
 def test_bad_value_is_named():
