@@ -71,8 +71,8 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
     required, _ = FORMAT_COLUMNS[cfg.format]
     fields = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
     for where, row in _records(source, cfg):
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: expected an object with named columns, got {_type_name(row)}")
+        # The checks training reads with, so a bad row is reported by the first stage that reads the file.
+        normalize_row(row, cfg, where)
         row = _rename(row, cfg.columns)
         for name in fields:
             value = row.get(name)
@@ -115,8 +115,11 @@ def _records(source: str, cfg: DataConfig) -> Iterator[Record]:
         raise DataError(f"{source}: unsupported file type {suffix or '(none)'!r}; supported: {supported}")
     if path.stat().st_size == 0:
         raise DataError(f"{source}: file is empty")
-    readers = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _parquet_records, ".csv": _csv_records}
-    return readers[suffix](path)
+    if suffix == ".csv":
+        return _csv_records(path, cfg)
+    if suffix == ".parquet":
+        return _parquet_records(path, cfg)
+    return _jsonl_records(path) if suffix == ".jsonl" else _json_records(path)
 
 
 def _jsonl_records(path: Path) -> Iterator[Record]:
@@ -126,7 +129,7 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line.decode("utf-8"))
+                row = json.loads(line.decode("utf-8").rstrip("\r\n"))  # else an error at the line end reports column 1 of the next
             except UnicodeDecodeError as e:
                 raise DataError(f"{path} line {number}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
             except json.JSONDecodeError as e:
@@ -137,7 +140,8 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
 def _json_records(path: Path) -> Iterator[Record]:
     """A JSON list of objects, or an object holding that list under 'data' or 'train'."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        doc = json.loads(text) if text.strip() else []  # only blank lines: no rows, not a JSON syntax error
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -153,24 +157,60 @@ def _json_records(path: Path) -> Iterator[Record]:
     return _numbered(str(path), doc)
 
 
-def _parquet_records(path: Path) -> Iterator[Record]:
+def _parquet_records(path: Path, cfg: DataConfig) -> Iterator[Record]:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable parquet file ({e})") from None
+    # A column has one type, so a wrong one is reported once here rather than as a puzzling value in every row.
+    schema = table.schema
+    for name, source in _source_columns(cfg).items():
+        if source in schema.names and not _arrow_type_fits(name, schema.field(source).type):
+            expected = "a list of {role, content} objects (list<struct>)" if name == "messages" else "text (string)"
+            raise DataError(f"{path}: column {_column_label(name, cfg)} is {schema.field(source).type}, expected {expected}")
     return _numbered(str(path), table.to_pylist())
 
 
-def _csv_records(path: Path) -> Iterator[Record]:
+def _arrow_type_fits(name: str, arrow_type: pa.DataType) -> bool:
+    """Null columns (all values missing) pass: the row check reports a missing required value with its row."""
+    if pa.types.is_dictionary(arrow_type):  # pandas categoricals are stored dictionary-encoded
+        arrow_type = arrow_type.value_type
+    text = pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_null(arrow_type)
+    if name != "messages":
+        return text
+    listed = pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+    return text or (listed and pa.types.is_struct(arrow_type.value_type))  # text: the list as JSON, as in CSV
+
+
+def _csv_records(path: Path, cfg: DataConfig) -> Iterator[Record]:
     """CSV cells are read as text (no type inference), so '007' stays '007' and empty cells are ''."""
     try:
         with path.open(encoding="utf-8-sig", newline="") as f:
-            header = next(csv.reader(f), [])
+            # Arrow skips empty lines before the header too; a file of only blank lines has no rows.
+            header = next((row for row in csv.reader(f) if any(cell.strip() for cell in row)), None)
+        if header is None:
+            return iter(())
+        _check_csv_header(path, header, cfg)
         convert = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
         table = pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True), convert_options=convert)
     except (pa.ArrowException, OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"{path}: not a readable CSV file ({e})") from None
     return _numbered(str(path), table.to_pylist())
+
+
+def _check_csv_header(path: Path, header: list[str], cfg: DataConfig) -> None:
+    """A CSV without a header row would have its first data row taken as column names, and then every
+    row would miss every column; say so once."""
+    sources = _source_columns(cfg)
+    if set(header) & set(sources.values()):
+        return
+    required, _ = FORMAT_COLUMNS[cfg.format]
+    needs = ", ".join(sources[name] for name in required)
+    found = ", ".join(repr(cell if len(cell) <= 40 else cell[:37] + "...") for cell in header)
+    raise DataError(
+        f"{path}: the first line is read as the CSV header, but it names none of the columns format "
+        f"{cfg.format!r} needs ({needs}); found: {found}"
+    )
 
 
 def _hub_records(dataset_id: str, cfg: DataConfig) -> Iterator[Record]:
@@ -211,15 +251,27 @@ def _rename(row: dict, columns: dict[str, str]) -> dict:
     return renamed
 
 
+def _source_columns(cfg: DataConfig) -> dict[str, str]:
+    """Each of the format's column names -> the source column it is read from."""
+    required, optional = FORMAT_COLUMNS[cfg.format]
+    return {name: cfg.columns.get(name, name) for name in required + optional}
+
+
+def _column_label(name: str, cfg: DataConfig) -> str:
+    source = cfg.columns.get(name)
+    return f"{source!r} (mapped to {name!r} by data.columns)" if source else repr(name)
+
+
 def _require_columns(row: dict, cfg: DataConfig, where: str) -> None:
     required, _ = FORMAT_COLUMNS[cfg.format]
     for name in required:
         if name not in row:
-            source = cfg.columns.get(name)
-            label = f"{source!r} (mapped to {name!r} by data.columns)" if source else repr(name)
+            # A file that mixes formats fails at its first row of the other one; naming that format explains it.
+            others = [repr(fmt) for fmt, (needs, _) in FORMAT_COLUMNS.items() if fmt != cfg.format and all(c in row for c in needs)]
+            hint = f" (this row looks like format {' or '.join(others)})" if others else ""
             raise DataError(
-                f"{where}: missing column {label} (format {cfg.format!r} needs {', '.join(required)}; "
-                f"columns present: {', '.join(map(str, row)) or '(none)'})"
+                f"{where}: missing column {_column_label(name, cfg)} (format {cfg.format!r} needs {', '.join(required)}; "
+                f"columns present: {', '.join(map(str, row)) or '(none)'}){hint}"
             )
 
 
@@ -274,3 +326,8 @@ def _message(message: Any, where: str, index: int) -> dict:
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def looks_like_hub_id(source: str) -> bool:
+    """`owner/name` with no file extension jaxtune reads: a hub dataset id, not a local path."""
+    return bool(_HUB_ID.fullmatch(source)) and Path(source).suffix.lower() not in SUPPORTED_EXTENSIONS

@@ -46,10 +46,9 @@ def apply_chat_template_setting(tokenizer: Any, setting: str | None) -> Any:
 
 def require_chat_template(tokenizer: Any, model_name: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        names = ", ".join(NAMED_TEMPLATES)
+        names = ", ".join(f"'{name}'" for name in NAMED_TEMPLATES)
         raise ChatTemplateError(
-            f"the tokenizer of {model_name} has no chat template (a base model?); set model.chat_template "
-            f"to one of: {names}, or to a Jinja template string"
+            f"{model_name}: its tokenizer has no chat template; set model.chat_template to {names} or a Jinja template string"
         )
 
 

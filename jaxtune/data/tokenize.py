@@ -21,7 +21,7 @@ from jaxtune.data.rows import DataError
 from jaxtune.data.templates import ChatTemplateError
 
 IGNORE_INDEX = -100  # label value the loss skips
-DROP_REASONS = ("duplicate_of_train", "empty_response", "too_long", "max_train_rows", "max_eval_rows")
+DROP_REASONS = ("duplicate", "duplicate_of_train", "empty_response", "too_long", "max_train_rows", "max_eval_rows")
 ARROW_SCHEMA = pa.schema(
     [
         ("input_ids", pa.list_(pa.int32())),
@@ -68,24 +68,39 @@ def encode_example(example: dict, tokenizer: Any, train_on_prompt: bool) -> dict
 
 
 def tokenize_dataset(examples: Sequence[dict], tokenizer: Any, cfg: DataConfig) -> tuple[list[dict], list[dict], dict]:
-    """Shuffle with `cfg.seed`, split off eval rows, encode, filter and cap; returns (train, eval, stats)."""
+    """Drop exact duplicates, shuffle with `cfg.seed`, split off eval rows, encode, filter and cap; returns (train, eval, stats)."""
     if len(examples) < 2:
         raise DataError(f"need at least 2 rows to split into train and eval, got {len(examples)}")
-    train_ex, eval_ex = split_examples(examples, cfg.eval_fraction, cfg.seed)
-    dropped = Counter({reason: 0 for reason in DROP_REASONS})
+    unique = _unique(examples)
+    if len(unique) < 2:
+        raise DataError(
+            f"need at least 2 distinct rows to split into train and eval, got {len(unique)} "
+            f"({len(examples) - len(unique)} of the {len(examples)} rows are exact duplicates)"
+        )
+    train_ex, eval_ex = split_examples(unique, cfg.eval_fraction, cfg.seed)
     train_prompts = {_prompt_key(e) for e in train_ex}
     kept_eval = [e for e in eval_ex if _prompt_key(e) not in train_prompts]
-    dropped["duplicate_of_train"] = len(eval_ex) - len(kept_eval)
-
-    encoded = _encode_all([*train_ex, *kept_eval], tokenizer, cfg, dropped)
-    train_rows = [row for row in encoded[: len(train_ex)] if row is not None]
-    eval_rows = [row for row in encoded[len(train_ex) :] if row is not None]
-    train_rows = _cap(train_rows, cfg.max_train_rows, "max_train_rows", dropped)
-    eval_rows = _cap(eval_rows, cfg.max_eval_rows, "max_eval_rows", dropped)
-    for name, rows in (("train", train_rows), ("eval", eval_rows)):
-        if not rows:
-            raise DataError(f"no {name} rows left after filtering {len(examples)} rows (dropped: {dict(dropped)})")
-    return train_rows, eval_rows, _stats(len(examples), train_rows, eval_rows, dropped)
+    # Counted per split, so an empty split's error names only what emptied it.
+    train_dropped, eval_dropped = Counter(), Counter(duplicate_of_train=len(eval_ex) - len(kept_eval))
+    train_rows, train_truncated = _encode_all(train_ex, tokenizer, cfg, train_dropped)
+    eval_rows, eval_truncated = _encode_all(kept_eval, tokenizer, cfg, eval_dropped)
+    train_rows = _cap(train_rows, cfg.max_train_rows, "max_train_rows", train_dropped)
+    eval_rows = _cap(eval_rows, cfg.max_eval_rows, "max_eval_rows", eval_dropped)
+    dropped = train_dropped + eval_dropped + Counter(duplicate=len(examples) - len(unique))
+    n_in = len(examples)
+    if not train_rows and not eval_rows:
+        raise DataError(f"no train rows left: all {n_in} rows were dropped ({_why(dropped, cfg)})")
+    if not train_rows:
+        raise DataError(
+            f"no train rows left: every row of the train split ({len(train_ex)} of the {n_in} rows in) was dropped "
+            f"({_why(train_dropped, cfg)})"
+        )
+    if not eval_rows:
+        raise DataError(
+            f"no eval rows left: every row held out for eval ({len(eval_ex)} of the {n_in} rows in) was dropped "
+            f"({_why(eval_dropped, cfg)}); raise data.eval_fraction={cfg.eval_fraction} to hold out more"
+        )
+    return train_rows, eval_rows, _stats(n_in, train_rows, eval_rows, dropped, train_truncated + eval_truncated)
 
 
 def split_examples(examples: Sequence[dict], eval_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -143,18 +158,57 @@ def _prompt_key(example: dict) -> str:
     return json.dumps(example["messages"], sort_keys=True, ensure_ascii=False)
 
 
-def _encode_all(examples: list[dict], tokenizer: Any, cfg: DataConfig, dropped: Counter) -> list[dict | None]:
-    """Encode each example, or None (counted in `dropped`) when its response is empty or it is too long."""
-    out: list[dict | None] = []
+def _unique(examples: Sequence[dict]) -> list[dict]:
+    """The examples without exact repeats, first occurrences in order: a repeat would be trained on twice,
+    or land in eval as a copy of a train row."""
+    seen: set[str] = set()
+    unique = []
+    for example in examples:
+        key = json.dumps([example["messages"], example["response"], example["category"]], sort_keys=True, ensure_ascii=False)
+        if key not in seen:
+            seen.add(key)
+            unique.append(example)
+    return unique
+
+
+def _encode_all(examples: list[dict], tokenizer: Any, cfg: DataConfig, dropped: Counter) -> tuple[list[dict], int]:
+    """Encoded rows, without those dropped (counted in `dropped`) for an empty response or length; and how many
+    were truncated to `cfg.max_length`."""
+    out: list[dict] = []
+    truncated = 0
     for example in tqdm(examples, desc="tokenize", unit="row", disable=None):
         row = encode_example(example, tokenizer, cfg.train_on_prompt)
         if row is None:
             dropped["empty_response"] += 1
-        elif row["length"] > cfg.max_length:
-            dropped["too_long"] += 1
-            row = None
+            continue
+        if row["length"] > cfg.max_length:
+            # Truncating keeps the prompt whole, so it must leave at least one answer token to learn from.
+            if cfg.too_long == "drop" or row["prompt_length"] >= cfg.max_length:
+                dropped["too_long"] += 1
+                continue
+            n = cfg.max_length
+            row = {**row, "input_ids": row["input_ids"][:n], "labels": row["labels"][:n], "length": n}
+            truncated += 1
         out.append(row)
-    return out
+    return out, truncated
+
+
+def _why(dropped: Counter, cfg: DataConfig) -> str:
+    """The non-zero drop counts, each with what it means and the setting that changes it."""
+    too_long = (
+        f"rows whose prompt alone has data.max_length={cfg.max_length} tokens or more; raise data.max_length"
+        if cfg.too_long == "truncate"
+        else f"rows longer than data.max_length={cfg.max_length} tokens; raise data.max_length or set data.too_long=truncate"
+    )
+    meaning = {
+        "duplicate": "exact repeats of an earlier row",
+        "duplicate_of_train": "eval rows whose prompt is also a train prompt",
+        "empty_response": "rows whose response is empty",
+        "too_long": too_long,
+        "max_train_rows": f"over data.max_train_rows={cfg.max_train_rows}",
+        "max_eval_rows": f"over data.max_eval_rows={cfg.max_eval_rows}",
+    }
+    return "; ".join(f"{reason}: {dropped[reason]}; {meaning[reason]}" for reason in DROP_REASONS if dropped[reason])
 
 
 def _cap(rows: list[dict], cap: int | None, reason: str, dropped: Counter) -> list[dict]:
@@ -164,7 +218,7 @@ def _cap(rows: list[dict], cap: int | None, reason: str, dropped: Counter) -> li
     return rows[:cap]
 
 
-def _stats(rows_in: int, train: list[dict], eval_: list[dict], dropped: Counter) -> dict:
+def _stats(rows_in: int, train: list[dict], eval_: list[dict], dropped: Counter, truncated: int) -> dict:
     """Counts, token totals, length percentiles and category histograms of the kept rows."""
     lengths = sorted(row["length"] for row in [*train, *eval_])
     return {
@@ -172,6 +226,7 @@ def _stats(rows_in: int, train: list[dict], eval_: list[dict], dropped: Counter)
         "train_rows": len(train),
         "eval_rows": len(eval_),
         "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
+        "truncated": truncated,  # kept, cut to data.max_length (data.too_long=truncate)
         "tokens": {"train": sum(r["length"] for r in train), "eval": sum(r["length"] for r in eval_)},
         "response_tokens": {
             "train": sum(r["length"] - r["prompt_length"] for r in train),

@@ -42,8 +42,8 @@ def tokenize(section: TokenizeSection, inputs: dict[str, ArtifactRef], store_roo
         write_arrow(eval_rows, folder / "eval.arrow")
         (folder / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
         get_run_logger().info(
-            "%d rows in: %d train, %d eval, dropped %s", stats["rows_in"], stats["train_rows"], stats["eval_rows"],
-            {k: v for k, v in stats["dropped"].items() if v},
+            "%d rows in: %d train, %d eval, dropped %s, truncated %d", stats["rows_in"], stats["train_rows"],
+            stats["eval_rows"], {k: v for k, v in stats["dropped"].items() if v}, stats["truncated"],
         )
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)

@@ -81,3 +81,16 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(texts_for_tokenizer(make_dolly_rows(300, seed=1)), vocab_size=512, out_dir=out)
     return AutoTokenizer.from_pretrained(out)
+
+
+@pytest.fixture
+def error_line() -> Callable[..., str]:
+    """error_line(fn, *args): the first line of the DataError `fn(*args)` raises, the line users see."""
+    from jaxtune.data.rows import DataError
+
+    def first_line(fn: Callable, *args) -> str:
+        with pytest.raises(DataError) as info:
+            fn(*args)
+        return str(info.value).splitlines()[0]
+
+    return first_line

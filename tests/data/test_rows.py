@@ -6,11 +6,13 @@ import json
 import sys
 import types
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from jaxtune.config import DataConfig
 from jaxtune.data import rows as rows_module
-from jaxtune.data.rows import DataError, read_rows
+from jaxtune.data.rows import DataError, read_rows, source_texts
 
 EXTENSIONS = ["jsonl", "json", "parquet", "csv"]
 
@@ -226,3 +228,168 @@ def test_corrupt_parquet(tmp_path):
 def test_csv_keeps_text_as_text(write_rows):
     path = write_rows([{"instruction": "Zip code?", "response": "007", "category": "closed_qa"}], "csv")
     assert read_rows(DataConfig(), str(path))[0]["response"] == "007"
+
+
+# Each message below is compared whole: its first line is what the user sees.
+
+
+@pytest.mark.parametrize(
+    ("fmt", "row", "message"),
+    [
+        (
+            "dolly",
+            {"instruction": "a", "input": "", "output": "b"},
+            "missing column 'response' (format 'dolly' needs instruction, response; "
+            "columns present: instruction, input, output) (this row looks like format 'alpaca')",
+        ),
+        (
+            "alpaca",
+            {"instruction": "a", "response": "b", "category": "x"},
+            "missing column 'output' (format 'alpaca' needs instruction, output; "
+            "columns present: instruction, response, category) (this row looks like format 'dolly')",
+        ),
+        (
+            "prompt_completion",
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            "missing column 'prompt' (format 'prompt_completion' needs prompt, completion; "
+            "columns present: messages) (this row looks like format 'messages')",
+        ),
+        (
+            "dolly",
+            {"question": "a", "answer": "b"},
+            "missing column 'instruction' (format 'dolly' needs instruction, response; columns present: question, answer)",
+        ),
+    ],
+)
+def test_row_of_another_format_is_named(write_rows, error_line, fmt, row, message):
+    good = as_format([{"instruction": "q", "context": "", "response": "r", "category": "c"}], fmt)[0]
+    path = write_rows([good, row], "jsonl")
+    assert error_line(read_rows, DataConfig(format=fmt), str(path)) == f"{path} line 2: {message}"
+
+
+def test_csv_without_header(tmp_path, error_line):
+    path = tmp_path / "data.csv"
+    path.write_text("What is 2+2?,4\nName a colour,Blue\n")
+    assert error_line(read_rows, DataConfig(), str(path)) == (
+        f"{path}: the first line is read as the CSV header, but it names none of the columns format 'dolly' needs "
+        "(instruction, response); found: 'What is 2+2?', '4'"
+    )
+
+
+def test_csv_header_check_uses_the_mapping_and_shortens_cells(tmp_path, error_line):
+    path = tmp_path / "data.csv"
+    path.write_text(f"instruction,{'x' * 50}\n")  # 'instruction' is mapped away, so it does not count
+    cfg = DataConfig(columns={"instruction": "question", "response": "answer"})
+    assert error_line(read_rows, cfg, str(path)) == (
+        f"{path}: the first line is read as the CSV header, but it names none of the columns format 'dolly' needs "
+        f"(question, answer); found: 'instruction', '{'x' * 37}...'"
+    )
+
+
+def test_csv_header_with_some_format_column_is_checked_per_row(tmp_path, error_line):
+    path = tmp_path / "data.csv"
+    path.write_text("category,answer\nx,y\n")
+    assert error_line(read_rows, DataConfig(), str(path)) == (
+        f"{path} row 1: missing column 'instruction' (format 'dolly' needs instruction, response; "
+        "columns present: category, answer)"
+    )
+
+
+def test_csv_blank_lines_before_the_header_are_skipped(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("\n\ninstruction,response\nZip code?,007\n")
+    assert read_rows(DataConfig(), str(path))[0]["response"] == "007"  # still read as text
+
+
+@pytest.mark.parametrize(
+    ("columns", "cfg", "message"),
+    [
+        ({"instruction": ["a"], "response": [1]}, DataConfig(), "column 'response' is int64, expected text (string)"),
+        ({"instruction": ["a"], "response": ["b"], "context": [1.5]}, DataConfig(), "column 'context' is double, expected text (string)"),
+        (
+            {"question": [True], "response": ["b"]},
+            DataConfig(columns={"instruction": "question"}),
+            "column 'question' (mapped to 'instruction' by data.columns) is bool, expected text (string)",
+        ),
+        (
+            {"messages": [3]},
+            DataConfig(format="messages"),
+            "column 'messages' is int64, expected a list of {role, content} objects (list<struct>)",
+        ),
+        (
+            {"messages": [["hi"]]},
+            DataConfig(format="messages"),
+            "column 'messages' is list<element: string>, expected a list of {role, content} objects (list<struct>)",
+        ),
+    ],
+)
+def test_parquet_column_of_wrong_type(tmp_path, error_line, columns, cfg, message):
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table(columns), path)
+    assert error_line(read_rows, cfg, str(path)) == f"{path}: {message}"
+
+
+def test_parquet_accepted_column_types(tmp_path):
+    """All-null columns (type null), dictionary-encoded text (pandas categoricals) and messages as JSON text read fine."""
+    path = tmp_path / "data.parquet"
+    category = pa.array(["x", "y"]).dictionary_encode()
+    pq.write_table(pa.table({"instruction": ["a", "b"], "context": pa.nulls(2), "response": ["c", "d"], "category": category}), path)
+    assert [e["category"] for e in read_rows(DataConfig(), str(path))] == ["x", "y"]
+    turns = json.dumps([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    pq.write_table(pa.table({"messages": pa.array([turns], pa.large_string())}), path)
+    assert read_rows(DataConfig(format="messages"), str(path))[0]["response"] == "b"
+
+
+def test_parquet_missing_column_is_still_the_row_message(tmp_path, error_line):
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"instruction": ["a"], "answer": [1]}), path)
+    assert error_line(read_rows, DataConfig(), str(path)) == (
+        f"{path} row 1: missing column 'response' (format 'dolly' needs instruction, response; columns present: instruction, answer)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"response": 3}, "'response' must be a string, got int"),
+        ({"response": None}, "'response' must be a string, got null"),
+        ({"instruction": None}, "'instruction' must be a non-empty string, got null"),
+        ({"context": ["x"]}, "'context' must be a string, got list"),
+        ({"category": 1.5}, "'category' must be a string, got float"),
+    ],
+)
+def test_jsonl_value_of_wrong_type_names_line_and_column(write_rows, error_line, bad, message):
+    good = {"instruction": "a", "context": "", "response": "b", "category": "c"}
+    path = write_rows([good, {**good, **bad}], "jsonl")
+    assert error_line(read_rows, DataConfig(), str(path)) == f"{path} line 2: {message}"
+
+
+@pytest.mark.parametrize("ext", EXTENSIONS)
+def test_empty_file_message(tmp_path, error_line, ext):
+    path = tmp_path / f"data.{ext}"
+    path.write_bytes(b"")
+    assert error_line(read_rows, DataConfig(), str(path)) == f"{path}: file is empty"
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "json", "csv"])
+def test_blank_lines_only_have_no_rows(tmp_path, error_line, ext):
+    path = tmp_path / f"data.{ext}"
+    path.write_text("\n  \n\n")
+    assert error_line(read_rows, DataConfig(), str(path)) == f"{path}: no rows"
+
+
+def test_missing_file_message(tmp_path, error_line):
+    path = tmp_path / "nope.jsonl"
+    assert error_line(read_rows, DataConfig(), str(path)) == f"{path}: no such file, and not a hub dataset id of the form 'owner/name'"
+
+
+def test_json_cut_off_at_the_line_end_names_that_column(tmp_path, error_line):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"instruction": "a", "response": "b"}\n{"instruction": "x", "response": \r\n')
+    assert error_line(read_rows, DataConfig(), str(path)) == f"{path} line 2: not valid JSON (Expecting value at column 34)"
+
+
+def test_source_texts_checks_rows_as_reading_does(write_rows, error_line):
+    """The offline tokenizer stage reads the file first; a bad row must fail there with the same message."""
+    path = write_rows([{"instruction": "a", "response": "b"}, {"instruction": "c", "response": None}], "jsonl")
+    assert error_line(lambda: list(source_texts(DataConfig(), str(path)))) == f"{path} line 2: 'response' must be a string, got null"

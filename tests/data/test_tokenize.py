@@ -14,6 +14,7 @@ from jaxtune.data.tokenize import (
     IGNORE_INDEX,
     ChatTemplateError,
     encode_example,
+    split_examples,
     read_arrow,
     tokenize_dataset,
     write_arrow,
@@ -158,3 +159,116 @@ def test_pad_id_falls_back_to_eos_then_zero():
     assert pad_id_of(SimpleNamespace(pad_token_id=3, eos_token_id=7)) == 3
     assert pad_id_of(SimpleNamespace(pad_token_id=None, eos_token_id=7)) == 7  # Llama 3 ships no pad token
     assert pad_id_of(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
+
+
+def full_rows(data: list[dict], tokenizer, train_on_prompt: bool = False) -> dict[str, dict]:
+    """Each example's untruncated encoding, by its prompt text (unique in generated data)."""
+    rows = [encode_example(e, tokenizer, train_on_prompt) for e in data]
+    return {r["prompt_text"]: r for r in rows}
+
+
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+def test_truncate_cuts_answers_and_drops_rows_without_one(examples, tokenizer, train_on_prompt):
+    data, max_length = examples(40), 30  # generated prompts are 22-24 tokens, or 34-37 with a context passage
+    full = full_rows(data, tokenizer, train_on_prompt)
+    cut = [r for r in full.values() if r["prompt_length"] < max_length < r["length"]]
+    no_answer = [r for r in full.values() if r["prompt_length"] >= max_length]
+    assert cut and no_answer
+    cfg = DataConfig(eval_fraction=0.25, max_length=max_length, too_long="truncate", train_on_prompt=train_on_prompt)
+    train, eval_, stats = tokenize_dataset(data, tokenizer, cfg)
+    assert stats["truncated"] == len(cut) and stats["dropped"]["too_long"] == len(no_answer)
+    assert len(train) + len(eval_) == 40 - len(no_answer)
+    for row in train + eval_:
+        whole = full[row["prompt_text"]]
+        n = min(whole["length"], max_length)
+        assert row["length"] == len(row["input_ids"]) == len(row["labels"]) == n
+        assert row["input_ids"] == whole["input_ids"][:n] and row["labels"] == whole["labels"][:n]
+        assert row["prompt_length"] == whole["prompt_length"] and row["response"] == whole["response"]
+        assert any(label != IGNORE_INDEX for label in row["labels"][row["prompt_length"] :])
+
+
+def test_drop_is_the_default_and_truncates_nothing(examples, tokenizer):
+    data, max_length = examples(40), 46
+    too_long = sum(r["length"] > max_length for r in full_rows(data, tokenizer).values())
+    train, eval_, stats = tokenize_dataset(data, tokenizer, DataConfig(eval_fraction=0.25, max_length=max_length))
+    assert stats["truncated"] == 0 and stats["dropped"]["too_long"] == too_long > 0
+    assert len(train) + len(eval_) == 40 - too_long
+    assert all(r["length"] <= max_length for r in train + eval_)
+
+
+def test_exact_duplicates_are_dropped_before_the_split(examples, tokenizer):
+    data = examples(30)
+    repeated = [*data[:10], data[3], *data[10:], copy.deepcopy(data[0]), data[29]]
+    cfg = DataConfig(eval_fraction=0.2)
+    train, eval_, stats = tokenize_dataset(repeated, tokenizer, cfg)
+    assert stats["dropped"]["duplicate"] == 3 and stats["rows_in"] == 33
+    assert list(stats["dropped"])[0] == "duplicate"
+    assert (train, eval_) == tokenize_dataset(data, tokenizer, cfg)[:2]  # the first copies, in their places
+
+
+def test_rows_differing_in_response_or_category_are_not_duplicates(examples, tokenizer):
+    data = examples(20)
+    data += [dict(data[0], category="other"), dict(data[1], response=data[1]["response"] + " Indeed.")]
+    _, _, stats = tokenize_dataset(data, tokenizer, DataConfig())
+    assert stats["dropped"]["duplicate"] == 0
+
+
+def test_copies_of_one_row_cannot_be_split(examples, tokenizer, error_line):
+    one = examples(1)[0]
+    assert error_line(tokenize_dataset, [one, dict(one), dict(one)], tokenizer, DataConfig()) == (
+        "need at least 2 distinct rows to split into train and eval, got 1 (2 of the 3 rows are exact duplicates)"
+    )
+
+
+def test_all_rows_too_long(examples, tokenizer, error_line):
+    assert error_line(tokenize_dataset, examples(12), tokenizer, DataConfig(max_length=16)) == (
+        "no train rows left: all 12 rows were dropped "
+        "(too_long: 12; rows longer than data.max_length=16 tokens; raise data.max_length or set data.too_long=truncate)"
+    )
+
+
+def test_all_prompts_too_long_to_truncate(examples, tokenizer, error_line):
+    cfg = DataConfig(max_length=16, too_long="truncate")
+    assert error_line(tokenize_dataset, examples(12), tokenizer, cfg) == (
+        "no train rows left: all 12 rows were dropped "
+        "(too_long: 12; rows whose prompt alone has data.max_length=16 tokens or more; raise data.max_length)"
+    )
+
+
+def test_all_dropped_names_each_reason_with_a_count(examples, tokenizer, error_line):
+    data = examples(10)
+    data = [dict(e, response="") for e in data[:3]] + data[3:] + [data[5]]
+    assert error_line(tokenize_dataset, data, tokenizer, DataConfig(max_length=16)) == (
+        "no train rows left: all 11 rows were dropped (duplicate: 1; exact repeats of an earlier row; "
+        "empty_response: 3; rows whose response is empty; "
+        "too_long: 7; rows longer than data.max_length=16 tokens; raise data.max_length or set data.too_long=truncate)"
+    )
+
+
+def test_empty_train_split(examples, tokenizer, error_line):
+    data = examples(4)
+    cfg = DataConfig(eval_fraction=0.25)
+    held_out = split_examples(data, cfg.eval_fraction, cfg.seed)[1][0]
+    data = [e if e is held_out else dict(e, response=" ") for e in data]
+    assert error_line(tokenize_dataset, data, tokenizer, cfg) == (
+        "no train rows left: every row of the train split (3 of the 4 rows in) was dropped "
+        "(empty_response: 3; rows whose response is empty)"
+    )
+
+
+@pytest.mark.parametrize("problem", ["empty", "prompt_in_train"])
+def test_empty_eval_split(examples, tokenizer, error_line, problem):
+    data = examples(4)
+    cfg = DataConfig(eval_fraction=0.25)
+    train_ex, (held_out,) = split_examples(data, cfg.eval_fraction, cfg.seed)
+    if problem == "empty":
+        reason = "empty_response: 1; rows whose response is empty"
+        bad = dict(held_out, response="")
+    else:
+        reason = "duplicate_of_train: 1; eval rows whose prompt is also a train prompt"
+        bad = dict(held_out, messages=train_ex[0]["messages"])
+    data = [bad if e is held_out else e for e in data]
+    assert error_line(tokenize_dataset, data, tokenizer, cfg) == (
+        f"no eval rows left: every row held out for eval (1 of the 4 rows in) was dropped ({reason}); "
+        "raise data.eval_fraction=0.25 to hold out more"
+    )
