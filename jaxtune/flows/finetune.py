@@ -27,6 +27,7 @@ from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.config import OFFLINE, JaxtuneConfig, load_config
 from jaxtune.flows import browse
 from jaxtune.tasks import BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf, report, tokenize, train
+from jaxtune.tasks.downloads import retry_options
 from jaxtune.tasks.sources import GGUF, dataset_ref, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
 
@@ -125,6 +126,7 @@ class StageRunner:
             result_storage=self.store.root,
             cache_policy=policy.configure(isolation_level="SERIALIZABLE", lock_manager=self.locks),
             task_run_name=lambda: name,
+            **retry_options(step.stage, inputs),
         )
         state = configured(step.section, inputs, str(self.store.root), *step.extra, return_state=True)
         try:
@@ -152,7 +154,7 @@ def _run_name() -> str:
     return ui.flow_run_name(recipe, config, list(parameters.get("refresh") or []), parameters.get("until") or "report")
 
 
-@flow(name="finetune", flow_run_name=_run_name)
+@flow(name="finetune", flow_run_name=_run_name, persist_result=False)  # its dict is read where it runs
 def finetune(
     recipe: str = OFFLINE,
     overrides: list[str] = [],  # noqa: B006
