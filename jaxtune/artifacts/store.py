@@ -79,12 +79,43 @@ def _write_json_synced(path: Path, value: Any) -> None:
         os.fsync(handle.fileno())
 
 
+def _outside(path: Path, folder: Path) -> bool:
+    """Whether `path`, its symlinks followed, lies outside `folder` (its symlinks followed too).
+    A symlink loop counts as outside: it leads nowhere inside."""
+    try:
+        return not path.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):  # RuntimeError: Python 3.11's "Symlink loop"
+        return True
+
+
+def _refuse_links_out(folder: Path, what: str) -> None:
+    """Raise ValueError naming the first symlink under `folder` that leads out of it, or that
+    names its target by an absolute path (the target would move away when the folder is renamed)."""
+    for current, dirs, files in os.walk(folder):
+        for name in sorted([*dirs, *files]):
+            path = Path(current, name)
+            if not path.is_symlink():
+                continue
+            relative = path.relative_to(folder).as_posix()
+            target = os.readlink(path)
+            if _outside(path, folder):
+                raise ValueError(f"{what}: {relative} is a symlink out of the artifact folder (to {target}); "
+                                 "an artifact must hold its files, not point at others")
+            if os.path.isabs(target):
+                raise ValueError(f"{what}: {relative} is a symlink by absolute path ({target}); "
+                                 "use a relative link inside the artifact folder, or a copy")
+
+
 def _file_problem(folder: Path, name: Any, entry: Any) -> str | None:
     """Why a manifest file entry does not match the folder, or None when it does."""
     relative = PurePosixPath(str(name))
     if relative.is_absolute() or ".." in relative.parts or not isinstance(entry, dict):
         return f"manifest entry {name!r} is malformed"
     path = folder.joinpath(*relative.parts)
+    if _outside(path, folder):
+        # A listed file swapped for a symlink out of the folder would verify against whatever it
+        # points at; the artifact is only what lies inside its folder.
+        return f"listed file {name} is a link out of the artifact folder, or a symlink loop"
     if not path.is_file():
         return f"listed file {name} is missing"
     if path.stat().st_size != entry.get("bytes"):
@@ -99,6 +130,15 @@ class ArtifactStore:
 
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser().resolve()
+        # A root (or a folder above it) that is a file would fail later, in the middle of a
+        # stage, naming some path below it; say so now, naming the file.
+        for folder in (self.root, *self.root.parents):
+            if folder.exists():
+                if not folder.is_dir():
+                    where = "" if folder == self.root else f" (so store root {self.root} cannot be one)"
+                    raise NotADirectoryError(errno.ENOTDIR, f"the artifact store needs a folder, not a file{where}",
+                                             str(folder))
+                break
 
     def __repr__(self) -> str:
         return f"ArtifactStore({str(self.root)!r})"
@@ -135,6 +175,8 @@ class ArtifactStore:
             return f"{MANIFEST} is unreadable ({error})"
         if manifest.get("stage") != stage or manifest.get("key") != key:
             return f"{MANIFEST} names {manifest.get('stage')!r}/{manifest.get('key')!r}"
+        if _outside(folder / MANIFEST, folder):
+            return f"{MANIFEST} is a link out of the artifact folder"
         files = manifest.get("files")
         if not isinstance(files, dict):
             return f"{MANIFEST} has no file list"
@@ -193,6 +235,7 @@ class ArtifactStore:
         code: Mapping[str, Any],
     ) -> dict[str, Any]:
         """Describe what the writer left in `temp`: every file with its sha256 and size."""
+        _refuse_links_out(temp, f"{stage}/{key}")
         names = tree_files(temp)
         if MANIFEST in names:
             raise ValueError(f"{stage}/{key}: {MANIFEST} is reserved for the store")
