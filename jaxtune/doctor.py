@@ -101,9 +101,8 @@ def _trainable(module, config: JaxtuneConfig, randomize_lora: bool):
         return module.requires_grad_(True)
     try:
         module = attach_lora(module, config.lora)
-    except ValueError as e:
-        raise DoctorError(f"{e}\nlinear layers of this model: {', '.join(_linear_names(module))}; "
-                          "set lora.target_modules to some of them, or to all-linear") from None
+    except ValueError as e:  # a ModelError names the model's linear layers
+        raise DoctorError(str(e)) from None
     if randomize_lora:
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -111,13 +110,6 @@ def _trainable(module, config: JaxtuneConfig, randomize_lora: bool):
                 if "lora_B" in name:
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
     return module
-
-
-def _linear_names(module) -> list[str]:
-    import torch
-    from transformers.pytorch_utils import Conv1D
-
-    return sorted({name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))})
 
 
 def _targets(config: JaxtuneConfig) -> str:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from jaxtune.config import LoraConfig, ModelConfig
 from jaxtune.runtime.compat import torchax_env
 from jaxtune.runtime.mesh import Placement
+from jaxtune.tasks.sources import ModelError
 
 @dataclass
 class JaxModel:
@@ -88,7 +89,7 @@ def open_model(
 def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
     """Wrap in PEFT LoRA; only adapter (and modules_to_save) parameters stay trainable."""
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
+    from peft import NoMatchingPeftModuleError, get_peft_model
 
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
@@ -99,7 +100,21 @@ def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
         task_type="CAUSAL_LM",
     )
     torch.manual_seed(0)  # LoRA A is random: fix it so a config always starts from the same weights
-    return get_peft_model(model, peft_cfg)
+    try:
+        return get_peft_model(model, peft_cfg)
+    except NoMatchingPeftModuleError:  # no target matched, or only modules_to_save did
+        targets = cfg.target_modules if isinstance(cfg.target_modules, str) else f"[{', '.join(cfg.target_modules)}]"
+        raise ModelError(f"lora.target_modules {targets} matches no layer of this model; its linear layers are: "
+                         f"{', '.join(linear_layer_names(model))} (or all-linear)") from None
+
+
+def linear_layer_names(module: torch.nn.Module) -> list[str]:
+    """Names LoRA can target, in model order: the last part of each linear layer's name (GPT-2's
+    Conv1D counts, as PEFT's all-linear does), the output head left out as all-linear leaves it."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = (name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+    return [name for name in dict.fromkeys(names) if name != "lm_head"]
 
 
 def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None,

@@ -14,6 +14,7 @@ from pathlib import Path
 from prefect import task
 
 from jaxtune.artifacts import ArtifactRef
+from jaxtune.tasks.sources import ModelError, first_line
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "import_gguf"
@@ -26,14 +27,32 @@ def write_hf_folder(gguf: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as error:
+        # A short file fails wherever numpy or struct first runs out of bytes, in words that do not
+        # say so; errors of a file the gguf package can parse (an unsupported architecture) pass as they are.
+        if _parses(gguf):
+            raise
+        raise ModelError(f"{gguf}: cannot read this GGUF file, it may be truncated or corrupt "
+                         f"({first_line(error)})") from error
     # The tensors are plain float32 now; what marks the model as quantized is only bookkeeping.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+
+
+def _parses(gguf: Path) -> bool:
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf)  # maps every tensor, so a file cut short fails here
+    except Exception:
+        return False
+    return True
 
 
 @task(name=STAGE, result_serializer="json")

@@ -10,7 +10,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from jaxtune import ui
-from jaxtune.artifacts import ArtifactRef
+from jaxtune.artifacts import MANIFEST, ArtifactRef
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "report"
@@ -36,7 +36,13 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
         "data": inputs["tokenize"].read_json("stats.json"),
         "parity": final["parity"],
+        "trust_remote_code": ran_remote_code(inputs["train"]),
     }
+
+
+def ran_remote_code(train_ref: ArtifactRef) -> bool:
+    """Whether model.trust_remote_code was on: the train stage's manifest keeps its model config."""
+    return bool(train_ref.read_json(MANIFEST).get("config", {}).get("model", {}).get("trust_remote_code"))
 
 
 def _log(train_ref: ArtifactRef) -> list[dict]:
@@ -78,6 +84,9 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
     b, f, em, t = summary["baseline"], summary["final"], summary["exact_match"], summary["train"]
     lines = [
         "# jaxtune report", "",
+        # Code from the checkpoint ran with this user's rights: a reader of the results should know.
+        *(["**trust_remote_code was on**: model code shipped with the checkpoint ran.", ""]
+          if summary.get("trust_remote_code") else []),
         "| metric | before | after |", "|---|---|---|",
         f"| eval loss | {b['loss']:.4f} | {f['loss']:.4f} |",
         f"| perplexity | {b['perplexity']:.2f} | {f['perplexity']:.2f} |",
@@ -129,7 +138,7 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)
 
 
-@task(name="publish_report", task_run_name="publish report")
+@task(name="publish_report", task_run_name="publish report", persist_result=False)  # it returns nothing
 def publish_report(report_ref: ArtifactRef) -> None:
     """Show the report in the Prefect UI: Markdown with the loss curve inlined as a PNG, and a metrics table."""
     summary = report_ref.read_json("report.json")

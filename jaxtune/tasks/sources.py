@@ -6,6 +6,7 @@ its path, so moving a checkout keeps the cache and editing a file invalidates it
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from jaxtune.artifacts import ArtifactRef, artifact_key, file_digest, tree_digest
@@ -24,24 +25,101 @@ def dataset_ref(cfg: DataConfig) -> ArtifactRef:
 
 
 GGUF = "gguf"  # stage name of a ref to a local GGUF file, which the import_gguf stage turns into a folder
+GGUF_HEADER_BYTES = 24  # magic, version, tensor count, metadata count: a file no longer than this holds no model
+PATH_SUFFIXES = (".gguf", ".safetensors", ".bin")
+
+
+class ModelError(ValueError):
+    """`model.name`, or what it names, is no model jaxtune can fine-tune; the message's first line
+    names the path or config key, what is wrong, and what is accepted."""
+
+
+class ModelNotFoundError(ModelError, FileNotFoundError):
+    """`model.name` is a local path that does not exist; also a FileNotFoundError, which callers caught before."""
 
 
 def model_ref(cfg: ModelConfig) -> ArtifactRef:
     """For a hub id, a local model folder or a local .gguf file; the offline model comes from the build_model stage."""
+    check_model_name(cfg)
     path = Path(cfg.name).expanduser()
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"model.name {cfg.name!r}: no such GGUF file")
-        return ArtifactRef(stage=GGUF, key=file_digest(path)[:20], path=str(path.resolve()))
     if path.is_dir():
         digest = tree_digest(path, exclude={".git", ".cache"})
         return ArtifactRef(stage="source", key=digest[:20], path=str(path.resolve()))
-    if cfg.name.count("/") != 1:
-        raise FileNotFoundError(
-            f"model.name {cfg.name!r} is neither a local folder, a .gguf file nor a hub id like 'google/gemma-3-1b-it'"
-        )
+    if path.is_file():
+        return ArtifactRef(stage=GGUF, key=file_digest(path)[:20], path=str(path.resolve()))
     hub = {"model": cfg.name, "revision": cfg.revision}
     return ArtifactRef(stage="hub", key=artifact_key("hub-model", "1", hub, {}), path=f"{cfg.name}@{cfg.revision}")
+
+
+def check_model_name(cfg: ModelConfig) -> None:
+    """Raise ModelError unless `model.name` is a hub id, a causal-LM folder or a .gguf file.
+
+    Reads config.json or a GGUF header, never weights: `jaxtune run` calls it before any stage,
+    so a wrong path fails at once and by name."""
+    path = Path(cfg.name).expanduser()
+    if path.is_dir():
+        check_model_folder(path)
+    elif path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(f"model.name {cfg.name!r}: a file, not an HF model folder or a .gguf file")
+        check_gguf_header(path)
+    elif _looks_like_path(cfg.name):
+        what = "GGUF file" if path.suffix.lower() == ".gguf" else "file or folder"
+        raise ModelNotFoundError(f"model.name {cfg.name!r}: no such {what}")
+    elif cfg.name.count("/") != 1:
+        raise ModelNotFoundError(
+            f"model.name {cfg.name!r}: no such file or folder, and not a hub id like 'google/gemma-3-1b-it'"
+        )
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name no hub id can be; 'owner/name' is a hub id unless it exists locally."""
+    return (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1
+            or name.lower().endswith(PATH_SUFFIXES))
+
+
+def check_model_folder(folder: Path) -> None:
+    """Raise ModelError unless `folder` holds a checkpoint AutoModelForCausalLM can load as a causal LM.
+
+    Only config.json is read: a wrong folder fails here by name, not deep inside from_pretrained."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{folder}: not an HF model folder (no config.json)")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{config_file}: not readable JSON ({first_line(e)})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{config_file}: not a JSON object")
+    if "AutoModelForCausalLM" in (config.get("auto_map") or {}):
+        return  # the checkpoint ships its own model class, which model.trust_remote_code lets load
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+
+    model_type, architectures = config.get("model_type"), config.get("architectures") or []
+    # BERT is in the mapping too (as a decoder), so the class the checkpoint was saved as decides.
+    causal_classes = set(CAUSAL_LMS.values())
+    saved_as_causal = not architectures or any(a in causal_classes or str(a).endswith("ForCausalLM") for a in architectures)
+    if model_type in CAUSAL_LMS and saved_as_causal:
+        return
+    saved_as = f" ({', '.join(map(str, architectures))})" if architectures else ""
+    raise ModelError(f"{folder}: model_type {model_type!r}{saved_as} is not a causal LM; jaxtune fine-tunes "
+                     "AutoModelForCausalLM models such as llama, gemma3, qwen3")
+
+
+def check_gguf_header(path: Path) -> None:
+    """Raise ModelError unless `path` starts like a GGUF file; reading it whole is the import's job."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    if size <= GGUF_HEADER_BYTES:
+        raise ModelError(f"{path}: not a GGUF file ({size} bytes, too short to hold a model)")
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 MODEL_INPUT = "(the model input)"

@@ -20,11 +20,13 @@ STAGE = "tokenize"
 class TokenizeSection(Section):
     data: DataConfig
     chat_template: str | None  # model.chat_template: it decides every token of every row
+    trust_remote_code: bool = False  # model.trust_remote_code: a tokenizer may ship its own code
 
     @classmethod
     def of(cls, data: DataConfig, model: ModelConfig) -> TokenizeSection:
         # Packing changes how the train stage batches the tokens, not the tokens: it is left out of this key.
-        return cls(data=data.model_copy(update={"packing": DataConfig().packing}), chat_template=model.chat_template)
+        return cls(data=data.model_copy(update={"packing": DataConfig().packing}), chat_template=model.chat_template,
+                   trust_remote_code=model.trust_remote_code)
 
 
 @task(name=STAGE, result_serializer="json")
@@ -34,7 +36,8 @@ def tokenize(section: TokenizeSection, inputs: dict[str, ArtifactRef], store_roo
     def build(folder: Path) -> None:
         from jaxtune.data.templates import require_chat_template
 
-        tokenizer = open_tokenizer(inputs["model"], ModelConfig(chat_template=section.chat_template))
+        tokenizer = open_tokenizer(inputs["model"], ModelConfig(chat_template=section.chat_template,
+                                                                trust_remote_code=section.trust_remote_code))
         require_chat_template(tokenizer, inputs["model"].path)
         examples = read_rows(section.data, inputs["data"].path)
         train_rows, eval_rows, stats = tokenize_dataset(examples, tokenizer, section.data)
