@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -25,9 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="YAML config (default: the bundled offline demo)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config value, e.g. --set train.max_steps=50 (repeatable)")
-    run.add_argument("--refresh", action="append", default=[], metavar="STAGE", choices=REFRESHABLE,
+    run.add_argument("--refresh", action="append", default=[], metavar="STAGE", type=_stage_of(REFRESHABLE),
                      help=f"recompute this stage even if cached (repeatable): {', '.join(REFRESHABLE)}")
-    run.add_argument("--until", default="report", choices=STAGES, help="last stage to run")
+    run.add_argument("--until", default="report", metavar="STAGE", type=_stage_of(STAGES),
+                     help=f"last stage to run: {', '.join(STAGES)} (default: %(default)s)")
     run.add_argument("--debug", action="store_true", help="print the Python tracebacks of a failure, not only its message")
     serve = commands.add_parser(
         "serve", help="serve prefect.yaml's deployments with their schedules from this process (no work pool needed)"
@@ -56,6 +58,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stage_of(stages: tuple[str, ...]):
+    """An argparse type accepting one of `stages`, or naming them with a did-you-mean."""
+
+    def stage(value: str) -> str:
+        if value in stages:
+            return value
+        close = difflib.get_close_matches(value, stages, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise argparse.ArgumentTypeError(f"unknown stage {value!r}; {hint}stages: {', '.join(stages)}")
+
+    return stage
+
+
 def _decoding_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxtune.config import StoreConfig
 
@@ -74,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Before Prefect is imported: no telemetry leaves this machine.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    _local_servers()
     if args.command in ("chat", "generate"):
         return _decode(args)
     if args.command == "serve":
@@ -90,6 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "doctor":
         return _doctor(args, config)
+    from jaxtune import preflight
+
+    try:
+        preflight.check(config)
+    except ConfigError as e:
+        print(f"jaxtune: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:  # DataError, ModelError: the data or model named is not there or unusable
+        if args.debug:
+            raise
+        print(f"jaxtune: {_one_line(e)}", file=sys.stderr)
+        return 1
     from jaxtune.flows.finetune import STAGE_NOTE, finetune
 
     if not args.debug:
@@ -103,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("prefect").setLevel(logging.WARNING)
         stage = next((note[len(STAGE_NOTE):] for note in getattr(error, "__notes__", []) if note.startswith(STAGE_NOTE)), None)
         print(f"jaxtune: {f'{stage}: ' if stage else ''}{_one_line(error)} (--debug shows the traceback)", file=sys.stderr)
-        return 1
+        return 2 if isinstance(error, ConfigError) else 1
     # The temporary Prefect server logs its shutdown at exit; keep the report path the last line.
     logging.getLogger("prefect").setLevel(logging.WARNING)
     width = max(len(stage) for stage in result["stages"])
@@ -111,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{stage:<{width}}  {state}")
     print(result["path"])
     return 0
+
+
+def _local_servers() -> None:
+    """Servers jaxtune starts listen on this machine only: Prefect's temporary API server (its
+    default already) and the webserver of a served deployment (Prefect's default is 'localhost',
+    which some resolvers map to every interface's name)."""
+    os.environ.setdefault("PREFECT_SERVER_API_HOST", "127.0.0.1")
+    os.environ.setdefault("PREFECT_RUNNER_SERVER_HOST", "127.0.0.1")
 
 
 def _one_line(error: BaseException) -> str:

@@ -10,7 +10,11 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="jaxtune-prefect-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pytest
+# Prefect configures logging when it is first imported, closing the handlers there are. Imported
+# after JAX, that closes absl's handler and with it the stream absl took as stderr, which under
+# pytest is the capture's file: every later test then fails in pytest's capture.
+import prefect.main  # noqa: E402, F401
+import pytest  # noqa: E402
 
 PAD, EOS, BOS = 0, 1, 2
 VOCAB = 256
@@ -46,3 +50,13 @@ def shared_compile_cache(tmp_path_factory, worker_id):
     yield folder
     os.environ.pop(SHARED_FOLDER_VARIABLE, None)
 
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect server per test process, for every test that runs a flow (a server
+    takes about 20 s to start; the folders that need one share it)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

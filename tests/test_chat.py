@@ -217,15 +217,12 @@ def test_bad_flags_exit_2_before_loading_anything(tmp_path, capsys, flags):
 
 
 @pytest.fixture(scope="module")
-def toy_store(tmp_path_factory) -> Path:
+def toy_store(tmp_path_factory, prefect_server) -> Path:
     """A store holding every artifact of one toy pipeline run (LoRA)."""
-    from prefect.testing.utilities import prefect_test_harness
-
     from tests.flows.toy import run_toy
 
     store = tmp_path_factory.mktemp("store")
-    with prefect_test_harness(server_startup_timeout=120):
-        run_toy(store, until="report")
+    run_toy(store, until="report")
     return store
 
 

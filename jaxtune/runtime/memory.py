@@ -8,7 +8,7 @@ import numpy as np
 from jaxtune.config import TrainConfig
 
 
-def _bytes(tree) -> int:
+def tree_bytes(tree) -> int:
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
@@ -21,11 +21,11 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
     per_device_rows = (rows or cfg.batch_size) // model.placement.data_size
     xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, per_device_rows, length,
                                   cfg.remat, fused=fused)
-    gradients = _bytes(model.weights)
+    gradients = tree_bytes(model.weights)
     return {
-        "parameters": _bytes(model.weights) + _bytes(model.buffers),
+        "parameters": tree_bytes(model.weights) + tree_bytes(model.buffers),
         "gradients": gradients,
-        "optimizer_state": _bytes(jax.eval_shape(optimizer.init, model.weights)),
+        "optimizer_state": tree_bytes(jax.eval_shape(optimizer.init, model.weights)),
         # XLA's temporaries hold the gradient accumulator and one micro-batch's gradients besides activations.
         "activations_per_micro_batch": max(xla["temp_bytes"] - 2 * gradients, 0),
         "peak": xla["peak_bytes"],

@@ -48,6 +48,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
         model = rt_model.open_model(name, revision, section.model, make_placement(mesh), lora=section.lora,
                                     train_all=section.lora is None)
+        _require_space(model, section, checkpoints, folder)
         table = read_arrow(inputs["data"].file("train.arrow")).to_pydict()
         evals = read_arrow(inputs["data"].file("eval.arrow")).to_pydict()
         feed = training.feed_for(model, table["length"], section.train, max(table["length"]), section.packing)
@@ -69,6 +70,22 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
     ref = build_artifact(store_root, STAGE, __name__, section, inputs, build)
     shutil.rmtree(checkpoints, ignore_errors=True)
     return ref
+
+
+def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path) -> None:
+    """Fail before the first step when the store cannot hold what training writes: its weights and
+    optimizer state in the artifact, and in up to `KEEP` + 1 checkpoints while a new one is written."""
+    import jax
+
+    from jaxtune.artifacts.space import require_free
+    from jaxtune.runtime import checkpoint, steps
+    from jaxtune.runtime.memory import tree_bytes
+
+    state = tree_bytes(model.weights) + tree_bytes(jax.eval_shape(steps.make_optimizer(section.train).init, model.weights))
+    copies = 1 if section.train.max_steps is not None and section.train.checkpoint_every >= section.train.max_steps \
+        else checkpoint.KEEP + 1
+    what = f"its artifact{f' and {copies - 1} checkpoints' if copies > 1 else ''} ({state / 1e6:.1f} MB each)"
+    require_free(checkpoints if copies > 1 else folder, copies * state, what)
 
 
 class TrainLog:

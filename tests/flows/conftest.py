@@ -1,11 +1,8 @@
-"""Flow tests share one temporary Prefect server, started and stopped inside the session."""
+"""Flow tests run their flows on the session's temporary Prefect server."""
 
 import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+def _flows_use_the_server(prefect_server):
+    yield

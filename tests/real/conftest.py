@@ -1,3 +1,8 @@
 """Real checkpoints: each test module imports its GGUF file once into a store of its own."""
 
-from tests.flows.conftest import prefect_server  # noqa: F401  (flow runs need the shared temporary server)
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flows_use_the_server(prefect_server):
+    yield
