@@ -46,6 +46,19 @@ def test_a_file_that_is_not_gguf_is_refused_before_the_flow_starts(jaxtune, tmp_
     assert jaxtune.folders() == set()
 
 
+def test_a_truncated_gguf_file_fails_its_import_by_name_and_leaves_nothing(jaxtune, tmp_path):
+    from tests.models.test_model_errors import write_tiny_gguf
+
+    whole = tmp_path / "tiny.gguf"
+    write_tiny_gguf(whole)
+    half = tmp_path / "half.gguf"
+    half.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # a download cut off midway
+    done = jaxtune.run(f"--set=model.name={half}", "--until=tokenize")
+    assert done.status == 1 and done.flow_started, "the header is intact: only reading the file finds the cut"
+    assert done.last_line.startswith(f"jaxtune: import_gguf: {half}: cannot read this GGUF file, it may be truncated or corrupt (")
+    assert jaxtune.folders() == set()
+
+
 def test_a_tokenizer_without_a_chat_template_names_the_setting_that_gives_one(jaxtune_after_eval, tmp_path):
     [built] = jaxtune_after_eval.store.glob("build_model/*")
     plain = tmp_path / "plain-model"
