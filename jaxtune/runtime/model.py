@@ -17,6 +17,7 @@ from jaxtune.runtime.compat import torchax_env
 from jaxtune.runtime.mesh import Placement
 from jaxtune.tasks.sources import ModelError
 
+
 @dataclass
 class JaxModel:
     """A torch module used only for its structure, plus its tensors as JAX arrays.

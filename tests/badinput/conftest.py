@@ -108,6 +108,13 @@ def jaxtune_after_eval(trained_until_eval, tmp_path, monkeypatch) -> Jaxtune:
     return Jaxtune(store, monkeypatch)
 
 
+def refused_before_the_flow(done: Outcome, status: int, message: str, *, prefix: bool = False) -> None:
+    """`done` exited with `status` before the flow started, its last line `message` (or starting with it)."""
+    assert (done.status, done.flow_started) == (status, False), done.stderr
+    assert done.last_line.startswith(message) if prefix else done.last_line == message, done.last_line
+    assert "Traceback" not in done.stderr
+
+
 def dolly_rows(n: int, words: int = 3) -> list[dict]:
     """`n` distinct Dolly rows whose responses have about `words` words."""
     return [{"instruction": f"Question {i} about item {i % 7}?", "context": "",

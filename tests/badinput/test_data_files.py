@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.badinput.conftest import dolly_rows, write_jsonl
+from tests.badinput.conftest import dolly_rows, refused_before_the_flow, write_jsonl
 
 pytestmark = pytest.mark.badinput
 
@@ -19,30 +19,25 @@ HINT = " (--debug shows the traceback)"
 
 def test_a_missing_file_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     missing = tmp_path / "nothere.jsonl"
-    done = jaxtune.run(f"--set=data.source={missing}")
-    assert (done.status, done.flow_started) == (1, False)
-    assert done.last_line == f"jaxtune: data.source {str(missing)!r}: no such file, and not a hub dataset id of the form 'owner/name'"
+    refused_before_the_flow(jaxtune.run(f"--set=data.source={missing}"), 1,
+                            f"jaxtune: data.source {str(missing)!r}: no such file, and not a hub dataset id of the form 'owner/name'")
     assert jaxtune.folders() == set()
 
 
 def test_an_empty_file_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     empty = tmp_path / "rows.jsonl"
     empty.write_text("")
-    done = jaxtune.run(f"--set=data.source={empty}")
-    assert (done.status, done.flow_started, done.last_line) == (1, False, f"jaxtune: {empty}: file is empty")
+    refused_before_the_flow(jaxtune.run(f"--set=data.source={empty}"), 1, f"jaxtune: {empty}: file is empty")
     assert jaxtune.folders() == set()
 
 
 def test_a_folder_or_a_file_of_another_type_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     text = tmp_path / "rows.txt"
     text.write_text("hello\n")
-    done = jaxtune.run(f"--set=data.source={text}")
-    assert (done.status, done.flow_started) == (1, False)
-    assert done.last_line == (f"jaxtune: data.source {str(text)!r}: unsupported file type '.txt'; "
-                              "supported: .jsonl, .json, .parquet, .csv")
-    done = jaxtune.run(f"--set=data.source={tmp_path}")
-    assert (done.status, done.flow_started) == (1, False)
-    assert done.last_line.startswith(f"jaxtune: data.source {str(tmp_path)!r} is a folder")
+    refused_before_the_flow(jaxtune.run(f"--set=data.source={text}"), 1,
+                            f"jaxtune: data.source {str(text)!r}: unsupported file type '.txt'; supported: .jsonl, .json, .parquet, .csv")
+    refused_before_the_flow(jaxtune.run(f"--set=data.source={tmp_path}"), 1,
+                            f"jaxtune: data.source {str(tmp_path)!r} is a folder", prefix=True)
     assert jaxtune.folders() == set()
 
 

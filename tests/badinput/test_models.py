@@ -9,6 +9,8 @@ import shutil
 
 import pytest
 
+from tests.badinput.conftest import refused_before_the_flow
+
 pytestmark = pytest.mark.badinput
 
 HINT = " (--debug shows the traceback)"
@@ -16,9 +18,8 @@ HINT = " (--debug shows the traceback)"
 
 def test_a_model_path_that_does_not_exist_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     missing = tmp_path / "models" / "mine"
-    done = jaxtune.run(f"--set=model.name={missing}")
-    assert (done.status, done.flow_started) == (1, False)
-    assert done.last_line == f"jaxtune: model.name {str(missing)!r}: no such file or folder"
+    refused_before_the_flow(jaxtune.run(f"--set=model.name={missing}"), 1,
+                            f"jaxtune: model.name {str(missing)!r}: no such file or folder")
     assert jaxtune.folders() == set()
 
 
@@ -26,23 +27,19 @@ def test_a_folder_that_is_not_a_causal_lm_is_refused_before_the_flow_starts(jaxt
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
-    done = jaxtune.run(f"--set=model.name={bert}")
-    assert (done.status, done.flow_started) == (1, False)
-    assert done.last_line.startswith(f"jaxtune: {bert}: model_type 'bert' (BertForMaskedLM) is not a causal LM")
+    refused_before_the_flow(jaxtune.run(f"--set=model.name={bert}"), 1,
+                            f"jaxtune: {bert}: model_type 'bert' (BertForMaskedLM) is not a causal LM", prefix=True)
     empty = tmp_path / "empty"
     empty.mkdir()
-    done = jaxtune.run(f"--set=model.name={empty}")
-    assert (done.status, done.flow_started) == (1, False)
-    assert done.last_line == f"jaxtune: {empty}: not an HF model folder (no config.json)"
+    refused_before_the_flow(jaxtune.run(f"--set=model.name={empty}"), 1,
+                            f"jaxtune: {empty}: not an HF model folder (no config.json)")
     assert jaxtune.folders() == set()
 
 
 def test_a_file_that_is_not_gguf_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"<html>rate limited</html>" * 4)
-    done = jaxtune.run(f"--set=model.name={fake}")
-    assert (done.status, done.flow_started) == (1, False)
-    assert done.last_line.startswith(f"jaxtune: {fake}: not a GGUF file")
+    refused_before_the_flow(jaxtune.run(f"--set=model.name={fake}"), 1, f"jaxtune: {fake}: not a GGUF file", prefix=True)
     assert jaxtune.folders() == set()
 
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.badinput.conftest import refused_before_the_flow
+
 pytestmark = pytest.mark.badinput
 
 ROOT = Path(__file__).parents[2]
 
 
 def refused(done, last_line: str) -> None:
-    assert (done.status, done.flow_started) == (2, False), done.stderr
-    assert done.last_line == last_line
-    assert "Traceback" not in done.stderr
+    refused_before_the_flow(done, 2, last_line)
 
 
 def test_an_unknown_key_gets_a_did_you_mean(jaxtune):

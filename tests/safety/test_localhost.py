@@ -103,14 +103,7 @@ def test_the_temporary_prefect_server_of_jaxtune_run_listens_on_loopback_only(tm
         # The machine-wide view agrees: nothing on that port listens on 0.0.0.0.
         assert _tcp_listeners_from_proc().get(server["port"], set()) <= LOOPBACK
     finally:
-        if child.poll() is None:
-            child.stdin.write("\n")
-            child.stdin.flush()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        _stop(child)
     assert child.returncode == 0, child.stderr.read()[-4000:]
 
 
@@ -185,11 +178,16 @@ def test_the_runner_webserver_of_jaxtune_serve_listens_on_loopback_only(tmp_path
         assert {p for _, p in listening} == {port}
         assert {ip for ip, _ in listening} <= LOOPBACK, f"listens beyond loopback: {listening}"
     finally:
-        if child.poll() is None:
-            child.stdin.write("\n")
-            child.stdin.flush()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        _stop(child)
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """Ask the child to stop (a line on its stdin), and kill it if it has not within 30 s."""
+    if child.poll() is None:
+        child.stdin.write("\n")
+        child.stdin.flush()
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
