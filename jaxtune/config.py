@@ -39,7 +39,11 @@ class DataConfig(Section):
         description="rows longer than max_length: drop them, or truncate them to max_length (the answer is cut, "
         "the prompt kept; a row whose prompt alone reaches max_length is still dropped). Both are counted in stats.json",
     )
-    train_on_prompt: bool = Field(False, description="also compute loss on prompt tokens")
+    loss_on: Literal["all_assistant", "last_assistant", "all"] = Field(
+        "all_assistant",
+        description="which tokens the loss covers: every assistant turn of a conversation (all_assistant), only its "
+        "final answer (last_assistant), or every token, prompts included (all)",
+    )
     packing: bool = Field(
         True,
         description="pack several rows into each training sequence (kept apart by segment ids, positions restarting "
@@ -251,6 +255,8 @@ def _explain(err: dict) -> tuple[str, str]:
     # A union's members add their type to the location (tuple[str, ...]); the user named only the key.
     loc = [str(p) for p in err["loc"] if not any(c in str(p) for c in "[('")]
     key = ".".join(loc)
+    if key in RENAMED:
+        return key, f"renamed; use {RENAMED[key]}"
     if err["type"] == "extra_forbidden":
         known = _keys_at(loc[:-1])
         close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
@@ -261,6 +267,9 @@ def _explain(err: dict) -> tuple[str, str]:
     if "input" in err and err["type"] not in ("missing", "value_error"):
         message += f" (got {err['input']!r})"
     return key, message
+
+
+RENAMED = {"data.train_on_prompt": "data.loss_on=all (true) or data.loss_on=all_assistant (false)"}
 
 
 def _keys_at(path: list[str]) -> list[str]:

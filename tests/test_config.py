@@ -24,10 +24,10 @@ def test_no_path_means_the_offline_demo():
 
 
 def test_overrides_are_typed_by_yaml():
-    config = load_config(None, ["train.max_steps=7", "lora.target_modules=[q_proj, v_proj]", "data.train_on_prompt=true"])
+    config = load_config(None, ["train.max_steps=7", "lora.target_modules=[q_proj, v_proj]", "data.loss_on=all"])
     assert config.train.max_steps == 7
     assert config.lora.target_modules == ("q_proj", "v_proj")
-    assert config.data.train_on_prompt is True
+    assert config.data.loss_on == "all"
 
 
 def test_unknown_key_is_named(tmp_path):
@@ -127,3 +127,9 @@ def test_every_recipe_has_a_deployment_that_names_its_file():
         validated = finetune.validate_parameters(deployment["parameters"])
         assert {name: validated[name] for name in deployment["parameters"]} == deployment["parameters"]
         assert deployment["entrypoint"] == "jaxtune/flows/finetune.py:finetune"
+
+def test_the_renamed_train_on_prompt_names_its_replacement():
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, ["data.train_on_prompt=true"])
+    assert str(raised.value) == ("--set: data.train_on_prompt: renamed; use data.loss_on=all (true) "
+                                 "or data.loss_on=all_assistant (false)")

@@ -44,27 +44,50 @@ def pad_id_of(tokenizer: Any) -> int:
     return 0
 
 
-def encode_example(example: dict, tokenizer: Any, train_on_prompt: bool) -> dict | None:
-    """Token ids and labels of one example (labels -100 on the prompt unless `train_on_prompt`); None if the response is empty."""
+def encode_example(example: dict, tokenizer: Any, loss_on: str = "all_assistant") -> dict | None:
+    """Token ids and labels of one example; None if the response is empty.
+
+    Labels are -100 except on what `loss_on` trains: every assistant turn ('all_assistant'), only
+    the final answer ('last_assistant'), or every token ('all'). An assistant turn's labels cover
+    its text and the template's end-of-turn tokens, so the model learns where an answer stops.
+    """
     response = example["response"]
     if not response.strip():
         return None
     prompt_messages = example["messages"]
-    prompt_ids = _chat_ids(tokenizer, prompt_messages, add_generation_prompt=True)
     full_ids = _chat_ids(tokenizer, [*prompt_messages, {"role": "assistant", "content": response}], add_generation_prompt=False)
-    n = len(prompt_ids)
-    if full_ids[:n] != prompt_ids or len(full_ids) == n:
-        raise ChatTemplateError(_prefix_message(tokenizer, prompt_messages, response))
-    labels = list(full_ids) if train_on_prompt else [IGNORE_INDEX] * n + full_ids[n:]
+    start, _ = _answer_span(tokenizer, prompt_messages, full_ids, response, final=True)
+    if loss_on == "all":
+        labels = list(full_ids)
+    else:
+        labels = [IGNORE_INDEX] * start + full_ids[start:]
+        if loss_on == "all_assistant":
+            for i, message in enumerate(prompt_messages):
+                if message["role"] == "assistant":
+                    begin, end = _answer_span(tokenizer, prompt_messages[:i], full_ids, message["content"])
+                    labels[begin:end] = full_ids[begin:end]
     return {
         "input_ids": full_ids,
         "labels": labels,
         "length": len(full_ids),
-        "prompt_length": n,
+        "prompt_length": start,
         "category": example["category"],
         "prompt_text": _prompt_text(prompt_messages),
         "response": response,
     }
+
+
+def _answer_span(tokenizer: Any, before: list[dict], full_ids: list[int], answer: str, final: bool = False) -> tuple[int, int]:
+    """[start, end) of the assistant turn that follows `before` in `full_ids`: from the end of
+    `before` rendered with the generation prompt to the end of `before` plus the answer (the
+    `final` answer ends the conversation). Each must render as a token prefix of the whole."""
+    prompt_ids = _chat_ids(tokenizer, before, add_generation_prompt=True)
+    through = full_ids if final else _chat_ids(tokenizer, [*before, {"role": "assistant", "content": answer}],
+                                               add_generation_prompt=False)
+    start, end = len(prompt_ids), len(through)
+    if full_ids[:start] != prompt_ids or full_ids[:end] != through or end <= start:
+        raise ChatTemplateError(_prefix_message(tokenizer, before, answer))
+    return start, end
 
 
 def tokenize_dataset(examples: Sequence[dict], tokenizer: Any, cfg: DataConfig) -> tuple[list[dict], list[dict], dict]:
@@ -177,7 +200,7 @@ def _encode_all(examples: list[dict], tokenizer: Any, cfg: DataConfig, dropped: 
     out: list[dict] = []
     truncated = 0
     for example in tqdm(examples, desc="tokenize", unit="row", disable=None):
-        row = encode_example(example, tokenizer, cfg.train_on_prompt)
+        row = encode_example(example, tokenizer, cfg.loss_on)
         if row is None:
             dropped["empty_response"] += 1
             continue
@@ -228,9 +251,9 @@ def _stats(rows_in: int, train: list[dict], eval_: list[dict], dropped: Counter,
         "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
         "truncated": truncated,  # kept, cut to data.max_length (data.too_long=truncate)
         "tokens": {"train": sum(r["length"] for r in train), "eval": sum(r["length"] for r in eval_)},
-        "response_tokens": {
-            "train": sum(r["length"] - r["prompt_length"] for r in train),
-            "eval": sum(r["length"] - r["prompt_length"] for r in eval_),
+        "label_tokens": {  # the tokens the loss covers (data.loss_on)
+            "train": sum(_labelled(r) for r in train),
+            "eval": sum(_labelled(r) for r in eval_),
         },
         "length_percentiles": {
             "p50": _percentile(lengths, 50),
@@ -240,6 +263,10 @@ def _stats(rows_in: int, train: list[dict], eval_: list[dict], dropped: Counter,
         },
         "categories": {"train": _histogram(train), "eval": _histogram(eval_)},
     }
+
+
+def _labelled(row: dict) -> int:
+    return len(row["labels"]) - row["labels"].count(IGNORE_INDEX)
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:

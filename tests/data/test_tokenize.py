@@ -37,7 +37,7 @@ def prompt_keys(rows: list[dict]) -> set[tuple]:
 
 def test_labels_mask_the_prompt(examples, tokenizer):
     example = examples(3)[1]
-    row = encode_example(example, tokenizer, train_on_prompt=False)
+    row = encode_example(example, tokenizer, loss_on="all_assistant")
     n = row["prompt_length"]
     prompt_ids = tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
     assert row["input_ids"][:n] == prompt_ids
@@ -50,14 +50,14 @@ def test_labels_mask_the_prompt(examples, tokenizer):
     assert row["category"] == example["category"] and row["response"] == example["response"]
 
 
-def test_train_on_prompt_labels_every_token(examples, tokenizer):
-    row = encode_example(examples(1)[0], tokenizer, train_on_prompt=True)
+def test_loss_on_all_labels_every_token(examples, tokenizer):
+    row = encode_example(examples(1)[0], tokenizer, loss_on="all")
     assert row["labels"] == row["input_ids"]
 
 
 def test_empty_response_encodes_to_none(examples, tokenizer):
     example = dict(examples(1)[0], response="  \n")
-    assert encode_example(example, tokenizer, train_on_prompt=False) is None
+    assert encode_example(example, tokenizer, loss_on="all_assistant") is None
 
 
 def test_prompt_text_is_the_last_user_turn(tokenizer):
@@ -67,9 +67,43 @@ def test_prompt_text_is_the_last_user_turn(tokenizer):
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "Name a colour"},
     ]
-    row = encode_example({"messages": turns, "response": "Blue", "category": "chat"}, tokenizer, train_on_prompt=False)
+    row = encode_example({"messages": turns, "response": "Blue", "category": "chat"}, tokenizer, loss_on="all_assistant")
     assert row["prompt_text"] == "Name a colour"
     assert tokenizer.decode(row["input_ids"][row["prompt_length"] :]) == "Blue<end_of_turn>"
+
+
+THREE_TURNS = {
+    "messages": [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Sky colour?"}, {"role": "assistant", "content": "Blue"},
+        {"role": "user", "content": "Grass colour?"}, {"role": "assistant", "content": "Green"},
+        {"role": "user", "content": "Snow colour?"},
+    ],
+    "response": "White",
+    "category": "chat",
+}
+
+
+def labelled_spans(row: dict, tokenizer) -> list[str]:
+    """The text of each run of labelled tokens."""
+    spans, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != IGNORE_INDEX:
+            assert label == token
+            current.append(token)
+        elif current:
+            spans, current = [*spans, current], []
+    return [tokenizer.decode(span) for span in [*spans, current] if span]
+
+
+@pytest.mark.parametrize(("loss_on", "spans"), [
+    ("all_assistant", ["Blue<end_of_turn>", "Green<end_of_turn>", "White<end_of_turn>"]),
+    ("last_assistant", ["White<end_of_turn>"]),
+])
+def test_loss_on_chooses_which_assistant_turns_carry_labels(tokenizer, loss_on, spans):
+    row = encode_example(THREE_TURNS, tokenizer, loss_on)
+    assert labelled_spans(row, tokenizer) == spans
+    assert encode_example(THREE_TURNS, tokenizer, "all")["labels"] == row["input_ids"]
 
 
 def test_template_whose_prompt_is_not_a_prefix_is_rejected(examples, tokenizer):
@@ -79,7 +113,7 @@ def test_template_whose_prompt_is_not_a_prefix_is_rejected(examples, tokenizer):
         "{% if add_generation_prompt %}<start_of_turn>assistant-reply\n{% endif %}"
     )
     with pytest.raises(ChatTemplateError, match="chat template of tokenizer"):
-        encode_example(examples(1)[0], bad, train_on_prompt=False)
+        encode_example(examples(1)[0], bad, loss_on="all_assistant")
 
 
 def test_split_is_deterministic_per_seed(examples, tokenizer):
@@ -120,7 +154,7 @@ def test_caps_and_drops_are_counted(examples, tokenizer):
 def test_stats(examples, tokenizer):
     train, eval_, stats = tokenize_dataset(examples(40), tokenizer, DataConfig(eval_fraction=0.25))
     assert stats["tokens"] == {"train": sum(r["length"] for r in train), "eval": sum(r["length"] for r in eval_)}
-    assert stats["response_tokens"]["train"] == sum(sum(label != IGNORE_INDEX for label in r["labels"]) for r in train)
+    assert stats["label_tokens"]["train"] == sum(sum(label != IGNORE_INDEX for label in r["labels"]) for r in train)
     assert sum(stats["categories"]["train"].values()) == len(train)
     assert sum(stats["categories"]["eval"].values()) == len(eval_)
     p = stats["length_percentiles"]
@@ -161,20 +195,20 @@ def test_pad_id_falls_back_to_eos_then_zero():
     assert pad_id_of(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
 
 
-def full_rows(data: list[dict], tokenizer, train_on_prompt: bool = False) -> dict[str, dict]:
+def full_rows(data: list[dict], tokenizer, loss_on: str = "all_assistant") -> dict[str, dict]:
     """Each example's untruncated encoding, by its prompt text (unique in generated data)."""
-    rows = [encode_example(e, tokenizer, train_on_prompt) for e in data]
+    rows = [encode_example(e, tokenizer, loss_on) for e in data]
     return {r["prompt_text"]: r for r in rows}
 
 
-@pytest.mark.parametrize("train_on_prompt", [False, True])
-def test_truncate_cuts_answers_and_drops_rows_without_one(examples, tokenizer, train_on_prompt):
+@pytest.mark.parametrize("loss_on", ["all_assistant", "all"])
+def test_truncate_cuts_answers_and_drops_rows_without_one(examples, tokenizer, loss_on):
     data, max_length = examples(40), 30  # generated prompts are 22-24 tokens, or 34-37 with a context passage
-    full = full_rows(data, tokenizer, train_on_prompt)
+    full = full_rows(data, tokenizer, loss_on)
     cut = [r for r in full.values() if r["prompt_length"] < max_length < r["length"]]
     no_answer = [r for r in full.values() if r["prompt_length"] >= max_length]
     assert cut and no_answer
-    cfg = DataConfig(eval_fraction=0.25, max_length=max_length, too_long="truncate", train_on_prompt=train_on_prompt)
+    cfg = DataConfig(eval_fraction=0.25, max_length=max_length, too_long="truncate", loss_on=loss_on)
     train, eval_, stats = tokenize_dataset(data, tokenizer, cfg)
     assert stats["truncated"] == len(cut) and stats["dropped"]["too_long"] == len(no_answer)
     assert len(train) + len(eval_) == 40 - len(no_answer)

@@ -45,6 +45,16 @@ class RealCheckpointTests:
         assert tokenizer.convert_ids_to_tokens(end_of_turn_ids(tokenizer)) == [self.end_of_turn]
         assert stop_ids(tokenizer)[0] == tokenizer.convert_tokens_to_ids(self.end_of_turn)
 
+    def test_every_assistant_turn_of_a_conversation_carries_labels(self, tokenizer):
+        """A system prompt and three turns: each answer and the end-of-turn tokens after it are labelled, nothing else."""
+        from jaxtune.data.tokenize import encode_example
+        from tests.data.test_tokenize import THREE_TURNS, labelled_spans
+
+        row = encode_example(THREE_TURNS, tokenizer, "all_assistant")
+        assert labelled_spans(row, tokenizer) == [f"{answer}{self.end_of_turn}\n" for answer in ("Blue", "Green", "White")]
+        last = encode_example(THREE_TURNS, tokenizer, "last_assistant")
+        assert labelled_spans(last, tokenizer) == [f"White{self.end_of_turn}\n"]
+
     def test_logits_match_pytorch(self, checkpoint, run):
         check_logits(checkpoint.store)
 
