@@ -150,8 +150,9 @@ def _local_servers() -> None:
 
 
 def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    from jaxtune.tasks.sources import first_line
+
+    return first_line(error)
 
 
 class _WithoutTraceback(logging.Formatter):
@@ -220,8 +221,7 @@ def _decode(args) -> int:
         if args.command == "chat":
             chat.require_chat_template(session)
     except (ValueError, OSError) as e:  # SourceError, bad flags, files the model needs
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"jaxtune {args.command}: {message}", file=sys.stderr)
+        print(f"jaxtune {args.command}: {_one_line(e)}", file=sys.stderr)
         return 2
     if args.command == "chat":
         chat.chat(session, sys.stdin, sys.stdout, sys.stderr, system=args.system, show_prompt=args.show_prompt)

@@ -47,19 +47,8 @@ def _check_store(root: str) -> None:
 
 
 def _check_data_source(source: str) -> None:
-    from jaxtune.data.rows import SUPPORTED_EXTENSIONS, DataError, looks_like_hub_id
+    from jaxtune.data.rows import DataError, source_problem
 
-    if source == OFFLINE:
-        return
-    path = Path(source).expanduser()
-    if not path.exists():
-        if looks_like_hub_id(source):
-            return
-        raise DataError(f"data.source {source!r}: no such file, and not a hub dataset id of the form 'owner/name'")
-    if path.is_dir():
-        raise DataError(f"data.source {source!r} is a folder; give a {', '.join(SUPPORTED_EXTENSIONS)} file")
-    if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
-        raise DataError(f"data.source {source!r}: unsupported file type {path.suffix or '(none)'!r}; "
-                        f"supported: {', '.join(SUPPORTED_EXTENSIONS)}")
-    if path.stat().st_size == 0:
-        raise DataError(f"{source}: file is empty")
+    problem = None if source == OFFLINE else source_problem(source)
+    if problem is not None:
+        raise DataError(f"data.source {source!r}{problem}")

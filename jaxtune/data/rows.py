@@ -102,19 +102,29 @@ def normalize_row(row: Any, cfg: DataConfig, where: str) -> dict:
     return {"messages": [{"role": "user", "content": content}], "response": response, "category": category}
 
 
+def source_problem(source: str) -> str | None:
+    """What makes `source` unreadable before any row is read, worded to follow its name (': file is
+    empty'); None for a local file of a supported type, or a hub dataset id."""
+    path = Path(source).expanduser()
+    supported = ", ".join(SUPPORTED_EXTENSIONS)
+    if not path.exists():
+        return None if looks_like_hub_id(source) else ": no such file, and not a hub dataset id of the form 'owner/name'"
+    if path.is_dir():
+        return f" is a folder; give a {supported} file"
+    if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
+        return f": unsupported file type {path.suffix.lower() or '(none)'!r}; supported: {supported}"
+    return ": file is empty" if path.stat().st_size == 0 else None
+
+
 def _records(source: str, cfg: DataConfig) -> Iterator[Record]:
     """Raw rows of a local file or hub dataset, each with its location for error messages."""
-    path = Path(source)
+    problem = source_problem(source)
+    if problem is not None:
+        raise DataError(f"{source}{problem}")
+    path = Path(source).expanduser()
     if not path.exists():
-        if _HUB_ID.fullmatch(source) and path.suffix.lower() not in SUPPORTED_EXTENSIONS:
-            return _hub_records(source, cfg)
-        raise DataError(f"{source}: no such file, and not a hub dataset id of the form 'owner/name'")
+        return _hub_records(source, cfg)
     suffix = path.suffix.lower()
-    if path.is_dir() or suffix not in SUPPORTED_EXTENSIONS:
-        supported = ", ".join(SUPPORTED_EXTENSIONS)
-        raise DataError(f"{source}: unsupported file type {suffix or '(none)'!r}; supported: {supported}")
-    if path.stat().st_size == 0:
-        raise DataError(f"{source}: file is empty")
     if suffix == ".csv":
         return _csv_records(path, cfg)
     if suffix == ".parquet":

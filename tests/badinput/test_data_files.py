@@ -27,7 +27,7 @@ def test_a_missing_file_is_refused_before_the_flow_starts(jaxtune, tmp_path):
 def test_an_empty_file_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     empty = tmp_path / "rows.jsonl"
     empty.write_text("")
-    refused_before_the_flow(jaxtune.run(f"--set=data.source={empty}"), 1, f"jaxtune: {empty}: file is empty")
+    refused_before_the_flow(jaxtune.run(f"--set=data.source={empty}"), 1, f"jaxtune: data.source {str(empty)!r}: file is empty")
     assert jaxtune.folders() == set()
 
 
