@@ -22,13 +22,41 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+FORMATS = ("dolly", "alpaca", "prompt_completion", "messages")
+_SOURCE_KEYS = ("source", "hub_split", "revision", "format", "columns")  # what one source of a mixture sets
+
+
+class SourceConfig(Section):
+    """One source of a mixture (`data.sources`): where its rows are, how they read, and its share."""
+
+    source: str = Field(description="'offline', a hub dataset id, a local .jsonl/.json/.parquet/.csv file, or a "
+                        "folder written by datasets' save_to_disk")
+    hub_split: str = Field("train", description="split to read from a hub dataset or a saved DatasetDict")
+    revision: str = Field("main", description="hub dataset revision (part of the cache key)")
+    format: Literal[FORMATS] = Field("dolly", description="row schema")
+    columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names")
+    weight: float = Field(
+        1.0, gt=0.0, description="how often each of this source's train rows is seen per epoch on average: 0.5 keeps a "
+        "seeded half of them, 2 repeats each twice, 1.5 repeats a seeded half. Eval rows are never weighted")
+    max_rows: int | None = Field(None, gt=0, description="read only the first max_rows rows of this source (None: all)")
+    name: str | None = Field(None, description="its name in stats.json and the report (default: the file name or hub id)")
+
+    @property
+    def label(self) -> str:
+        """`name`, else a local file's or folder's name (not its path: keys follow content), else the hub id."""
+        if self.name:
+            return self.name
+        path = Path(self.source).expanduser()
+        return path.name if self.source != OFFLINE and path.exists() else self.source
+
+
 class DataConfig(Section):
     """Where rows come from and how they become token sequences."""
 
     source: str = Field(OFFLINE, description="'offline' (bundled data), a hub dataset id, or a local .jsonl/.json/.parquet/.csv file")
     hub_split: str = Field("train", description="split to read from a hub dataset")
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
-    format: Literal["dolly", "alpaca", "prompt_completion", "messages"] = Field("dolly", description="row schema")
+    format: Literal[FORMATS] = Field("dolly", description="row schema")
     columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names, e.g. {instruction: question}")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of rows held out for eval")
     max_train_rows: int | None = Field(None, gt=0, description="keep at most this many training rows (None: all)")
@@ -50,7 +78,28 @@ class DataConfig(Section):
         "per row): one compiled shape and almost no padding. Models whose attention cannot isolate rows train on "
         "padded batches whatever this says. Changes batches, not tokens: only the train stage's key hashes it",
     )
-    seed: int = Field(0, description="seed of the train/eval split")
+    seed: int = Field(0, description="seed of the train/eval split and of the mixture's sampling")
+    sources: tuple[SourceConfig, ...] = Field(
+        (), description="a mixture: a list of sources, each with source, format, columns, hub_split, revision, weight, "
+        "max_rows and name. Rows of every source are deduplicated and split together. Replaces data.source and its "
+        "settings, which must then be left unset")
+    num_proc: int | None = Field(
+        None, gt=0, description="processes that normalize and tokenize rows (None: one per core, and one per 10,000 "
+        "rows at most). Changes how fast, not what: no cache key hashes it")
+
+    @model_validator(mode="after")
+    def _one_way_to_name_sources(self) -> DataConfig:
+        both = [key for key in _SOURCE_KEYS if getattr(self, key) != type(self).model_fields[key].get_default(call_default_factory=True)]
+        if self.sources and both:
+            raise ValueError(f"data.sources replaces data.{', data.'.join(both)}: set each source's "
+                             f"{', '.join(both)} inside data.sources")
+        return self
+
+    def mixture(self) -> tuple[SourceConfig, ...]:
+        """The sources rows are read from: `sources`, or the one that `source` and its settings name."""
+        if self.sources:
+            return self.sources
+        return (SourceConfig(**{key: getattr(self, key) for key in _SOURCE_KEYS}),)
 
 
 # Families of `jaxtune.architectures`, written out here so reading a config needs no transformers import.

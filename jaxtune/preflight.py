@@ -12,7 +12,9 @@ from jaxtune.config import OFFLINE, ConfigError, JaxtuneConfig
 def check(config: JaxtuneConfig) -> None:
     """Raise ConfigError (a setting that cannot work), DataError or ModelError (a file that is not there or not usable)."""
     _check_store(config.store.root)
-    _check_data_source(config.data.source)
+    sources = config.data.mixture()
+    for i, src in enumerate(sources):
+        _check_data_source(src.source, "data.source" if not config.data.sources else f"data.sources[{i}].source")
     if config.model.name != OFFLINE:
         from jaxtune.tasks.sources import check_model_name
 
@@ -46,9 +48,9 @@ def _check_store(root: str) -> None:
         raise ConfigError(f"store.root {root!r} is a file, not a folder")
 
 
-def _check_data_source(source: str) -> None:
+def _check_data_source(source: str, key: str = "data.source") -> None:
     from jaxtune.data.rows import DataError, source_problem
 
     problem = None if source == OFFLINE else source_problem(source)
     if problem is not None:
-        raise DataError(f"data.source {source!r}{problem}")
+        raise DataError(f"{key} {source!r}{problem}")

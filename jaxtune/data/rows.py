@@ -70,7 +70,10 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
     _check_columns(cfg)
     required, _ = FORMAT_COLUMNS[cfg.format]
     fields = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
-    for where, row in _records(source, cfg):
+    max_rows = getattr(cfg, "max_rows", None)  # a source of a mixture may read only its first rows
+    for count, (where, row) in enumerate(_records(source, cfg)):
+        if max_rows is not None and count >= max_rows:
+            return
         # The checks training reads with, so a bad row is reported by the first stage that reads the file.
         normalize_row(row, cfg, where)
         row = _rename(row, cfg.columns)
@@ -110,10 +113,15 @@ def source_problem(source: str) -> str | None:
     if not path.exists():
         return None if looks_like_hub_id(source) else ": no such file, and not a hub dataset id of the form 'owner/name'"
     if path.is_dir():
-        return f" is a folder; give a {supported} file"
+        return None if is_saved_dataset(path) else f" is a folder, but not one written by datasets' save_to_disk; give a {supported} file or such a folder"
     if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
         return f": unsupported file type {path.suffix.lower() or '(none)'!r}; supported: {supported}"
     return ": file is empty" if path.stat().st_size == 0 else None
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """A folder written by `Dataset.save_to_disk` (state.json) or `DatasetDict.save_to_disk` (dataset_dict.json)."""
+    return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
 def _records(source: str, cfg: DataConfig) -> Iterator[Record]:
@@ -122,6 +130,10 @@ def _records(source: str, cfg: DataConfig) -> Iterator[Record]:
     if problem is not None:
         raise DataError(f"{source}{problem}")
     path = Path(source).expanduser()
+    if path.is_dir():
+        from jaxtune.data.loading import saved_dataset
+
+        return _numbered(source, saved_dataset(path, cfg))
     if not path.exists():
         return _hub_records(source, cfg)
     suffix = path.suffix.lower()
@@ -148,6 +160,10 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
 
 
 def _json_records(path: Path) -> Iterator[Record]:
+    return _numbered(str(path), json_rows(path))
+
+
+def json_rows(path: Path) -> list:
     """A JSON list of objects, or an object holding that list under 'data' or 'train'."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -164,7 +180,7 @@ def _json_records(path: Path) -> Iterator[Record]:
         doc = doc[key]
     if not isinstance(doc, list):
         raise DataError(f"{path}: expected a list of rows, got {_type_name(doc)}")
-    return _numbered(str(path), doc)
+    return doc
 
 
 def _parquet_records(path: Path, cfg: DataConfig) -> Iterator[Record]:
@@ -172,13 +188,16 @@ def _parquet_records(path: Path, cfg: DataConfig) -> Iterator[Record]:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable parquet file ({e})") from None
-    # A column has one type, so a wrong one is reported once here rather than as a puzzling value in every row.
-    schema = table.schema
-    for name, source in _source_columns(cfg).items():
-        if source in schema.names and not _arrow_type_fits(name, schema.field(source).type):
-            expected = "a list of {role, content} objects (list<struct>)" if name == "messages" else "text (string)"
-            raise DataError(f"{path}: column {_column_label(name, cfg)} is {schema.field(source).type}, expected {expected}")
+    check_arrow_schema(str(path), table.schema, cfg)
     return _numbered(str(path), table.to_pylist())
+
+
+def check_arrow_schema(name: str, schema: pa.Schema, cfg: DataConfig) -> None:
+    """A column has one type, so a wrong one is reported once here rather than as a puzzling value in every row."""
+    for column, source in _source_columns(cfg).items():
+        if source in schema.names and not _arrow_type_fits(column, schema.field(source).type):
+            expected = "a list of {role, content} objects (list<struct>)" if column == "messages" else "text (string)"
+            raise DataError(f"{name}: column {_column_label(column, cfg)} is {schema.field(source).type}, expected {expected}")
 
 
 def _arrow_type_fits(name: str, arrow_type: pa.DataType) -> bool:
@@ -193,27 +212,48 @@ def _arrow_type_fits(name: str, arrow_type: pa.DataType) -> bool:
 
 
 def _csv_records(path: Path, cfg: DataConfig) -> Iterator[Record]:
-    """CSV cells are read as text (no type inference), so '007' stays '007' and empty cells are ''."""
+    header = check_csv_header(path, cfg)
+    if header is None:
+        return iter(())
+    return ((f"{path} row {number}", row) for number, row in csv_rows(path, header))
+
+
+def csv_rows(path: Path, header: list[str] | None = None) -> Iterator[tuple[int, dict]]:
+    """(row number, row) of a CSV file, read in Arrow blocks. Cells are read as text (no type
+    inference), so '007' stays '007' and empty cells are ''."""
+    header = header if header is not None else _csv_header(path)
+    if header is None:
+        return
+    convert = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
+    number = 0
+    try:
+        with pacsv.open_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True), convert_options=convert) as reader:
+            for batch in reader:
+                for row in batch.to_pylist():
+                    number += 1
+                    yield number, row
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable CSV file ({e})") from None
+
+
+def _csv_header(path: Path) -> list[str] | None:
     try:
         with path.open(encoding="utf-8-sig", newline="") as f:
             # Arrow skips empty lines before the header too; a file of only blank lines has no rows.
-            header = next((row for row in csv.reader(f) if any(cell.strip() for cell in row)), None)
-        if header is None:
-            return iter(())
-        _check_csv_header(path, header, cfg)
-        convert = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
-        table = pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True), convert_options=convert)
-    except (pa.ArrowException, OSError, UnicodeDecodeError, csv.Error) as e:
+            return next((row for row in csv.reader(f) if any(cell.strip() for cell in row)), None)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"{path}: not a readable CSV file ({e})") from None
-    return _numbered(str(path), table.to_pylist())
 
 
-def _check_csv_header(path: Path, header: list[str], cfg: DataConfig) -> None:
-    """A CSV without a header row would have its first data row taken as column names, and then every
-    row would miss every column; say so once."""
+def check_csv_header(path: Path, cfg: DataConfig) -> list[str] | None:
+    """The header of a CSV file (None if it has no rows). A CSV without a header row would have its
+    first data row taken as column names, and then every row would miss every column; say so once."""
+    header = _csv_header(path)
+    if header is None:
+        return None
     sources = _source_columns(cfg)
     if set(header) & set(sources.values()):
-        return
+        return header
     required, _ = FORMAT_COLUMNS[cfg.format]
     needs = ", ".join(sources[name] for name in required)
     found = ", ".join(repr(cell if len(cell) <= 40 else cell[:37] + "...") for cell in header)

@@ -1,22 +1,26 @@
 """Normalized chat examples -> token rows (ids + loss labels), a train/eval split, and Arrow tables.
 
-Sequences are built with the tokenizer's own chat template and are not padded here.
+Sequences are built with the tokenizer's own chat template and are not padded here. The rows
+stay in Arrow files throughout (`datasets` maps over `num_proc` processes): only per-row keys,
+lengths and indices are held in memory, as numpy arrays, so memory does not grow with the text.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
+import tempfile
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
-from tqdm import tqdm
+import pyarrow.compute as pc
 
-from jaxtune.config import DataConfig
+from jaxtune.config import DataConfig, SourceConfig
+from jaxtune.data import loading
 from jaxtune.data.rows import DataError
 from jaxtune.data.templates import ChatTemplateError
 
@@ -31,8 +35,11 @@ ARROW_SCHEMA = pa.schema(
         ("category", pa.string()),
         ("prompt_text", pa.string()),
         ("response", pa.string()),
+        ("source", pa.string()),  # the name of the source it came from (data.sources)
     ]
 )
+WRITE_ROWS = 10_000  # rows per Arrow record batch of train.arrow and eval.arrow
+KEEP, EMPTY, TOO_LONG = 0, 1, 2  # the encoded `drop` column
 
 
 def pad_id_of(tokenizer: Any) -> int:
@@ -44,122 +51,326 @@ def pad_id_of(tokenizer: Any) -> int:
     return 0
 
 
-def encode_example(example: dict, tokenizer: Any, loss_on: str = "all_assistant") -> dict | None:
-    """Token ids and labels of one example; None if the response is empty.
+def encode_batch(messages: Sequence[list[dict]], responses: Sequence[str], tokenizer: Any, loss_on: str = "all_assistant",
+                 wheres: Sequence[str] | None = None) -> list[dict | None]:
+    """Token ids and labels of a batch of examples (prompt turns and final answer); None for an empty answer.
 
     Labels are -100 except on what `loss_on` trains: every assistant turn ('all_assistant'), only
     the final answer ('last_assistant'), or every token ('all'). An assistant turn's labels cover
     its text and the template's end-of-turn tokens, so the model learns where an answer stops.
+
+    The template renders each conversation and, per trained turn, the prefix before it (with the
+    generation prompt) and through it, batched (two calls); one batched tokenizer call then encodes
+    every text. A prefix must tokenize to a prefix of the whole, else prompt and answer cannot be
+    told apart. A row the template refuses to render raises DataError naming `wheres[i]`.
     """
-    response = example["response"]
-    if not response.strip():
-        return None
-    prompt_messages = example["messages"]
-    full_ids = _chat_ids(tokenizer, [*prompt_messages, {"role": "assistant", "content": response}], add_generation_prompt=False)
-    start, _ = _answer_span(tokenizer, prompt_messages, full_ids, response, final=True)
+    requests: list[tuple[list[dict], bool, str]] = []  # (turns, add_generation_prompt, where) of each text
+
+    def add(turns: list[dict], prompt: bool, where: str) -> int:
+        requests.append((turns, prompt, where))
+        return len(requests) - 1
+
+    plans: list[tuple[int, list[tuple[int, int | None, list[dict], str]]] | None] = []
+    for i, (prompt, response) in enumerate(zip(messages, responses)):
+        where = wheres[i] if wheres else f"row {i + 1}"
+        if not response.strip():
+            plans.append(None)
+            continue
+        full = add([*prompt, {"role": "assistant", "content": response}], False, where)
+        spans = [(add(prompt, True, where), None, prompt, response)]  # None: through the end
+        if loss_on == "all_assistant":
+            spans += [(add(prompt[:j], True, where), add(prompt[: j + 1], False, where), prompt[:j], turn["content"])
+                      for j, turn in enumerate(prompt) if turn["role"] == "assistant"]
+        plans.append((full, spans))
+    texts: list[str] = [""] * len(requests)
+    for generation_prompt in (False, True):
+        which = [k for k, (_, flag, _) in enumerate(requests) if flag == generation_prompt]
+        rendered = _render(tokenizer, [requests[k][0] for k in which], generation_prompt, [requests[k][2] for k in which])
+        for k, text in zip(which, rendered):
+            texts[k] = text
+    ids = token_ids(tokenizer, texts)
+    return [None if plan is None else _labelled_row(plan, ids, tokenizer, loss_on) for plan in plans]
+
+
+def _render(tokenizer: Any, conversations: list[list[dict]], add_generation_prompt: bool, wheres: list[str]) -> list[str]:
+    """The chat template applied to each conversation, in one batched call."""
+    if not conversations:
+        return []
+    try:
+        return list(tokenizer.apply_chat_template(conversations, add_generation_prompt=add_generation_prompt, tokenize=False))
+    except Exception:  # jinja's raise_exception or a template bug: find the row it cannot render
+        for conversation, where in zip(conversations, wheres):
+            try:
+                tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+            except Exception as e:
+                raise DataError(f"{where}: the chat template cannot render this row ({str(e).splitlines()[0]})") from None
+        raise
+
+
+def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """`tokenizer(texts, add_special_tokens=False)["input_ids"]`, which `apply_chat_template(tokenize=True)`
+    computes, straight from a fast tokenizer's Rust backend when it neither truncates nor pads:
+    that skips building offsets and attention masks nobody reads (a third of the time)."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None and hasattr(backend, "encode_batch_fast"):
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def _labelled_row(plan, ids: list[list[int]], tokenizer: Any, loss_on: str) -> dict:
+    full, spans = plan
+    full_ids = [int(i) for i in ids[full]]
+    (start, _), *earlier = [_answer_span(ids[before], full_ids if through is None else ids[through], full_ids, tokenizer, turns, answer)
+                            for before, through, turns, answer in spans]
     if loss_on == "all":
         labels = list(full_ids)
     else:
         labels = [IGNORE_INDEX] * start + full_ids[start:]
-        if loss_on == "all_assistant":
-            for i, message in enumerate(prompt_messages):
-                if message["role"] == "assistant":
-                    begin, end = _answer_span(tokenizer, prompt_messages[:i], full_ids, message["content"])
-                    labels[begin:end] = full_ids[begin:end]
-    return {
-        "input_ids": full_ids,
-        "labels": labels,
-        "length": len(full_ids),
-        "prompt_length": start,
-        "category": example["category"],
-        "prompt_text": _prompt_text(prompt_messages),
-        "response": response,
-    }
+        for begin, end in earlier:
+            labels[begin:end] = full_ids[begin:end]
+    return {"input_ids": full_ids, "labels": labels, "length": len(full_ids), "prompt_length": start}
 
 
-def _answer_span(tokenizer: Any, before: list[dict], full_ids: list[int], answer: str, final: bool = False) -> tuple[int, int]:
-    """[start, end) of the assistant turn that follows `before` in `full_ids`: from the end of
-    `before` rendered with the generation prompt to the end of `before` plus the answer (the
-    `final` answer ends the conversation). Each must render as a token prefix of the whole."""
-    prompt_ids = _chat_ids(tokenizer, before, add_generation_prompt=True)
-    through = full_ids if final else _chat_ids(tokenizer, [*before, {"role": "assistant", "content": answer}],
-                                               add_generation_prompt=False)
+def _answer_span(prompt_ids: list[int], through: list[int], full_ids: list[int], tokenizer: Any, before: list[dict],
+                 answer: str) -> tuple[int, int]:
+    """[start, end) of the assistant turn after `before` in `full_ids`: from the end of `before`
+    rendered with the generation prompt to the end of `before` plus the answer. Each must be a
+    token prefix of the whole."""
     start, end = len(prompt_ids), len(through)
-    if full_ids[:start] != prompt_ids or full_ids[:end] != through or end <= start:
+    if list(full_ids[:start]) != list(prompt_ids) or list(full_ids[:end]) != list(through) or end <= start:
         raise ChatTemplateError(_prefix_message(tokenizer, before, answer))
     return start, end
 
 
+def encode_example(example: dict, tokenizer: Any, loss_on: str = "all_assistant") -> dict | None:
+    """`encode_batch` of one normalized example, with the columns a token table keeps; None if its response is empty."""
+    (row,) = encode_batch([example["messages"]], [example["response"]], tokenizer, loss_on)
+    if row is None:
+        return None
+    return {**row, "category": example["category"], "prompt_text": _prompt_text(example["messages"]),
+            "response": example["response"]}
+
+
+def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres: list[tuple[str, str]],
+                names: list[str]) -> dict[str, list]:
+    """The `datasets.map` function: normalized rows -> token rows, each with its drop reason
+    (EMPTY, TOO_LONG or KEEP) and, for a row the template cannot handle, the problem."""
+    out: dict[str, list] = {key: [] for key in ENCODED_COLUMNS}
+    where = [f"{wheres[s][0]} {wheres[s][1]} {r}" for s, r in zip(batch["source"], batch["row"])]
+    try:
+        rows = encode_batch(batch["messages"], batch["response"], tokenizer, cfg.loss_on, where)
+        problem = template_problem = None
+    except ChatTemplateError as e:
+        rows, problem, template_problem = [None] * len(where), None, str(e)
+    except DataError as e:
+        rows, problem, template_problem = [None] * len(where), str(e), None
+    for i, row in enumerate(rows):
+        drop, truncated = EMPTY, False  # (a batch with a problem is raised by the caller)
+        if row is not None:
+            drop = KEEP
+            if row["length"] > cfg.max_length:
+                # Truncating keeps the prompt whole, so it must leave at least one answer token to learn from.
+                if cfg.too_long == "drop" or row["prompt_length"] >= cfg.max_length:
+                    drop = TOO_LONG
+                else:
+                    n = cfg.max_length
+                    row = {**row, "input_ids": row["input_ids"][:n], "labels": row["labels"][:n], "length": n}
+                    truncated = True
+        row = row or {"input_ids": [], "labels": [], "length": 0, "prompt_length": 0}
+        out["input_ids"].append(row["input_ids"])
+        out["labels"].append(row["labels"])
+        out["length"].append(row["length"])
+        out["prompt_length"].append(row["prompt_length"])
+        out["category"].append(batch["category"][i])
+        out["prompt_text"].append(_prompt_text(batch["messages"][i]))
+        out["response"].append(batch["response"][i])
+        out["source"].append(names[batch["source"][i]])
+        out["labelled"].append(sum(1 for label in row["labels"] if label != IGNORE_INDEX))
+        out["drop"].append(drop)
+        out["truncated"].append(truncated)
+        out["problem"].append(problem if i == 0 else None)
+        out["template_problem"].append(template_problem if i == 0 else None)
+    return out
+
+
+ENCODED_COLUMNS = ("input_ids", "labels", "length", "prompt_length", "category", "prompt_text", "response", "source",
+                   "labelled", "drop", "truncated", "problem", "template_problem")
+
+
+def _encoded_features():
+    import datasets
+
+    ids = datasets.List(datasets.Value("int32"))
+    text = datasets.Value("string")
+    return datasets.Features({
+        "input_ids": ids, "labels": ids, "length": datasets.Value("int32"), "prompt_length": datasets.Value("int32"),
+        "category": text, "prompt_text": text, "response": text, "source": text,
+        "labelled": datasets.Value("int32"), "drop": datasets.Value("int8"), "truncated": datasets.Value("bool"),
+        "problem": text, "template_problem": text,
+    })
+
+
+class TokenTables:
+    """The outcome of tokenizing: encoded rows in Arrow (`encoded`), which of them form the train
+    and eval splits, in order (positions may repeat: weighted sources), and the stats."""
+
+    def __init__(self, encoded, train: np.ndarray, eval_: np.ndarray, stats: dict):
+        self.encoded, self.train, self.eval, self.stats = encoded, train, eval_, stats
+
+    def batches(self, split: str) -> Iterable[pa.Table]:
+        """The split's rows in ARROW_SCHEMA, WRITE_ROWS at a time."""
+        positions = self.train if split == "train" else self.eval
+        table = self.encoded.data.table.select(ARROW_SCHEMA.names)  # memory-mapped; `encoded` is a map's output, not a view
+        for start in range(0, len(positions), WRITE_ROWS):
+            yield table.take(pa.array(positions[start : start + WRITE_ROWS], pa.int64())).cast(ARROW_SCHEMA)
+
+    def rows(self, split: str) -> list[dict]:
+        return [row for table in self.batches(split) for row in table.to_pylist()]
+
+
+def tokenize_sources(sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any, cfg: DataConfig, work: Path) -> TokenTables:
+    """Read every (source, path or hub id), normalize, drop exact duplicates, split, encode, drop,
+    weight and cap. `work` holds the intermediate Arrow files, and must outlive the result."""
+    import datasets
+
+    parts = [loading.load_normalized(src, path, i, work, cfg.num_proc) for i, (src, path) in enumerate(sources)]
+    normalized = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    wheres = [(str(loading.location(path)), loading.unit_of(path)) for _, path in sources]
+    return _tokenize_normalized(normalized, tokenizer, cfg, [src for src, _ in sources], wheres, work)
+
+
 def tokenize_dataset(examples: Sequence[dict], tokenizer: Any, cfg: DataConfig) -> tuple[list[dict], list[dict], dict]:
-    """Drop exact duplicates, shuffle with `cfg.seed`, split off eval rows, encode, filter and cap; returns (train, eval, stats)."""
-    if len(examples) < 2:
-        raise DataError(f"need at least 2 rows to split into train and eval, got {len(examples)}")
-    unique = _unique(examples)
+    """`tokenize_sources` for examples already normalized in memory (one source); returns (train, eval, stats) rows."""
+    import datasets
+
+    rows = [{**e, "source": 0, "row": n, "row_key": loading.row_key(e), "prompt_key": loading.prompt_key(e), "problem": None}
+            for n, e in enumerate(examples, start=1)]
+    normalized = datasets.Dataset.from_list(rows, features=loading.normalized_features())
+    with tempfile.TemporaryDirectory(prefix="jaxtune-tokenize-") as work:
+        tables = _tokenize_normalized(normalized, tokenizer, cfg, list(cfg.mixture()), [("examples", "row")], Path(work))
+        return tables.rows("train"), tables.rows("eval"), tables.stats
+
+
+def _tokenize_normalized(normalized, tokenizer: Any, cfg: DataConfig, sources: list[SourceConfig],
+                         wheres: list[tuple[str, str]], work: Path) -> TokenTables:
+    n_in = len(normalized)
+    if n_in < 2:
+        raise DataError(f"need at least 2 rows to split into train and eval, got {n_in}")
+    unique = first_occurrences(normalized.data.column("row_key").to_numpy())
     if len(unique) < 2:
         raise DataError(
             f"need at least 2 distinct rows to split into train and eval, got {len(unique)} "
-            f"({len(examples) - len(unique)} of the {len(examples)} rows are exact duplicates)"
+            f"({n_in - len(unique)} of the {n_in} rows are exact duplicates)"
         )
-    train_ex, eval_ex = split_examples(unique, cfg.eval_fraction, cfg.seed)
-    train_prompts = {_prompt_key(e) for e in train_ex}
-    kept_eval = [e for e in eval_ex if _prompt_key(e) not in train_prompts]
+    train_idx, eval_idx = split_indices(unique, cfg.eval_fraction, cfg.seed)
+    prompts = normalized.data.column("prompt_key").to_numpy()
+    kept_eval = eval_idx[~np.isin(prompts[eval_idx], prompts[train_idx])]
+    # Encoded in file order, so each worker reads its rows in one sweep (in split order the reads
+    # jump across the whole file, a fifth slower at 1M rows); the splits' orders are positions into it.
+    keep = np.sort(np.concatenate([train_idx, kept_eval]))
+    chosen = normalized if len(keep) == n_in else normalized.select(keep)
+    names = [src.label for src in sources]
+    encoded = loading.parallel_map(
+        chosen, _encode_map, cfg.num_proc, features=_encoded_features(), cache_file_name=str(work / "encoded.arrow"),
+        fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "wheres": wheres, "names": names}, desc="tokenize",
+    )
+    loading.raise_first_problem(encoded.data.column("template_problem"), ChatTemplateError)
+    loading.raise_first_problem(encoded.data.column("problem"))
+
+    drop = encoded.data.column("drop").to_numpy()
+    train_enc, eval_enc = np.searchsorted(keep, train_idx), np.searchsorted(keep, kept_eval)
+    train_pos, eval_pos = train_enc[drop[train_enc] == KEEP], eval_enc[drop[eval_enc] == KEEP]
     # Counted per split, so an empty split's error names only what emptied it.
-    train_dropped, eval_dropped = Counter(), Counter(duplicate_of_train=len(eval_ex) - len(kept_eval))
-    train_rows, train_truncated = _encode_all(train_ex, tokenizer, cfg, train_dropped)
-    eval_rows, eval_truncated = _encode_all(kept_eval, tokenizer, cfg, eval_dropped)
-    train_rows = _cap(train_rows, cfg.max_train_rows, "max_train_rows", train_dropped)
-    eval_rows = _cap(eval_rows, cfg.max_eval_rows, "max_eval_rows", eval_dropped)
-    dropped = train_dropped + eval_dropped + Counter(duplicate=len(examples) - len(unique))
-    n_in = len(examples)
-    if not train_rows and not eval_rows:
+    train_dropped = _drop_counts(drop[train_enc])
+    eval_dropped = _drop_counts(drop[eval_enc]) + Counter(duplicate_of_train=len(eval_idx) - len(kept_eval))
+    n_train = len(train_idx)
+    source_of = np.asarray(normalized.data.column("source").to_numpy(), dtype=np.int64)[keep]
+    train_pos = weighted(train_pos, source_of, [src.weight for src in sources], cfg.seed)
+    train_pos = _cap(train_pos, cfg.max_train_rows, "max_train_rows", train_dropped)
+    eval_pos = _cap(eval_pos, cfg.max_eval_rows, "max_eval_rows", eval_dropped)
+    dropped = train_dropped + eval_dropped + Counter(duplicate=n_in - len(unique))
+    if not len(train_pos) and not len(eval_pos):
         raise DataError(f"no train rows left: all {n_in} rows were dropped ({_why(dropped, cfg)})")
-    if not train_rows:
+    if not len(train_pos):
         raise DataError(
-            f"no train rows left: every row of the train split ({len(train_ex)} of the {n_in} rows in) was dropped "
+            f"no train rows left: every row of the train split ({n_train} of the {n_in} rows in) was dropped "
             f"({_why(train_dropped, cfg)})"
         )
-    if not eval_rows:
+    if not len(eval_pos):
         raise DataError(
-            f"no eval rows left: every row held out for eval ({len(eval_ex)} of the {n_in} rows in) was dropped "
+            f"no eval rows left: every row held out for eval ({len(eval_idx)} of the {n_in} rows in) was dropped "
             f"({_why(eval_dropped, cfg)}); raise data.eval_fraction={cfg.eval_fraction} to hold out more"
         )
-    return train_rows, eval_rows, _stats(n_in, train_rows, eval_rows, dropped, train_truncated + eval_truncated)
+    rows_in = np.bincount(np.asarray(normalized.data.column("source").to_numpy(), dtype=np.int64), minlength=len(sources))
+    stats = _stats(encoded, train_pos, eval_pos, dropped, n_in, sources, rows_in, source_of)
+    return TokenTables(encoded, train_pos, eval_pos, stats)
+
+
+def first_occurrences(keys: np.ndarray) -> np.ndarray:
+    """Indices of the first row of each distinct key, in row order: a repeat would be trained on
+    twice, or land in eval as a copy of a train row."""
+    _, first = np.unique(keys, return_index=True)
+    return np.sort(first)
+
+
+def split_indices(indices: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`split_examples` of row indices: the same shuffle, so a row lands in the same split either way."""
+    order = list(range(len(indices)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(max(1, round(eval_fraction * len(order))), len(order) - 1)
+    order = np.asarray(order, dtype=np.int64)
+    return indices[order[n_eval:]], indices[order[:n_eval]]
+
+
+def weighted(positions: np.ndarray, source_of: np.ndarray, weights: Sequence[float], seed: int) -> np.ndarray:
+    """The train positions with each source's rows repeated `weight` times: whole copies, and a
+    seeded sample for the fraction; then shuffled together (with every weight 1, unchanged)."""
+    if all(w == 1.0 for w in weights):
+        return positions
+    rng = np.random.default_rng([seed, len(weights)])
+    parts = []
+    for k, w in enumerate(weights):
+        rows = positions[source_of[positions] == k]
+        parts += [rows] * int(w)
+        extra = round((w - int(w)) * len(rows))
+        if extra:
+            parts.append(np.sort(rng.choice(rows, extra, replace=False)))
+    mixed = np.concatenate(parts) if parts else positions[:0]
+    return mixed[rng.permutation(len(mixed))]
 
 
 def split_examples(examples: Sequence[dict], eval_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
     """Deterministic shuffle, then eval = the first max(1, round(eval_fraction * n)) rows, train = the rest."""
-    shuffled = list(examples)
-    random.Random(seed).shuffle(shuffled)
-    n_eval = min(max(1, round(eval_fraction * len(shuffled))), len(shuffled) - 1)
-    return shuffled[n_eval:], shuffled[:n_eval]
+    train, eval_ = split_indices(np.arange(len(examples)), eval_fraction, seed)
+    return [examples[i] for i in train], [examples[i] for i in eval_]
 
 
-def write_arrow(rows: Sequence[dict], path: str | Path) -> None:
-    """Write token rows as an Arrow IPC file (Feather v2); the file appears atomically."""
+def write_arrow(rows: Sequence[dict] | Iterable[pa.Table], path: str | Path) -> None:
+    """Write token rows (dicts, or ARROW_SCHEMA tables written one after another, so memory holds
+    one at a time) as an Arrow IPC file (Feather v2); the file appears atomically."""
     path = Path(path)
-    table = pa.Table.from_pylist(list(rows), schema=ARROW_SCHEMA)
+    if isinstance(rows, Sequence) and not (rows and isinstance(rows[0], pa.Table)):
+        rows = [pa.Table.from_pylist(list(rows), schema=ARROW_SCHEMA)]
     tmp = path.with_name(path.name + ".tmp")
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, ARROW_SCHEMA) as writer:
-        writer.write_table(table)
+        for table in rows:
+            writer.write_table(table, max_chunksize=WRITE_ROWS)
     os.replace(tmp, path)
 
 
 def read_arrow(path: str | Path) -> pa.Table:
-    """Read a table written by `write_arrow`, checking that it has the token-table columns."""
-    with pa.OSFile(str(path), "rb") as source:
-        table = pa.ipc.open_file(source).read_all()
+    """A table written by `write_arrow`, memory-mapped (columns are read from disk as they are
+    used), checked to have the token-table columns."""
+    return check_token_table(pa.ipc.open_file(pa.memory_map(str(path))).read_all(), path)
+
+
+def check_token_table(table: pa.Table, path: str | Path) -> pa.Table:
     missing = [name for name in ARROW_SCHEMA.names if name not in table.column_names]
     if missing:
         raise DataError(f"{path}: not a token table (missing columns: {', '.join(missing)})")
     return table
-
-
-def _chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """Token ids from `apply_chat_template`, which may return a list or a BatchEncoding depending on version."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
-    if isinstance(out, Mapping):
-        out = out["input_ids"]
-    return [int(i) for i in out]
 
 
 def _prefix_message(tokenizer: Any, prompt_messages: list[dict], response: str) -> str:
@@ -175,45 +386,6 @@ def _prefix_message(tokenizer: Any, prompt_messages: list[dict], response: str) 
 def _prompt_text(messages: list[dict]) -> str:
     """The last user turn, shown next to generations in reports."""
     return next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-
-
-def _prompt_key(example: dict) -> str:
-    return json.dumps(example["messages"], sort_keys=True, ensure_ascii=False)
-
-
-def _unique(examples: Sequence[dict]) -> list[dict]:
-    """The examples without exact repeats, first occurrences in order: a repeat would be trained on twice,
-    or land in eval as a copy of a train row."""
-    seen: set[str] = set()
-    unique = []
-    for example in examples:
-        key = json.dumps([example["messages"], example["response"], example["category"]], sort_keys=True, ensure_ascii=False)
-        if key not in seen:
-            seen.add(key)
-            unique.append(example)
-    return unique
-
-
-def _encode_all(examples: list[dict], tokenizer: Any, cfg: DataConfig, dropped: Counter) -> tuple[list[dict], int]:
-    """Encoded rows, without those dropped (counted in `dropped`) for an empty response or length; and how many
-    were truncated to `cfg.max_length`."""
-    out: list[dict] = []
-    truncated = 0
-    for example in tqdm(examples, desc="tokenize", unit="row", disable=None):
-        row = encode_example(example, tokenizer, cfg.loss_on)
-        if row is None:
-            dropped["empty_response"] += 1
-            continue
-        if row["length"] > cfg.max_length:
-            # Truncating keeps the prompt whole, so it must leave at least one answer token to learn from.
-            if cfg.too_long == "drop" or row["prompt_length"] >= cfg.max_length:
-                dropped["too_long"] += 1
-                continue
-            n = cfg.max_length
-            row = {**row, "input_ids": row["input_ids"][:n], "labels": row["labels"][:n], "length": n}
-            truncated += 1
-        out.append(row)
-    return out, truncated
 
 
 def _why(dropped: Counter, cfg: DataConfig) -> str:
@@ -234,46 +406,57 @@ def _why(dropped: Counter, cfg: DataConfig) -> str:
     return "; ".join(f"{reason}: {dropped[reason]}; {meaning[reason]}" for reason in DROP_REASONS if dropped[reason])
 
 
-def _cap(rows: list[dict], cap: int | None, reason: str, dropped: Counter) -> list[dict]:
-    if cap is None or len(rows) <= cap:
-        return rows
-    dropped[reason] += len(rows) - cap
-    return rows[:cap]
+def _drop_counts(drop: np.ndarray) -> Counter:
+    return Counter(empty_response=int(np.count_nonzero(drop == EMPTY)), too_long=int(np.count_nonzero(drop == TOO_LONG)))
 
 
-def _stats(rows_in: int, train: list[dict], eval_: list[dict], dropped: Counter, truncated: int) -> dict:
-    """Counts, token totals, length percentiles and category histograms of the kept rows."""
-    lengths = sorted(row["length"] for row in [*train, *eval_])
+def _cap(positions: np.ndarray, cap: int | None, reason: str, dropped: Counter) -> np.ndarray:
+    if cap is None or len(positions) <= cap:
+        return positions
+    dropped[reason] += len(positions) - cap
+    return positions[:cap]
+
+
+def _stats(encoded, train: np.ndarray, eval_: np.ndarray, dropped: Counter, rows_in: int, sources: list[SourceConfig],
+           source_rows_in: np.ndarray, source_of: np.ndarray) -> dict:
+    """Counts, token totals, length percentiles, category histograms and the mix of the kept rows."""
+    table = encoded.data
+    length = table.column("length").to_numpy()
+    labelled = table.column("labelled").to_numpy()
+    truncated = table.column("truncated").to_numpy(zero_copy_only=False)
+    kept = np.concatenate([train, eval_])
+    lengths = np.sort(length[kept])
     return {
         "rows_in": rows_in,
         "train_rows": len(train),
         "eval_rows": len(eval_),
         "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
-        "truncated": truncated,  # kept, cut to data.max_length (data.too_long=truncate)
-        "tokens": {"train": sum(r["length"] for r in train), "eval": sum(r["length"] for r in eval_)},
-        "label_tokens": {  # the tokens the loss covers (data.loss_on)
-            "train": sum(_labelled(r) for r in train),
-            "eval": sum(_labelled(r) for r in eval_),
-        },
+        "truncated": int(np.count_nonzero(truncated[kept])),  # kept, cut to data.max_length (data.too_long=truncate)
+        "tokens": {"train": int(length[train].sum()), "eval": int(length[eval_].sum())},
+        "label_tokens": {"train": int(labelled[train].sum()), "eval": int(labelled[eval_].sum())},  # what the loss covers (data.loss_on)
         "length_percentiles": {
             "p50": _percentile(lengths, 50),
             "p90": _percentile(lengths, 90),
             "p99": _percentile(lengths, 99),
-            "max": lengths[-1],
+            "max": int(lengths[-1]),
         },
-        "categories": {"train": _histogram(train), "eval": _histogram(eval_)},
+        "categories": {"train": _histogram(table.column("category"), train),
+                       "eval": _histogram(table.column("category"), eval_)},
+        "sources": [
+            {"name": src.label, "weight": src.weight, "max_rows": src.max_rows, "rows_in": int(source_rows_in[k]),
+             "train_rows": int(np.count_nonzero(source_of[train] == k)),
+             "eval_rows": int(np.count_nonzero(source_of[eval_] == k))}
+            for k, src in enumerate(sources)
+        ],
     }
 
 
-def _labelled(row: dict) -> int:
-    return len(row["labels"]) - row["labels"].count(IGNORE_INDEX)
-
-
-def _percentile(sorted_values: list[int], q: float) -> int:
+def _percentile(sorted_values: np.ndarray, q: float) -> int:
     """Nearest-rank percentile: the smallest value with at least q% of values at or below it."""
     rank = max(1, -(-len(sorted_values) * q // 100))
-    return sorted_values[int(rank) - 1]
+    return int(sorted_values[int(rank) - 1])
 
 
-def _histogram(rows: list[dict]) -> dict[str, int]:
-    return dict(sorted(Counter(row["category"] for row in rows).items()))
+def _histogram(column: pa.ChunkedArray, positions: np.ndarray) -> dict[str, int]:
+    counts = pc.value_counts(column.take(pa.array(positions, pa.int64())))
+    return dict(sorted((c["values"].as_py(), c["counts"].as_py()) for c in counts))

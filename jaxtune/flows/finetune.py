@@ -28,7 +28,7 @@ from jaxtune.config import OFFLINE, JaxtuneConfig, load_config
 from jaxtune.flows import browse
 from jaxtune.tasks import BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf, report, tokenize, train
 from jaxtune.tasks.downloads import retry_options
-from jaxtune.tasks.sources import GGUF, dataset_ref, keyed_model, model_ref
+from jaxtune.tasks.sources import GGUF, dataset_refs, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
 
 Stage = Literal[STAGES]
@@ -50,7 +50,7 @@ class Step:
     task: Task
     section: Any
     inputs: dict[str, str | ArtifactRef]
-    extra: tuple = ()  # further task arguments that do not change what it computes (the mesh)
+    extra: tuple = ()  # further task arguments that do not change what it computes (the mesh, data.num_proc)
 
     @property
     def module(self) -> str:
@@ -59,11 +59,11 @@ class Step:
 
 def pipeline(config: JaxtuneConfig) -> list[Step]:
     """Every stage `config` asks for, each after the stages it reads."""
-    data, mesh = dataset_ref(config.data), (config.mesh,)
+    data, mesh = dataset_refs(config.data), (config.mesh,)
     steps = []
     if config.model.name == OFFLINE:
         tokenizer_section = build_tokenizer.section_for(config.model.tiny.vocab_size, config.data)
-        steps += [Step(build_tokenizer.STAGE, build_tokenizer.build_tokenizer, tokenizer_section, {"data": data}),
+        steps += [Step(build_tokenizer.STAGE, build_tokenizer.build_tokenizer, tokenizer_section, data),
                   Step(build_model.STAGE, build_model.build_model, config.model.tiny, {"tokenizer": build_tokenizer.STAGE})]
         model: str | ArtifactRef = build_model.STAGE
     else:
@@ -75,7 +75,8 @@ def pipeline(config: JaxtuneConfig) -> list[Step]:
     evaluation = evaluate.EvalSection(model=model_section, eval=config.eval)
     trained = {"model": model, "data": "tokenize", "train": "train"}
     return steps + [
-        Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model), {"data": data, "model": model}),
+        Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model), {**data, "model": model},
+             (config.data.num_proc,)),
         Step("baseline_eval", evaluate.baseline_eval, evaluation, {"model": model, "data": "tokenize"}, mesh),
         Step("train", train.train, _train_section(config), {"model": model, "data": "tokenize"}, mesh),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),

@@ -8,26 +8,30 @@ from pathlib import Path
 from prefect import task
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.config import DataConfig
+from jaxtune.config import DataConfig, SourceConfig
 from jaxtune.offline.tokenizer import train_tokenizer
+from jaxtune.tasks.sources import data_input
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "build_tokenizer"
-_READING = {"format", "columns", "hub_split", "revision"}  # the data settings that decide which texts are read
+_READING = {"format", "columns", "hub_split", "revision", "max_rows"}  # the settings that decide which texts are read
 
 
 def section_for(vocab_size: int, data: DataConfig) -> dict:
-    return {"vocab_size": vocab_size, "data": data.model_dump(mode="json", include=_READING)}
+    return {"vocab_size": vocab_size, "sources": [src.model_dump(mode="json", include=_READING) for src in data.mixture()]}
 
 
 @task(name=STAGE, result_serializer="json")
 def build_tokenizer(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
-    """inputs: `data`, the rows' source."""
+    """inputs: `data` (and `data_2`, ... for a mixture), the rows' sources."""
 
     def build(folder: Path) -> None:
         from jaxtune.data.rows import source_texts
 
-        texts = list(source_texts(DataConfig(**section["data"]), inputs["data"].path))
+        texts = []
+        for i, reading in enumerate(section["sources"]):
+            src = SourceConfig(source=inputs[data_input(i)].path, **reading)
+            texts += source_texts(src, src.source)
         train_tokenizer(texts, section["vocab_size"], folder)
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)

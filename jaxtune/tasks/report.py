@@ -95,6 +95,7 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         f"{t['tokens_per_second']:.0f} tokens/s, {t['trainable_parameters']:,} trainable parameters.", "",
         *_speed_lines(t),
         f"![loss curve]({image})", "",
+        *(_data_section(summary["data"]) if "data" in summary else []),
         "## Loss by category", "", "| category | before | after |", "|---|---|---|",
         *[f"| {c} | {v['baseline']:.4f} | {v['final']:.4f} |" for c, v in summary["per_category"].items()], "",
         f"Exported {summary['export']['kind']}: `{summary['export']['path']}`", "",
@@ -105,6 +106,19 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         lines += [f"**{ex['category']}**: {_quote(ex['prompt'])}", "",
                   f"- reference: `{ex['reference']}`", f"- before: `{ex['before']}`", f"- after: `{ex['after']}`", ""]
     return "\n".join(lines)
+
+
+def _data_section(stats: dict) -> list[str]:
+    """Rows in and kept, and per source of a mixture its rows, weight and share of the train rows."""
+    dropped = ", ".join(f"{reason.replace('_', ' ')} {n:,}" for reason, n in stats["dropped"].items() if n) or "none"
+    lines = ["## Data", "", f"{stats['rows_in']:,} rows in: {stats['train_rows']:,} train, {stats['eval_rows']:,} eval; "
+             f"dropped: {dropped}; truncated: {stats['truncated']:,}.", ""]
+    sources = stats.get("sources", [])
+    if len(sources) > 1:
+        lines += ["| source | rows in | weight | train rows | share of train | eval rows |", "|---|---|---|---|---|---|",
+                  *[f"| {s['name']} | {s['rows_in']:,} | {s['weight']:g} | {s['train_rows']:,} "
+                    f"| {100 * s['train_rows'] / max(stats['train_rows'], 1):.1f}% | {s['eval_rows']:,} |" for s in sources], ""]
+    return lines
 
 
 def _parity_section(parity: dict) -> list[str]:

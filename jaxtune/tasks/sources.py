@@ -10,18 +10,34 @@ import json
 from pathlib import Path
 
 from jaxtune.artifacts import ArtifactRef, artifact_key, file_digest, tree_digest
-from jaxtune.config import OFFLINE, DataConfig, ModelConfig
+from jaxtune.config import OFFLINE, DataConfig, ModelConfig, SourceConfig
 from jaxtune.data.rows import OFFLINE_DATA
 
 
-def dataset_ref(cfg: DataConfig) -> ArtifactRef:
+def dataset_ref(cfg: DataConfig | SourceConfig) -> ArtifactRef:
+    """A local file keyed by the sha256 of its bytes, and a `save_to_disk` folder by that of every
+    file in it: any edit to any row changes the key, and a copy elsewhere keeps it. Hashing is
+    cheap beside tokenizing (about 0.5 s per GB), and a digest of the bytes needs no trust in
+    mtimes or in a fingerprint that a library computes its own way. A hub dataset is keyed by
+    id, revision and split: pin `revision` to a commit for a key that follows the content."""
     if cfg.source == OFFLINE:
         return ArtifactRef(stage="source", key=file_digest(OFFLINE_DATA)[:20], path=str(OFFLINE_DATA))
     path = Path(cfg.source).expanduser()
     if path.is_file():
         return ArtifactRef(stage="source", key=file_digest(path)[:20], path=str(path.resolve()))
+    if path.is_dir():
+        return ArtifactRef(stage="source", key=tree_digest(path)[:20], path=str(path.resolve()))
     hub = {"dataset": cfg.source, "revision": cfg.revision, "split": cfg.hub_split}
     return ArtifactRef(stage="hub", key=artifact_key("hub-dataset", "1", hub, {}), path=cfg.source)
+
+
+def dataset_refs(cfg: DataConfig) -> dict[str, ArtifactRef]:
+    """The stage inputs of the data's sources: `data` for the first (or only) one, `data_2`, `data_3`... after it."""
+    return {data_input(i): dataset_ref(src) for i, src in enumerate(cfg.mixture())}
+
+
+def data_input(index: int) -> str:
+    return "data" if index == 0 else f"data_{index + 1}"
 
 
 GGUF = "gguf"  # stage name of a ref to a local GGUF file, which the import_gguf stage turns into a folder

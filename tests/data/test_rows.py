@@ -14,6 +14,8 @@ from jaxtune.config import DataConfig
 from jaxtune.data import rows as rows_module
 from jaxtune.data.rows import DataError, read_rows, source_texts
 
+pytestmark = pytest.mark.data
+
 EXTENSIONS = ["jsonl", "json", "parquet", "csv"]
 
 

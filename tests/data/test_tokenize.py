@@ -20,6 +20,8 @@ from jaxtune.data.tokenize import (
     write_arrow,
 )
 
+pytestmark = pytest.mark.data
+
 
 @pytest.fixture
 def examples(make_dolly):

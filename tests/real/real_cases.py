@@ -45,6 +45,7 @@ class RealCheckpointTests:
         assert tokenizer.convert_ids_to_tokens(end_of_turn_ids(tokenizer)) == [self.end_of_turn]
         assert stop_ids(tokenizer)[0] == tokenizer.convert_tokens_to_ids(self.end_of_turn)
 
+    @pytest.mark.data
     def test_every_assistant_turn_of_a_conversation_carries_labels(self, tokenizer):
         """A system prompt and three turns: each answer and the end-of-turn tokens after it are labelled, nothing else."""
         from jaxtune.data.tokenize import encode_example
