@@ -30,6 +30,14 @@ def bucket_length(longest: int, cap: int | None = None) -> int:
     return rounded if cap is None else min(rounded, max(cap, longest))
 
 
+def row_lengths(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """The length of every row: a lazy table's `lengths` as they are, without reading the rows."""
+    lengths = getattr(rows, "lengths", None)
+    if lengths is not None:
+        return np.asarray(lengths)
+    return np.fromiter((len(row) for row in rows), np.int64, len(rows))
+
+
 def pad_batch(
     input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int, length: int, rows: int
 ) -> dict[str, np.ndarray]:

@@ -11,7 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtune.runtime import decode, steps
-from jaxtune.runtime.batches import bucket_length, eval_batches, pad_batch
+from jaxtune.runtime.batches import bucket_length, eval_batches, pad_batch, row_lengths
 from jaxtune.runtime.model import JaxModel
 
 
@@ -34,7 +34,7 @@ def evaluate(
     nll = np.zeros(len(input_ids))
     count = np.zeros(len(input_ids))
     pending = []
-    for rows in tqdm(list(eval_batches([len(x) for x in input_ids], rows_per_batch)), desc="eval", unit="batch", disable=not progress):
+    for rows in tqdm(list(eval_batches(row_lengths(input_ids), rows_per_batch)), desc="eval", unit="batch", disable=not progress):
         length = bucket_length(max(len(input_ids[r]) for r in rows))
         batch = model.placement.shard_batch(
             pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, rows_per_batch)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from jaxtune.config import TrainConfig
 from jaxtune.runtime import attention, checkpoint, memory, steps
+from jaxtune.runtime.batches import row_lengths
 from jaxtune.runtime.feed import Feed, make_feed
 from jaxtune.runtime.model import JaxModel
 
@@ -62,7 +63,7 @@ def train(
     packing: bool = True,
 ) -> TrainResult:
     """Train for `total_steps`; resume from the newest checkpoint in `checkpoint_dir` if there is one."""
-    feed = feed_for(model, [len(x) for x in input_ids], cfg, max_length, packing)
+    feed = feed_for(model, row_lengths(input_ids), cfg, max_length, packing)
     fused = attention.supported(model.module)
     total = total_steps(cfg, feed)
     optimizer = steps.make_optimizer(cfg)

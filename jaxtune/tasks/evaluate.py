@@ -25,16 +25,17 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
     def build(folder: Path) -> None:
         from transformers import AutoTokenizer
 
-        from jaxtune.data.tokenize import pad_id_of, read_arrow
+        from jaxtune.data.token_table import TokenTable
+        from jaxtune.data.tokenize import pad_id_of
         from jaxtune.runtime.inference import evaluate
         from jaxtune.runtime.parity import logits_parity
 
         name, revision = pretrained_location(inputs["model"])
         pad_id = pad_id_of(AutoTokenizer.from_pretrained(name, revision=revision))
         model = open_trained_model(inputs, section.model, mesh)
-        table = read_arrow(inputs["data"].file("eval.arrow")).to_pydict()
-        metrics = evaluate(model, table["input_ids"], table["labels"], table["category"], section.eval.batch_size, pad_id)
-        metrics["parity"] = logits_parity(model, table["input_ids"][:PARITY_ROWS], pad_id)
+        table = TokenTable(inputs["data"].file("eval.arrow"))  # memory-mapped: rows are read as batches take them
+        metrics = evaluate(model, table.input_ids, table.labels, table.column("category"), section.eval.batch_size, pad_id)
+        metrics["parity"] = logits_parity(model, table.input_ids[:PARITY_ROWS], pad_id)
         (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
         logger = get_run_logger()
         logger.info("%s: loss %.4f perplexity %.2f over %d tokens", stage, metrics["loss"], metrics["perplexity"], metrics["tokens"])

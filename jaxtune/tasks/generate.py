@@ -41,11 +41,13 @@ def generate(section: GenerateSection, inputs: dict[str, ArtifactRef], store_roo
     """inputs: `model`, `data`, `train`."""
 
     def build(folder: Path) -> None:
-        from jaxtune.data.tokenize import read_arrow
+        from jaxtune.data.token_table import TokenTable
 
         tokenizer = open_tokenizer(inputs["model"], section.model)
-        table = read_arrow(inputs["data"].file("eval.arrow")).slice(0, section.generate.num_prompts).to_pydict()
-        prompts = [ids[:n] for ids, n in zip(table["input_ids"], table["prompt_length"])]
+        table = TokenTable(inputs["data"].file("eval.arrow"))  # memory-mapped: only the prompts decoded are read
+        n = min(section.generate.num_prompts, len(table))
+        prompts = [ids[:length].tolist() for ids, length in zip(table.input_ids[:n], table.column("prompt_length", n))]
+        table = {name: table.column(name, n) for name in ("category", "prompt_text", "response")}
         before = _answers(open_trained_model({**inputs, "train": None}, section.model, mesh), tokenizer, prompts, section.generate)
         after = _answers(open_trained_model(inputs, section.model, mesh), tokenizer, prompts, section.generate)
         rows = [

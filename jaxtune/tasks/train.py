@@ -38,7 +38,8 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         from safetensors.numpy import save_file
         from transformers import AutoTokenizer
 
-        from jaxtune.data.tokenize import pad_id_of, read_arrow
+        from jaxtune.data.token_table import TokenTable
+        from jaxtune.data.tokenize import pad_id_of
         from jaxtune.runtime import model as rt_model
         from jaxtune.runtime import training
         from jaxtune.runtime.checkpoint import tree_to_arrays
@@ -49,13 +50,13 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         model = rt_model.open_model(name, revision, section.model, make_placement(mesh), lora=section.lora,
                                     train_all=section.lora is None)
         _require_space(model, section, checkpoints, folder)
-        table = read_arrow(inputs["data"].file("train.arrow")).to_pydict()
-        evals = read_arrow(inputs["data"].file("eval.arrow")).to_pydict()
-        feed = training.feed_for(model, table["length"], section.train, max(table["length"]), section.packing)
+        rows = TokenTable(inputs["data"].file("train.arrow"))  # memory-mapped: rows are read as batches take them
+        evals = TokenTable(inputs["data"].file("eval.arrow"))
+        feed = training.feed_for(model, rows.lengths, section.train, rows.longest, section.packing)
         log = TrainLog(folder / "log.jsonl", training.total_steps(section.train, feed))
         try:
-            result = training.train(model, table["input_ids"], table["labels"], section.train, pad_id_of(tokenizer),
-                                    max(table["length"]), log, eval_data=(evals["input_ids"], evals["labels"]),
+            result = training.train(model, rows.input_ids, rows.labels, section.train, pad_id_of(tokenizer),
+                                    rows.longest, log, eval_data=(evals.input_ids, evals.labels),
                                     checkpoint_dir=checkpoints, packing=section.packing)
         finally:
             log.close()
