@@ -130,22 +130,22 @@ def child(impl: str, rows: Path, tokenizer_folder: Path) -> None:
     """Run one implementation and print its figures as one JSON line (the parent reads it)."""
     import jaxtune
 
-    imports_rss = _peak_rss_mb()
+    imports_rss = peak_rss_mb()
     with tempfile.TemporaryDirectory() as out, TreeMemory() as memory:
         started = time.perf_counter()
         result = {"before": run_before, "now": run_now}[impl](rows, tokenizer_folder, Path(out))
         seconds = time.perf_counter() - started
-    print(json.dumps({**result, "seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "peak_tree_pss_mb": memory.peak / 2**20,
+    print(json.dumps({**result, "seconds": seconds, "peak_rss_mb": peak_rss_mb(), "peak_tree_pss_mb": memory.peak / 2**20,
                       "rss_after_imports_mb": imports_rss, "package": str(Path(jaxtune.__file__).parent)}))
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: that survives exec, so a child
     started by a big parent would report the parent's size."""
-    return _status_mb("VmHWM")
+    return status_mb("VmHWM")
 
 
-def _status_mb(field: str) -> float:
+def status_mb(field: str) -> float:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024  # kB
 

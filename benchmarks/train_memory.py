@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tokenize_scale import peak_rss_mb, status_mb, write_tokenizer  # its neighbour in benchmarks/, on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "train_memory.json"
 TARGET_MB = 200
@@ -68,9 +70,6 @@ def write_model(folder: Path) -> int:
     from jaxtune.config import load_config
     from jaxtune.tasks.build_model import build_tiny_model
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from tokenize_scale import write_tokenizer
-
     write_tokenizer(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     build_tiny_model(load_config(None).model.tiny, tokenizer).save_pretrained(folder)
@@ -88,7 +87,7 @@ def child(data: Path, model_folder: Path, steps: int) -> None:
     config = load_config(None, [f"train.max_steps={steps}", "train.eval_every=null", "train.log_every=5",
                                 "train.warmup_steps=1"])
     model = rt_model.open_model(str(model_folder), None, config.model, make_placement(config.mesh), lora=config.lora)
-    before_data = _peak_rss_mb()
+    before_data = peak_rss_mb()
     started = time.perf_counter()
     rows, evals = TokenTable(data / "train.arrow"), TokenTable(data / "eval.arrow")
     feed = training.feed_for(model, rows.lengths, config.train, rows.longest, config.data.packing)
@@ -96,20 +95,9 @@ def child(data: Path, model_folder: Path, steps: int) -> None:
                             eval_data=(evals.input_ids, evals.labels))
     print(json.dumps({"rows": len(rows), "steps": steps, "packed": feed.packed, "micro_batches_per_epoch": feed.micro_batches_per_epoch,
                       "seconds": time.perf_counter() - started, "final_loss": result.summary.get("final_loss"),
-                      "peak_rss_before_data_mb": before_data, "peak_rss_mb": _peak_rss_mb(),
-                      "anonymous_rss_mb": _status_mb("RssAnon"), "file_rss_mb": _status_mb("RssFile"),
+                      "peak_rss_before_data_mb": before_data, "peak_rss_mb": peak_rss_mb(),
+                      "anonymous_rss_mb": status_mb("RssAnon"), "file_rss_mb": status_mb("RssFile"),
                       "file_mb": (data / "train.arrow").stat().st_size / 1e6}))
-
-
-def _peak_rss_mb() -> float:
-    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: that survives exec, so a child
-    started by a big parent would report the parent's size."""
-    return _status_mb("VmHWM")
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024  # kB
 
 
 def main() -> None:

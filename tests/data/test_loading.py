@@ -130,31 +130,24 @@ def test_a_bad_jsonl_row_is_named_by_its_true_line(bad, dolly_rows, tmp_path, to
     assert what in message
 
 
-def test_a_bad_json_row_is_named_by_its_row(dolly_rows, write_rows, tokenize, error_line):
+def _drop_response(row: dict) -> None:
+    del row["response"]
+
+
+@pytest.mark.parametrize("ext, index, spoil, what", [
+    ("json", 8, _drop_response, "missing column 'response'"),
+    # CSV cells are text: an empty required cell is the bad value
+    ("csv", 10, lambda row: row.update(instruction=""), "'instruction' must be a non-empty string"),
+    ("parquet", 16, lambda row: row.update(response=None), "'response' must be a string, got null"),
+])
+def test_a_bad_row_of_a_json_csv_or_parquet_file_is_named_by_its_row(dolly_rows, write_rows, tokenize, error_line,
+                                                                     ext, index, spoil, what):
     rows = [dict(r) for r in dolly_rows]
-    del rows[8]["response"]
-    path = write_rows(rows, "json")
+    spoil(rows[index])
+    path = write_rows(rows, ext)
     message = error_line(lambda: tokenize(path))
-    assert message.startswith(f"{path} row 9: "), message
-    assert "missing column 'response'" in message
-
-
-def test_a_bad_csv_row_is_named_by_its_row(dolly_rows, write_rows, tokenize, error_line):
-    rows = [dict(r) for r in dolly_rows]
-    rows[10]["instruction"] = ""  # CSV cells are text: an empty required cell is the bad value
-    path = write_rows(rows, "csv")
-    message = error_line(lambda: tokenize(path))
-    assert message.startswith(f"{path} row 11: "), message
-    assert "'instruction' must be a non-empty string" in message
-
-
-def test_a_bad_parquet_row_is_named_by_its_row(dolly_rows, write_rows, tokenize, error_line):
-    rows = [dict(r) for r in dolly_rows]
-    rows[16]["response"] = None
-    path = write_rows(rows, "parquet")
-    message = error_line(lambda: tokenize(path))
-    assert message.startswith(f"{path} row 17: "), message
-    assert "'response' must be a string, got null" in message
+    assert message.startswith(f"{path} row {index + 1}: "), message
+    assert what in message
 
 
 # --- worker processes -----------------------------------------------------------------------
