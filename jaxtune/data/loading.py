@@ -164,24 +164,12 @@ def _text_records(path: Path, max_rows: int | None) -> Iterator[tuple[int, str |
     suffix = path.suffix.lower()
     rows: Iterator[tuple[int, str | None, str | None]]
     if suffix == ".jsonl":
-        rows = _jsonl_lines(path)
+        rows = raw.jsonl_lines(path)  # parsed later, in the workers
     elif suffix == ".csv":
         rows = ((n, json.dumps(row, ensure_ascii=False), None) for n, row in raw.csv_rows(path))
     else:
         rows = ((n, json.dumps(row, ensure_ascii=False), None) for n, row in enumerate(raw.json_rows(path), start=1))
     return itertools.islice(rows, max_rows)
-
-
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, str | None, str | None]]:
-    """(line number, text, problem) of each non-blank line; parsed later, in the workers."""
-    with path.open("rb") as f:  # bytes, so a bad encoding is reported with its line too
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield number, line.decode("utf-8").rstrip("\r\n"), None
-            except UnicodeDecodeError as e:
-                yield number, None, f"{path} line {number}: not valid UTF-8 ({e.reason} at byte {e.start})"
 
 
 def _check_parquet_schema(path: Path, src: SourceConfig) -> None:
@@ -230,7 +218,7 @@ def _normalize_batch(batch: dict[str, list], indices: list[int], src: SourceConf
         example = None
         if problem is None:
             try:
-                example = raw.normalize_row(_parsed(row, where), src, where)
+                example = raw.normalize_row(raw.parse_json(row, where) if isinstance(row, str) else row, src, where)
             except DataError as e:
                 problem = str(e)
         if problem is not None and not problem.startswith(name):
@@ -255,15 +243,6 @@ def _rows_of(batch: dict[str, list], indices: list[int]) -> Iterator[tuple[int, 
     names = list(batch)
     for i, values in enumerate(zip(*(batch[n] for n in names))):
         yield indices[i] + 1, dict(zip(names, values)), None
-
-
-def _parsed(record: Any, where: str) -> Any:
-    if not isinstance(record, str):
-        return record
-    try:
-        return json.loads(record)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 def location(path_or_id: str) -> str:

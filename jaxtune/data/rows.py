@@ -146,17 +146,30 @@ def _records(source: str, cfg: DataConfig) -> Iterator[Record]:
 
 def _jsonl_records(path: Path) -> Iterator[Record]:
     """One JSON object per line; blank lines are skipped but still counted."""
+    for number, text, problem in jsonl_lines(path):
+        if problem is not None:
+            raise DataError(problem)
+        where = f"{path} line {number}"
+        yield where, parse_json(text, where)
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, str | None, str | None]]:
+    """(line number, text, problem) of each non-blank line, not yet parsed."""
     with path.open("rb") as f:  # bytes, so a bad encoding is reported with its line too
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line.decode("utf-8").rstrip("\r\n"))  # else an error at the line end reports column 1 of the next
+                yield number, line.decode("utf-8").rstrip("\r\n"), None  # else an error at the line end reports column 1 of the next
             except UnicodeDecodeError as e:
-                raise DataError(f"{path} line {number}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
-            yield f"{path} line {number}", row
+                yield number, None, f"{path} line {number}: not valid UTF-8 ({e.reason} at byte {e.start})"
+
+
+def parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 def _json_records(path: Path) -> Iterator[Record]:
