@@ -92,7 +92,7 @@ def child(data: Path, model_folder: Path, steps: int) -> None:
     rows, evals = TokenTable(data / "train.arrow"), TokenTable(data / "eval.arrow")
     feed = training.feed_for(model, rows.lengths, config.train, rows.longest, config.data.packing)
     result = training.train(model, rows.input_ids, rows.labels, config.train, 0, rows.longest,
-                            eval_data=(evals.input_ids, evals.labels))
+                            eval_data=(evals.input_ids, evals.labels), feed=feed)
     print(json.dumps({"rows": len(rows), "steps": steps, "packed": feed.packed, "micro_batches_per_epoch": feed.micro_batches_per_epoch,
                       "seconds": time.perf_counter() - started, "final_loss": result.summary.get("final_loss"),
                       "peak_rss_before_data_mb": before_data, "peak_rss_mb": peak_rss_mb(),

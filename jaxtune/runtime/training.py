@@ -61,9 +61,11 @@ def train(
     checkpoint_dir: Path | None = None,
     check_memory: bool = True,
     packing: bool = True,
+    feed: Feed | None = None,
 ) -> TrainResult:
-    """Train for `total_steps`; resume from the newest checkpoint in `checkpoint_dir` if there is one."""
-    feed = feed_for(model, row_lengths(input_ids), cfg, max_length, packing)
+    """Train for `total_steps`; resume from the newest checkpoint in `checkpoint_dir` if there is one.
+    `feed`: the caller's `feed_for` of these rows, if it has one (planning it is a pass over every row)."""
+    feed = feed or feed_for(model, row_lengths(input_ids), cfg, max_length, packing)
     fused = attention.supported(model.module)
     total = total_steps(cfg, feed)
     optimizer = steps.make_optimizer(cfg)

@@ -57,7 +57,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         try:
             result = training.train(model, rows.input_ids, rows.labels, section.train, pad_id_of(tokenizer),
                                     rows.longest, log, eval_data=(evals.input_ids, evals.labels),
-                                    checkpoint_dir=checkpoints, packing=section.packing)
+                                    checkpoint_dir=checkpoints, packing=section.packing, feed=feed)
         finally:
             log.close()
         rt_model.save_weights(result.weights, folder / "params.safetensors")
