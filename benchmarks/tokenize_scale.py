@@ -79,15 +79,12 @@ def run_now(rows: Path, tokenizer_folder: Path, out: Path) -> dict:
     from transformers import AutoTokenizer
 
     from jaxtune.config import DataConfig
-    from jaxtune.data.tokenize import tokenize_sources, write_arrow
+    from jaxtune.data.tokenize import write_token_tables
 
     cfg = DataConfig(source=str(rows), max_length=512)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    with tempfile.TemporaryDirectory(dir=out) as work:
-        tables = tokenize_sources([(cfg.mixture()[0], str(rows))], tokenizer, cfg, Path(work))
-        write_arrow(tables.batches("train"), out / "train.arrow")
-        write_arrow(tables.batches("eval"), out / "eval.arrow")
-    stats = tables.stats
+    (out / "tables").mkdir()
+    stats = write_token_tables([(cfg.mixture()[0], str(rows))], tokenizer, cfg, out / "tables")
     return {"train_rows": stats["train_rows"], "eval_rows": stats["eval_rows"], "dropped": stats["dropped"],
             "num_proc": len(os.sched_getaffinity(0))}
 

@@ -241,6 +241,16 @@ def tokenize_sources(sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any
     return _tokenize_normalized(normalized, tokenizer, cfg, [src for src, _ in sources], wheres, work)
 
 
+def write_token_tables(sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any, cfg: DataConfig, folder: Path) -> dict:
+    """`tokenize_sources` written as folder/train.arrow and folder/eval.arrow (its intermediate files
+    in a temporary folder beside `folder`, removed after); returns the stats."""
+    with tempfile.TemporaryDirectory(prefix=".tokenize-", dir=folder.parent) as work:
+        tables = tokenize_sources(sources, tokenizer, cfg, Path(work))
+        write_arrow(tables.batches("train"), folder / "train.arrow")
+        write_arrow(tables.batches("eval"), folder / "eval.arrow")
+    return tables.stats
+
+
 def tokenize_dataset(examples: Sequence[dict], tokenizer: Any, cfg: DataConfig) -> tuple[list[dict], list[dict], dict]:
     """`tokenize_sources` for examples already normalized in memory (one source); returns (train, eval, stats) rows."""
     import datasets
@@ -286,7 +296,8 @@ def _tokenize_normalized(normalized, tokenizer: Any, cfg: DataConfig, sources: l
     train_dropped = _drop_counts(drop[train_enc])
     eval_dropped = _drop_counts(drop[eval_enc]) + Counter(duplicate_of_train=len(eval_idx) - len(kept_eval))
     n_train = len(train_idx)
-    source_of = np.asarray(normalized.data.column("source").to_numpy(), dtype=np.int64)[keep]
+    source_of_row = np.asarray(normalized.data.column("source").to_numpy(), dtype=np.int64)
+    source_of = source_of_row[keep]
     train_pos = weighted(train_pos, source_of, [src.weight for src in sources], cfg.seed)
     train_pos = _cap(train_pos, cfg.max_train_rows, "max_train_rows", train_dropped)
     eval_pos = _cap(eval_pos, cfg.max_eval_rows, "max_eval_rows", eval_dropped)
@@ -303,7 +314,7 @@ def _tokenize_normalized(normalized, tokenizer: Any, cfg: DataConfig, sources: l
             f"no eval rows left: every row held out for eval ({len(eval_idx)} of the {n_in} rows in) was dropped "
             f"({_why(eval_dropped, cfg)}); raise data.eval_fraction={cfg.eval_fraction} to hold out more"
         )
-    rows_in = np.bincount(np.asarray(normalized.data.column("source").to_numpy(), dtype=np.int64), minlength=len(sources))
+    rows_in = np.bincount(source_of_row, minlength=len(sources))
     stats = _stats(encoded, train_pos, eval_pos, dropped, n_in, sources, rows_in, source_of)
     return TokenTables(encoded, train_pos, eval_pos, stats)
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import DataConfig, ModelConfig, Section
-from jaxtune.data.tokenize import tokenize_sources, write_arrow
+from jaxtune.data.tokenize import write_token_tables
 from jaxtune.tasks.sources import data_input, open_tokenizer
 from jaxtune.tasks.stage import build_artifact
 
@@ -48,11 +47,7 @@ def tokenize(section: TokenizeSection, inputs: dict[str, ArtifactRef], store_roo
         require_chat_template(tokenizer, inputs["model"].path)
         sources = [(src, inputs[data_input(i)].path) for i, src in enumerate(section.data.mixture())]
         cfg = section.data.model_copy(update={"num_proc": num_proc})
-        with tempfile.TemporaryDirectory(prefix=".tokenize-", dir=folder.parent) as work:
-            tables = tokenize_sources(sources, tokenizer, cfg, Path(work))
-            write_arrow(tables.batches("train"), folder / "train.arrow")
-            write_arrow(tables.batches("eval"), folder / "eval.arrow")
-        stats = tables.stats
+        stats = write_token_tables(sources, tokenizer, cfg, folder)
         (folder / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
         logger = get_run_logger()
         logger.info(

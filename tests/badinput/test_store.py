@@ -34,7 +34,7 @@ def test_an_artifact_file_damaged_on_disk_is_noticed_and_its_stage_recomputed(ja
 
 
 def test_a_write_that_fails_midway_leaves_no_folder_that_looks_complete(jaxtune_after_eval, monkeypatch):
-    from jaxtune.tasks import tokenize
+    from jaxtune.data import tokenize
 
     def disk_full(rows, path):
         Path(path).write_bytes(b"ARROW1" + b"\0" * 100)  # the first part of the file, then the disk is full
