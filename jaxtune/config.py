@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 OFFLINE = "offline"
+MESH_AXES = ("data", "fsdp", "tensor")  # outermost first: tensor neighbours talk most
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "offline.yaml"
 
 
@@ -225,15 +228,65 @@ class ExportConfig(Section):
 
 
 class MeshConfig(Section):
-    """Device mesh: the batch is split over `data`; parameters are replicated."""
+    """Device mesh: `data` and `fsdp` split the batch; `fsdp` and `tensor` split the parameters.
 
-    data: int = Field(-1, description="devices on the data axis (-1: all)")
+    None of it is in a cache key: a run computes the same numbers on any mesh.
+    """
+
+    data: int = Field(-1, description="devices on the data axis, each holding whole parameters (-1: the remaining devices)")
+    fsdp: int = Field(1, description="devices on the fsdp axis: parameters, gradients and optimizer state are split "
+                      "over it (ZeRO-3), and so is the batch (-1: the remaining devices)")
+    tensor: int = Field(1, description="devices on the tensor axis: each layer's matrices are split over it "
+                        "(column-parallel q/k/v/gate/up, row-parallel o/down) (-1: the remaining devices)")
+    shardings: dict[str, list[str | None]] = Field(
+        default_factory=dict,
+        description="regex on a parameter's name -> its PartitionSpec, one entry per dimension (an axis name or null), "
+        "e.g. {'lm_head\\\\.weight$': [tensor, null]}; the first pattern that matches wins over the built-in rules",
+    )
+    coordinator: str | None = Field(
+        None, description="multi-host: host:port of process 0 for jax.distributed (else $JAX_COORDINATOR_ADDRESS, "
+        "or found by JAX on a Cloud TPU pod, SLURM, Open MPI or Kubernetes)")
+    num_processes: int | None = Field(None, ge=1, description="multi-host: processes in the job (else $JAX_NUM_PROCESSES, or found by JAX)")
+    process_id: int | None = Field(None, ge=0, description="multi-host: this process's index (else $JAX_PROCESS_ID, or found by JAX)")
+    distributed: bool = Field(
+        False, description="call jax.distributed.initialize even with none of the three settings above (a Cloud TPU "
+        "pod slice, where JAX finds them itself)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_takes_what_is_left(cls, values: Any) -> Any:
+        """`data` defaults to the remaining devices, unless another axis asks for them (fsdp=-1)."""
+        if isinstance(values, dict) and "data" not in values and -1 in (values.get("fsdp"), values.get("tensor")):
+            return {**values, "data": 1}
+        return values
 
     @model_validator(mode="after")
     def _size(self) -> MeshConfig:
-        if self.data == 0 or self.data < -1:
-            raise ValueError("mesh.data must be a number of devices (1 or more), or -1 for all of them")
+        for axis in MESH_AXES:
+            size = getattr(self, axis)
+            if size == 0 or size < -1:
+                raise ValueError(f"mesh.{axis} must be a number of devices (1 or more), or -1 for the remaining ones")
+        if sum(getattr(self, axis) == -1 for axis in MESH_AXES) > 1:
+            raise ValueError("at most one of mesh.data, mesh.fsdp, mesh.tensor can be -1 (the remaining devices)")
+        for pattern, spec in self.shardings.items():
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"mesh.shardings: {pattern!r} is not a regular expression ({error})") from None
+            bad = [axis for axis in spec if axis is not None and axis not in MESH_AXES]
+            if bad:
+                raise ValueError(f"mesh.shardings[{pattern!r}]: unknown axis {bad[0]!r}; the axes are "
+                                 f"{', '.join(MESH_AXES)} (or null for a dimension that is not split)")
         return self
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        """{axis: size} on `devices` devices, -1 resolved; ValueError when the axes cannot fit them."""
+        fixed = math.prod(getattr(self, axis) for axis in MESH_AXES if getattr(self, axis) != -1)
+        named = ", ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES)
+        if fixed > devices or (-1 in (self.data, self.fsdp, self.tensor) and devices % fixed):
+            raise ValueError(f"mesh {named} does not fit {devices} device{'s' * (devices != 1)}: the fixed axes "
+                             f"take {fixed}{', which does not divide them' if fixed <= devices else ''}")
+        return {axis: devices // fixed if getattr(self, axis) == -1 else getattr(self, axis) for axis in MESH_AXES}
 
 
 class StoreConfig(Section):

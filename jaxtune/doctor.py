@@ -19,6 +19,7 @@ LOSS_TOLERANCE = 1e-3  # relative
 GRADIENT_TOLERANCE = 1e-3  # ‖Δ grad‖ / ‖grad‖ of the worst tensor
 DECODE_TOKENS = 32
 PROMPT_LENGTHS = (13, 6)
+MEMORY_CHECK = "train step memory, peak"
 
 
 class DoctorError(ValueError):
@@ -141,16 +142,29 @@ def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]
     model = to_jax(module, make_placement(config.mesh))
     train = config.train
     plan = memory.memory_plan(model, steps.make_optimizer(train), train, config.data.max_length)
+    return _memory_rows(plan, config, dtype)
+
+
+def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str) -> list[Row]:
+    """The mesh the plan is for, its peak against the device's memory (FAIL when over), its parts,
+    and when it does not fit, a mesh of the same devices that would (or that none would) and the settings to change."""
+    from jaxtune.runtime import memory
+
+    train = config.train
     shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {config.data.max_length}"
     limit = _size(plan["device_limit"]) if plan["device_limit"] else "not reported"
-    return [
-        Row("train step memory, peak", f"{_size(plan['peak'])} ({shape})",
-            limit, None if not plan["device_limit"] else plan["peak"] <= plan["device_limit"]),
+    fits = None if not plan["device_limit"] else plan["peak"] <= plan["device_limit"]
+    rows = [
+        Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
+        Row(MEMORY_CHECK, f"{_size(plan['peak'])} ({shape})", limit, fits),
         Row("  parameters", _size(plan["parameters"])),
         Row("  gradients", _size(plan["gradients"])),
         Row("  optimizer state", _size(plan["optimizer_state"])),
         Row("  activations per micro-batch", _size(plan["activations_per_micro_batch"])),
     ]
+    if fits is False:
+        rows.append(Row("  to fit", memory.advice(plan, train)))
+    return rows
 
 
 def _size(n: int) -> str:
@@ -163,6 +177,12 @@ def render(diagnosis: Diagnosis) -> str:
     rows = [(r.check, r.value, r.limit, {True: "ok", False: "FAIL", None: ""}[r.ok]) for r in diagnosis.rows]
     widths = [max(len(str(x)) for x in column) for column in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    verdict = "parity ok" if diagnosis.ok else "PARITY FAILED: do not train on this model until the failing check is understood"
+    failed = {r.check for r in diagnosis.rows if r.ok is False}
+    if not failed:
+        verdict = "parity ok"
+    elif failed == {MEMORY_CHECK}:
+        verdict = "parity ok, but MEMORY: the train step does not fit the device as configured (see 'to fit')"
+    else:
+        verdict = "PARITY FAILED: do not train on this model until the failing check is understood"
     return "\n".join([f"jaxtune doctor: {diagnosis.model} ({diagnosis.summary})", line(head),
                       line(["-" * w for w in widths]), *map(line, rows), verdict])

@@ -4,9 +4,10 @@ user a second, not a server start and the stages before the one that would have 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from jaxtune.config import OFFLINE, ConfigError, JaxtuneConfig
+from jaxtune.config import MESH_AXES, OFFLINE, ConfigError, JaxtuneConfig
 
 
 def check(config: JaxtuneConfig) -> None:
@@ -23,17 +24,31 @@ def check(config: JaxtuneConfig) -> None:
 
 
 def check_mesh(config: JaxtuneConfig, devices: int) -> None:
-    """Every batch must split evenly over the devices of the `data` axis."""
-    size = devices if config.mesh.data == -1 else config.mesh.data
-    if size > devices:
-        raise ConfigError(f"mesh.data={config.mesh.data}, but only {devices} device{'s' * (devices != 1)} "
-                          f"{'are' if devices != 1 else 'is'} visible; use mesh.data=-1 for all of them")
+    """The mesh must fit the devices, and every batch must split evenly over data x fsdp (the batch axes)."""
+    mesh = config.mesh
+    try:
+        sizes = mesh.sizes(devices)
+    except ValueError:
+        raise ConfigError(_misfit(mesh, devices)) from None
+    shards = sizes["data"] * sizes["fsdp"]
     for key, batch in (("train.batch_size", config.train.batch_size), ("eval.batch_size", config.eval.batch_size),
                        ("generate.batch_size", config.generate.batch_size)):
-        if batch % size:
-            fits = ((batch + size - 1) // size) * size
-            raise ConfigError(f"{key}={batch} cannot split evenly over the {size} devices of the mesh's data axis; "
-                              f"use a multiple of {size}, e.g. {key}={fits}")
+        if batch % shards:
+            fits = ((batch + shards - 1) // shards) * shards
+            raise ConfigError(f"{key}={batch} cannot split evenly over the mesh's batch axes, data={sizes['data']} x "
+                              f"fsdp={sizes['fsdp']} = {shards} devices; use a multiple of {shards}, e.g. {key}={fits}")
+
+
+def _misfit(mesh, devices: int) -> str:
+    """Why the mesh's axes cannot fit `devices` devices, and what would."""
+    named = ", ".join(f"mesh.{axis}={getattr(mesh, axis)}" for axis in MESH_AXES)
+    fixed = math.prod(max(getattr(mesh, axis), 1) for axis in MESH_AXES)
+    visible = f"{devices} device{'s' * (devices != 1)} {'are' if devices != 1 else 'is'} visible"
+    if -1 in (mesh.data, mesh.fsdp, mesh.tensor):
+        return (f"{named} needs a multiple of {fixed} devices but {visible}: the fixed axes' product, {fixed}, "
+                f"must divide {devices}")
+    return (f"{named} needs {fixed} devices but only {visible}; make the axes' product at most {devices}, "
+            f"or set one axis to -1 for the devices the others leave")
 
 
 def _device_count() -> int:

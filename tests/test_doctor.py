@@ -43,6 +43,8 @@ def test_doctor_passes_and_prints_the_table(family, model_dirs, capsys):
     assert 0 < trainable < total
     peak = float(re.search(r"^train step memory, peak\s+([\d.]+) MiB", out, re.M).group(1))
     assert peak > 0 and "(bfloat16, adamw, remat matmuls, 1 x 2 x 64)" in out
+    assert re.search(r"^mesh\s+data=1, fsdp=1, tensor=1 on 1 device$", out, re.M), out  # mesh.data=-1 on the one CPU
+    assert "  to fit" not in out  # the CPU reports no limit: nothing to suggest
     assert out.rstrip().endswith("parity ok")
 
 

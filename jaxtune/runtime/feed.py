@@ -26,14 +26,15 @@ class Feed:
     micro_batches_per_epoch: int
     seed: int
     lengths: tuple[int, ...]
+    planned_rows: int = 0  # packed: the sequences rows are packed into, before padding to `rows` for the mesh
 
     def micro_batches(self, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
                       pad_id: int) -> Iterator[dict[str, np.ndarray]]:
         """Endless numpy micro-batches: input_ids, attention_mask, segment_ids, position_ids, labels (rows, t)."""
         if self.packed:
-            shape = packing.PackedShape(self.rows, self.length)
-            for bins in packing.packed_micro_batches(self.lengths, shape, self.seed):
-                yield packing.pack(input_ids, labels, bins, pad_id, shape)
+            planned = packing.PackedShape(self.planned_rows or self.rows, self.length)
+            for bins in packing.packed_micro_batches(self.lengths, planned, self.seed):
+                yield packing.pack(input_ids, labels, bins, pad_id, packing.PackedShape(self.rows, self.length))
             return
         for rows in train_batches(len(self.lengths), self.rows, self.seed):
             length = bucket_length(max(self.lengths[r] for r in rows), self.length)
@@ -41,15 +42,18 @@ class Feed:
             yield {**batch, **packing.unpacked_segments(batch["attention_mask"])}
 
 
-def make_feed(lengths: Sequence[int], cfg: TrainConfig, max_length: int, data_size: int, packed: bool) -> Feed:
-    """The feed of `cfg`'s run over rows of `lengths`; `data_size` devices split each micro-batch."""
+def make_feed(lengths: Sequence[int], cfg: TrainConfig, max_length: int, batch_shards: int, packed: bool) -> Feed:
+    """The feed of `cfg`'s run over rows of `lengths`; `batch_shards` devices (data × fsdp) split each micro-batch."""
     lengths = tuple(int(n) for n in lengths)
     if packed:
-        shape = packing.packed_shape(lengths, cfg.batch_size, max_length, multiple_of=data_size, seed=cfg.seed)
+        # Planned as on one device, then padded with empty sequences to split evenly: the mesh
+        # never changes which rows a step trains on, so every mesh computes the same losses.
+        shape = packing.packed_shape(lengths, cfg.batch_size, max_length, seed=cfg.seed)
         per_epoch = packing.micro_batches_per_epoch(lengths, shape, cfg.seed)
-        return Feed(True, shape.sequences, shape.length, per_epoch, cfg.seed, lengths)
-    if cfg.batch_size % data_size:
-        raise ValueError(f"train.batch_size={cfg.batch_size} must divide over {data_size} data-parallel devices")
+        rows = -(-shape.sequences // batch_shards) * batch_shards
+        return Feed(True, rows, shape.length, per_epoch, cfg.seed, lengths, planned_rows=shape.sequences)
+    if cfg.batch_size % batch_shards:
+        raise ValueError(f"train.batch_size={cfg.batch_size} must divide over the {batch_shards} devices the batch is split over (mesh data × fsdp)")
     if len(lengths) < cfg.batch_size:
         raise ValueError(f"{len(lengths)} training rows is fewer than one batch of {cfg.batch_size}")
     length = bucket_length(max(lengths), max_length)

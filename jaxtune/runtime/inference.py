@@ -6,12 +6,12 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
 from jaxtune.runtime import decode, steps
 from jaxtune.runtime.batches import bucket_length, eval_batches, pad_batch, row_lengths
+from jaxtune.runtime.mesh import fetch
 from jaxtune.runtime.model import JaxModel
 
 
@@ -30,7 +30,7 @@ def evaluate(
     `eval_step` reuses a compiled step across calls (periodic eval during training).
     """
     eval_step = eval_step or steps.make_eval_step(model)
-    rows_per_batch = -(-batch_size // model.placement.data_size) * model.placement.data_size
+    rows_per_batch = -(-batch_size // model.placement.batch_shards) * model.placement.batch_shards
     nll = np.zeros(len(input_ids))
     count = np.zeros(len(input_ids))
     pending = []
@@ -41,9 +41,9 @@ def evaluate(
         )
         batch_labels = batch.pop("labels")
         pending.append((rows, eval_step(model.weights, model.buffers, batch, batch_labels)))
-    for rows, (batch_nll, batch_count) in pending:
-        nll[rows] = np.asarray(batch_nll)[: len(rows)]
-        count[rows] = np.asarray(batch_count)[: len(rows)]
+    for rows, (batch_nll, batch_count) in fetch(pending):
+        nll[rows] = batch_nll[: len(rows)]
+        count[rows] = batch_count[: len(rows)]
     return {**_loss_summary(nll, count), "per_category": _per_category(nll, count, categories)}
 
 
@@ -74,9 +74,8 @@ def greedy_generate(
         chunk = list(prompts[start : start + batch_size])
         chunk += [chunk[-1]] * (batch_size - len(chunk))  # fixed batch shape: one compile
         ids, mask = decode.left_pad(chunk, pad_id)
-        if batch_size % model.placement.data_size == 0:
-            ids, mask = model.placement.shard_batch((ids, mask))
-        tokens = np.asarray(jax.device_get(generate(model.weights, model.buffers, ids, mask)))
+        ids, mask = model.placement.shard_prompts((ids, mask))
+        tokens = fetch(generate(model.weights, model.buffers, ids, mask))
         outputs += [_until_eos(row.tolist(), eos_ids) for row in tokens[: min(batch_size, len(prompts) - start)]]
     return outputs
 

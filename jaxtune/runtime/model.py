@@ -120,7 +120,8 @@ def linear_layer_names(module: torch.nn.Module) -> list[str]:
 
 def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None,
            shapes_only: bool = False) -> JaxModel:
-    """Split trainable from frozen tensors and place both on the mesh; `trained` overrides weights.
+    """Split trainable from frozen tensors and place both on the mesh, each split as its name
+    says (`jaxtune.runtime.sharding`); `trained` overrides weights.
 
     Frozen tensors keep the module's dtype; trainable ones become float32 master weights. With
     `shapes_only` the tensors are `jax.ShapeDtypeStruct`s (a module on the meta device will do):
@@ -129,21 +130,35 @@ def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.
     _use_eager_attention(module)
     convert = _to_shape if shapes_only else _to_array
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    transposed = _transposed_weights(module)
     weights, buffers, casts = {}, {}, {}
     for name, param in module.named_parameters():
+        sharding = placement.parameter_sharding(name, tuple(param.shape), name in transposed)
         if param.requires_grad:
-            weights[name] = convert(param, placement, jnp.float32)
+            weights[name] = convert(param, sharding, jnp.float32)
             if param.dtype != torch.float32:
                 casts[name] = param.dtype
         else:
-            buffers[name] = convert(param, placement)
+            buffers[name] = convert(param, sharding)
     for name, buf in module.named_buffers():
-        buffers[name] = convert(buf, placement)
+        buffers[name] = convert(buf, placement.parameter_sharding(name, tuple(buf.shape)))
     if trained is not None:
         _check_names(trained, weights)
-        weights = {name: placement.replicate(jnp.asarray(trained[name], jnp.float32)) for name in weights}
+        weights = {name: placement.put(np.asarray(trained[name], np.float32), weights[name].sharding) for name in weights}
     dtype = jnp.dtype(str(base.dtype).removeprefix("torch."))
     return JaxModel(module=module, weights=weights, buffers=buffers, placement=placement, dtype=dtype, casts=casts)
+
+
+def shardings_of(tree) -> dict:
+    """The sharding of every array (or shape) in `tree`, same structure."""
+    return jax.tree.map(lambda a: a.sharding, tree)
+
+
+def _transposed_weights(module: torch.nn.Module) -> set[str]:
+    """Names of weights stored (in, out) rather than torch Linear's (out, in): GPT-2's Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {f"{name}.weight" for name, m in module.named_modules() if isinstance(m, Conv1D)}
 
 
 def _use_eager_attention(module: torch.nn.Module) -> None:
@@ -155,20 +170,20 @@ def _use_eager_attention(module: torch.nn.Module) -> None:
         base.set_attn_implementation("eager")
 
 
-def _to_array(tensor: torch.Tensor, placement: Placement, dtype=None) -> jax.Array:
-    """The tensor as a replicated JAX array, in its own dtype unless `dtype` is given."""
+def _to_array(tensor: torch.Tensor, sharding, dtype=None) -> jax.Array:
+    """The tensor as a JAX array placed by `sharding`, in its own dtype unless `dtype` is given."""
     value = tensor.detach()
     own = jnp.dtype(str(value.dtype).removeprefix("torch."))
     if value.dtype == torch.bfloat16:  # numpy has no bfloat16; go through float32
         value = value.float()
-    array = jnp.asarray(value.numpy()).astype(dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own)
-    return placement.replicate(array)
+    host = value.numpy().astype(dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _to_shape(tensor: torch.Tensor, placement: Placement, dtype=None) -> jax.ShapeDtypeStruct:
+def _to_shape(tensor: torch.Tensor, sharding, dtype=None) -> jax.ShapeDtypeStruct:
     own = jnp.dtype(str(tensor.dtype).removeprefix("torch."))
     dtype = dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own
-    return jax.ShapeDtypeStruct(tuple(tensor.shape), dtype, sharding=placement.replicated)
+    return jax.ShapeDtypeStruct(tuple(tensor.shape), dtype, sharding=sharding)
 
 
 def _check_names(trained: dict[str, np.ndarray], expected: dict[str, jax.Array]) -> None:

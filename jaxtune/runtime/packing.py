@@ -27,26 +27,25 @@ class PackedShape:
     length: int  # L: tokens per sequence
 
 
-def packed_shape(lengths: Sequence[int], batch_size: int, max_length: int, multiple_of: int = 1, seed: int = 0) -> PackedShape:
+def packed_shape(lengths: Sequence[int], batch_size: int, max_length: int, seed: int = 0) -> PackedShape:
     """One fixed shape for every micro-batch, so the train step compiles once.
 
     L is the bucket of the longest row, so every row fits a sequence whole (never split: a split
     row would lose the context its second half was written against). S is the fewest sequences
-    (a multiple of `multiple_of`, so they shard evenly over data-parallel devices) whose packed
-    micro-batches hold at least `batch_size` rows on average over the first epoch: sized from the
+    whose packed micro-batches hold at least `batch_size` rows on average over the first epoch: sized from the
     mean length alone, gaps the first fit cannot fill would leave a micro-batch a quarter short."""
     if not lengths:
         raise ValueError("cannot size packed batches for zero rows")
-    if batch_size < 1 or multiple_of < 1:
-        raise ValueError(f"batch_size ({batch_size}) and multiple_of ({multiple_of}) must be >= 1")
+    if batch_size < 1:
+        raise ValueError(f"batch_size ({batch_size}) must be >= 1")
     length = bucket_length(max(lengths), max_length)
     wanted = math.ceil(batch_size * float(np.mean(lengths)) / length)
-    sequences = max(multiple_of, multiple_of * math.ceil(wanted / multiple_of))
+    sequences = max(wanted, 1)
     while sequences < batch_size:
         shape = PackedShape(sequences, length)
         if len(lengths) / micro_batches_per_epoch(lengths, shape, seed) >= batch_size:
             break
-        sequences += multiple_of
+        sequences += 1
     return PackedShape(sequences=sequences, length=length)
 
 

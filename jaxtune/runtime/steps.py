@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import torch
 
@@ -130,9 +131,41 @@ def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, rem
     return train_step
 
 
+def optimizer_shardings(optimizer: optax.GradientTransformation, weights: dict, replicated) -> Any:
+    """Where each leaf of `optimizer.init(weights)` lives: a leaf of a parameter's shape under that
+    parameter's name (Adam's moments) is split like it; the rest (counts, factored statistics,
+    the learning rate) is replicated. `weights` may be arrays or shapes, with shardings."""
+    shapes = jax.eval_shape(optimizer.init, weights)
+    own = {name: (tuple(w.shape), w.sharding) for name, w in weights.items()}
+
+    def follow(path, leaf):
+        for key in path:
+            name = getattr(key, "key", None)
+            if name in own and own[name][0] == tuple(leaf.shape):
+                return own[name][1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(follow, shapes)
+
+
+def init_optimizer(model: JaxModel, optimizer: optax.GradientTransformation, weights: dict | None = None) -> Any:
+    """The optimizer state of `weights` (default the model's), each leaf placed as `optimizer_shardings` says."""
+    weights = model.weights if weights is None else weights
+    shardings = optimizer_shardings(optimizer, weights, model.placement.replicated)
+    return jax.jit(optimizer.init, out_shardings=shardings)(weights)
+
+
 def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool):
-    """The train step jitted, donating weights and optimizer state so they update in place."""
-    return jax.jit(_train_step_fn(model, optimizer, remat, fused), donate_argnums=(0, 2))
+    """The train step jitted with every input and output's sharding pinned (so the second call
+    finds the first's program), donating weights and optimizer state so they update in place."""
+    placement = model.placement
+    weights = jax.tree.map(lambda a: a.sharding, model.weights)
+    buffers = jax.tree.map(lambda a: a.sharding, model.buffers)
+    opt_state = optimizer_shardings(optimizer, model.weights, placement.replicated)
+    batch, one = placement.micro_batch_sharding, placement.replicated
+    return jax.jit(_train_step_fn(model, optimizer, remat, fused), donate_argnums=(0, 2),
+                   in_shardings=(weights, buffers, opt_state, batch, batch, one, one),
+                   out_shardings=(one, weights, opt_state))
 
 
 def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
@@ -143,10 +176,11 @@ def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, re
     computes); it cannot isolate packed rows, so it takes unpacked batches only.
     """
     jitted = _jitted_train_step(model, optimizer, remat, fused)
+    put = model.placement.put
 
     def run(weights, buffers, opt_state, batch, labels, key, lr):
         with model.env:
-            return jitted(weights, buffers, opt_state, batch, labels, key, jnp.asarray(lr, jnp.float32))
+            return jitted(weights, buffers, opt_state, batch, labels, put(key), put(np.asarray(lr, np.float32)))
 
     run.jitted = jitted  # for counting compilations
     return run
@@ -164,19 +198,24 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
                       length: int, remat: str = "none", fused: bool = True) -> dict:
     """XLA's memory plan for one train step of (micro_batches, batch_size, length), compiled from shapes alone.
 
-    Bytes of arguments (weights, frozen tensors, optimizer state, batch), of outputs, of
-    temporaries (activations kept for the backward pass, gradients), and their peak.
+    `batch_size` is the whole micro-batch's rows, split over the mesh as training splits it; the
+    bytes are one device's: of arguments (weights, frozen tensors, optimizer state, batch), of
+    outputs, of temporaries (activations kept for the backward pass, gradients), and their peak.
     """
     jitted = _jitted_train_step(model, optimizer, remat, fused)
-    spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
-    opt_state = jax.eval_shape(optimizer.init, spec(model.weights))
+    spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)  # noqa: E731
+    weights = spec(model.weights)
+    opt_state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                             jax.eval_shape(optimizer.init, weights),
+                             optimizer_shardings(optimizer, weights, model.placement.replicated))
     shape = (micro_batches, batch_size, length)
-    batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in BATCH_KEYS}
-    labels = jax.ShapeDtypeStruct(shape, jnp.int32)
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    lr = jax.ShapeDtypeStruct((), jnp.float32)
+    rows = model.placement.micro_batch_sharding
+    batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows) for name in BATCH_KEYS}
+    labels = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
+    lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
     with model.env:
-        compiled = jitted.lower(spec(model.weights), spec(model.buffers), opt_state, batch, labels, key, lr).compile()
+        compiled = jitted.lower(weights, spec(model.buffers), opt_state, batch, labels, key, lr).compile()
     stats = compiled.memory_analysis()
     plan = {
         "argument_bytes": int(stats.argument_size_in_bytes),

@@ -17,10 +17,12 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxtune import processes
 from jaxtune.config import TrainConfig
 from jaxtune.runtime import attention, checkpoint, memory, steps
 from jaxtune.runtime.batches import row_lengths
 from jaxtune.runtime.feed import Feed, make_feed
+from jaxtune.runtime.mesh import fetch
 from jaxtune.runtime.model import JaxModel
 
 
@@ -39,7 +41,7 @@ class TrainResult:
 
 def feed_for(model: JaxModel, lengths: Sequence[int], cfg: TrainConfig, max_length: int, packing: bool = True) -> Feed:
     """Packed micro-batches when asked for and the model's attention can isolate rows (else padded ones)."""
-    return make_feed(lengths, cfg, max_length, model.placement.data_size, packing and attention.supported(model.module))
+    return make_feed(lengths, cfg, max_length, model.placement.batch_shards, packing and attention.supported(model.module))
 
 
 def total_steps(cfg: TrainConfig, feed: Feed) -> int:
@@ -80,11 +82,12 @@ def train(
     flops = flops_per_token(model, feed)
 
     # Placed on the mesh as the step's outputs are: a state on one device would compile the step twice.
-    weights, opt_state, start, log = model.weights, model.placement.replicate(optimizer.init(model.weights)), 0, []
+    weights, opt_state, start, log = model.weights, steps.init_optimizer(model, optimizer), 0, []
     resumed = checkpoint.latest(checkpoint_dir, opt_state) if checkpoint_dir else None
     if resumed is not None:
-        weights = {name: model.placement.replicate(jax.numpy.asarray(resumed.weights[name])) for name in weights}
-        opt_state = model.placement.replicate(resumed.opt_state)
+        put = model.placement.put
+        weights = {name: put(resumed.weights[name], value.sharding) for name, value in weights.items()}
+        opt_state = jax.tree.map(lambda saved, now: put(saved, now.sharding), resumed.opt_state, opt_state)
         start, log = resumed.step, resumed.state["log"]
         on_log(log)  # the records before the checkpoint, so the resumed run's log is whole
     last_checkpoint = str(resumed.path) if resumed else None
@@ -111,7 +114,7 @@ def train(
         saving = step % cfg.checkpoint_every == 0 and step < total and checkpoint_dir is not None
         evaluating = evaluate is not None and (step % cfg.eval_every == 0 or step == total)
         if step == start + 1 or step % cfg.log_every == 0 or step == total or saving or evaluating:
-            fetched = jax.device_get(pending)  # the host sync
+            fetched = fetch(pending)  # the host sync
             elapsed = time.perf_counter() - window_start
             if step == start + 1:  # the first call compiles: no tokens/s for it
                 compile_seconds, window_tokens = elapsed, 0
@@ -127,7 +130,12 @@ def train(
                 window_start = time.perf_counter()
             if saving:
                 state = {"micro_batches": step * k, "rng": {"seed": cfg.seed, "step": step}, "log": log}
-                last_checkpoint = str(checkpoint.save(checkpoint_dir, step, weights, opt_state, state))
+                host_weights, host_state = fetch((weights, opt_state))  # every process gathers; process 0 writes
+                path = checkpoint_dir / f"{checkpoint.PREFIX}{step:08d}"
+                if processes.writes():
+                    path = checkpoint.save(checkpoint_dir, step, host_weights, host_state, state)
+                processes.barrier(f"checkpoint {step}")
+                last_checkpoint = str(path)
                 window_start = time.perf_counter()
 
     train_records = [r for r in log if "loss" in r]
@@ -149,9 +157,10 @@ def train(
         "final_loss": float(np.mean([r["loss"] for r in window])),
         "trainable_parameters": int(sum(np.prod(v.shape) for v in weights.values())),
         "rows_per_step": cfg.batch_size * k,
+        "mesh": model.placement.describe(),
     }
-    weights = {name: np.asarray(jax.device_get(value)) for name, value in weights.items()}
-    return TrainResult(weights=weights, opt_state=jax.device_get(opt_state), log=log, summary=summary, memory=plan)
+    weights, opt_state = fetch((weights, opt_state))
+    return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
 
 
 def flops_per_token(model: JaxModel, feed: Feed) -> dict:

@@ -31,7 +31,7 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
         "train": {k: train.get(k) for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "mfu",
                                              "mfu_derivation", "nonpad_fraction", "packed", "batch_shape",
-                                             "trainable_parameters", "rows_per_step", "resumed_from")},
+                                             "trainable_parameters", "rows_per_step", "resumed_from", "mesh")},
         "eval_during_training": [r for r in _log(inputs["train"]) if "eval_loss" in r],
         "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
         "data": inputs["tokenize"].read_json("stats.json"),
@@ -93,6 +93,7 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         f"| exact match | {em['before']:.3f} | {em['after']:.3f} |", "",
         f"Training: {t['steps']} steps in {t['seconds']:.1f} s ({t['compile_seconds']:.1f} s compiling), "
         f"{t['tokens_per_second']:.0f} tokens/s, {t['trainable_parameters']:,} trainable parameters.", "",
+        f"Mesh: {t.get('mesh') or 'not recorded'}.", "",
         *_speed_lines(t),
         f"![loss curve]({image})", "",
         *(_data_section(summary["data"]) if "data" in summary else []),

@@ -74,7 +74,36 @@ def test_an_unknown_stage_gets_a_did_you_mean(jaxtune, flag, stages):
 
 def test_a_mesh_larger_than_the_devices_is_refused(jaxtune):
     refused(jaxtune.run("--set=mesh.data=4"),
-            "jaxtune: mesh.data=4, but only 1 device is visible; use mesh.data=-1 for all of them")
+            "jaxtune: mesh.data=4, mesh.fsdp=1, mesh.tensor=1 needs 4 devices but only 1 device is visible; "
+            "make the axes' product at most 1, or set one axis to -1 for the devices the others leave")
+
+
+@pytest.mark.parametrize(("settings", "devices", "message"), [
+    ({"fsdp": 4, "tensor": 4}, 8, "mesh.data=-1, mesh.fsdp=4, mesh.tensor=4 needs a multiple of 16 devices but 8 devices "
+     "are visible: the fixed axes' product, 16, must divide 8"),
+    ({"data": 3, "fsdp": -1}, 8, "mesh.data=3, mesh.fsdp=-1, mesh.tensor=1 needs a multiple of 3 devices but 8 "
+     "devices are visible: the fixed axes' product, 3, must divide 8"),
+    ({"data": 2, "fsdp": 2, "tensor": 4}, 8, "mesh.data=2, mesh.fsdp=2, mesh.tensor=4 needs 16 devices but only 8 "
+     "devices are visible; make the axes' product at most 8, or set one axis to -1 for the devices the others leave"),
+    ({"data": 2, "fsdp": 2}, 8, "eval.batch_size=6 cannot split evenly over the mesh's batch axes, data=2 x fsdp=2 = 4 "
+     "devices; use a multiple of 4, e.g. eval.batch_size=8"),
+    ({"data": 1, "fsdp": 4, "tensor": 2}, 8, "eval.batch_size=6 cannot split evenly over the mesh's batch axes, data=1 "
+     "x fsdp=4 = 4 devices; use a multiple of 4, e.g. eval.batch_size=8"),
+])
+def test_the_mesh_is_checked_against_the_devices_and_every_batch_over_data_x_fsdp(settings, devices, message):
+    """Unit-level: preflight.check_mesh on a config, with a device count instead of devices."""
+    from jaxtune.config import ConfigError, load_config
+    from jaxtune.preflight import check_mesh
+
+    batches = lambda rows: [f"{stage}.batch_size={n}" for stage, n in zip(("train", "eval", "generate"), rows)]  # noqa: E731
+    mesh = [f"mesh.{axis}={size}" for axis, size in settings.items()]
+    with pytest.raises(ConfigError) as caught:
+        check_mesh(load_config(None, mesh + batches((8, 6, 8))), devices)
+    assert str(caught.value) == message
+    if "batch_size" in message:  # the same mesh passes with batches of 16 rows
+        check_mesh(load_config(None, mesh + batches((16, 16, 16))), devices)
+    # 4 rows over data x fsdp = 4 of 8 devices (tensor takes the other factor of 2).
+    check_mesh(load_config(None, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *batches((4, 4, 4))]), 8)
 
 
 def test_a_store_root_that_is_a_file_is_refused(jaxtune, tmp_path):
@@ -94,7 +123,7 @@ def test_a_batch_that_cannot_split_over_the_mesh_is_refused_with_a_size_that_can
                           text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
-        "jaxtune: train.batch_size=3 cannot split evenly over the 2 devices of the mesh's data axis; "
+        "jaxtune: train.batch_size=3 cannot split evenly over the mesh's batch axes, data=2 x fsdp=1 = 2 devices; "
         "use a multiple of 2, e.g. train.batch_size=4")
     assert "server" not in done.stderr.lower(), "refused before any Prefect server started"
     assert not (tmp_path / "store").exists()

@@ -90,7 +90,7 @@ def test_a_plan_larger_than_the_device_stops_training_before_step_1(store, first
     trained = sorted((store / "train").glob("*/manifest.json"))
     monkeypatch.setattr(memory, "device_limit", lambda: 2**20)
     monkeypatch.setattr(steps, "make_train_step", no_step)
-    with pytest.raises(MemoryError, match=r"training needs 0\.01 GiB per device but the device has 0\.00 GiB") as refused:
+    with pytest.raises(MemoryError, match=r"training needs 0\.01 GiB per device on mesh data=1, fsdp=1, tensor=1 on 1 device but the device has 0\.00 GiB") as refused:
         run_toy(store, "train.seed=7", until="train")
     for knob in ("train.optimizer=adafactor", "train.remat=layer", "train.grad_accumulation", "batch_size=2, grad_accumulation=2"):
         assert knob in str(refused.value)

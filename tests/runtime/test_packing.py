@@ -102,11 +102,9 @@ def test_packed_shape_holds_a_batch_of_rows_with_the_fewest_sequences():
         return len(lengths) / micro_batches_per_epoch(lengths, PackedShape(sequences, shape.length), seed=0)
 
     assert rows_per_micro_batch(shape.sequences) >= 8 > rows_per_micro_batch(shape.sequences - 1)
-    even = packed_shape(lengths, 8, 512, multiple_of=2)
-    assert even.sequences % 2 == 0 and even.sequences - shape.sequences in (0, 1)
     lengths = [100] * 10 + [300]  # longest 300 -> bucket 384
     assert packed_shape(lengths, 8, 320).length == 320  # the cap trims the bucket
-    assert packed_shape([10], 1, 512, multiple_of=4) == PackedShape(sequences=4, length=16)  # at least multiple_of
+    assert packed_shape([10], 1, 512) == PackedShape(sequences=1, length=16)
     assert packed_shape([600, 10], 2, 512).length == 600  # never shorter than the longest row
 
 
@@ -117,7 +115,7 @@ def test_a_row_longer_than_a_sequence_is_refused():
 
 def test_no_bin_exceeds_the_length_and_every_batch_has_the_fixed_shape():
     lengths = instruction_lengths(n=500)
-    shape = packed_shape(lengths, batch_size=8, max_length=512, multiple_of=2)
+    shape = packed_shape(lengths, batch_size=8, max_length=512)
     for bins in flat_batches(epochs(lengths, shape, seed=0, count=2)):
         assert len(bins) == shape.sequences
         assert all(sum(lengths[r] for r in b) <= shape.length for b in bins)
@@ -153,3 +151,23 @@ def test_unpacked_segments_of_a_right_padded_batch():
     np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(out["position_ids"], [[0, 1, 2, 3]] * 3)
     assert out["segment_ids"].dtype == out["position_ids"].dtype == np.int32
+
+
+def test_a_mesh_pads_packed_micro_batches_with_empty_sequences_but_never_changes_their_rows():
+    """Every mesh trains on the same rows in the same bins: the plan is made as for one device,
+    and the batch gets empty sequences (no label scored) until it splits over data x fsdp."""
+    from jaxtune.config import TrainConfig
+    from jaxtune.runtime.feed import make_feed
+
+    lengths = instruction_lengths(n=300)
+    ids = [list(range(3, n + 3)) for n in lengths]
+    cfg = TrainConfig(batch_size=8)
+    one, eight = make_feed(lengths, cfg, 512, 1, packed=True), make_feed(lengths, cfg, 512, 8, packed=True)
+    assert eight.rows % 8 == 0 and eight.rows - one.rows in range(8) and one.rows % 8 != 0
+    assert eight.micro_batches_per_epoch == one.micro_batches_per_epoch
+    a, b = one.micro_batches(ids, ids, 0), eight.micro_batches(ids, ids, 0)
+    for _ in range(5):
+        small, big = next(a), next(b)
+        for name in small:
+            np.testing.assert_array_equal(big[name][: one.rows], small[name])
+        assert not big["attention_mask"][one.rows:].any() and (big["labels"][one.rows:] == X).all()
