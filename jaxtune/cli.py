@@ -1,7 +1,8 @@
 """`jaxtune run [CONFIG] [--set section.key=value]... [--refresh STAGE]... [--until STAGE]`,
 `jaxtune serve [--only DEPLOYMENT]...`,
 `jaxtune doctor MODEL [--config CONFIG] [--set section.key=value]...`,
-`jaxtune chat SOURCE [sampling flags]` and `jaxtune generate SOURCE PROMPT... [--prompts-file FILE]`."""
+`jaxtune chat SOURCE [sampling flags]`, `jaxtune generate SOURCE PROMPT... [--prompts-file FILE]` and
+`jaxtune launch --processes N [--coordinator HOST:PORT] [--host-command TEMPLATE] [--cpu-devices K] -- COMMAND...`."""
 
 from __future__ import annotations
 
@@ -55,6 +56,25 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts, each answered alone")
     generate.add_argument("--prompts-file", help="more prompts: one a line, or a .jsonl file with a \"prompt\" field")
     generate.add_argument("--jsonl", action="store_true", help='write {"prompt", "answer"} lines instead of plain answers')
+    launch = commands.add_parser(
+        "launch", help="run a jaxtune command as a job of several JAX processes (multi-host), e.g. "
+        "jaxtune launch --processes 2 --cpu-devices 4 -- run",
+        description="Start the jaxtune command after -- once per process, with JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID set; each output line is prefixed [i]; when a process fails the "
+        "others are stopped and its exit status is launch's. The artifact store must be a folder every host sees.")
+    launch.add_argument("--processes", type=int, required=True, metavar="N", help="processes in the job")
+    launch.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="address of process 0's coordinator (default: 127.0.0.1 on a free port when local; "
+                        "with --host-command, found by JAX on a Cloud TPU pod, SLURM, Open MPI or Kubernetes)")
+    launch.add_argument("--host-command", metavar="TEMPLATE",
+                        help="start each process through this shell command instead of locally; {process_id} is the "
+                        "process's index, {command} the shell-quoted jaxtune command with its environment, e.g. "
+                        "'gcloud compute tpus tpu-vm ssh my-pod --zone Z --worker={process_id} --command {command}'")
+    launch.add_argument("--cpu-devices", type=int, metavar="K",
+                        help="for testing on one machine: each process runs on K fake CPU devices "
+                        "(XLA_FLAGS=--xla_force_host_platform_device_count=K, JAX_PLATFORMS=cpu)")
+    launch.add_argument("arguments", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                        help="the jaxtune command each process runs, e.g. -- run RECIPE --set mesh.fsdp=4")
     return parser
 
 
@@ -87,6 +107,8 @@ def _decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "launch":
+        return _launch(args)
     # Before Prefect is imported: no telemetry leaves this machine.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     _local_servers()
@@ -94,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return _decode(args)
     if args.command == "serve":
         return _serve(args)
-    from jaxtune.config import OFFLINE, ConfigError, config_from_dict, load_config
+    from jaxtune.config import ConfigError, config_from_dict, load_config
 
     try:
         if args.command == "doctor" and args.config is None:
@@ -106,7 +128,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "doctor":
         return _doctor(args, config)
+    try:
+        _join_job(config)
+    except (RuntimeError, ValueError) as e:  # JAX's: no coordinator, a timeout, settings that do not fit
+        if args.debug:
+            raise
+        print(f"jaxtune: cannot join the multi-process job: {_one_line(e)}", file=sys.stderr)
+        return 1
+    status = _run(args, config)
+    _leaving.status = status
+    return status
+
+
+def _run(args, config) -> int:
+    """`jaxtune run` once its config is loaded (and its job joined)."""
     from jaxtune import preflight
+    from jaxtune.config import OFFLINE, ConfigError
 
     try:
         preflight.check(config)
@@ -139,6 +176,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{stage:<{width}}  {state}")
     print(result["path"])
     return 0
+
+
+def _join_job(config) -> None:
+    """In a multi-process job (`jaxtune launch`, or the mesh.* / JAX_* settings): join it now, so
+    the preflight counts every process's devices (JAX fixes its device list on first use). A
+    process other than 0 whose Prefect runs a temporary server (no PREFECT_API_URL) keeps its
+    records in a database of its own, deleted at exit: processes on one machine would otherwise
+    share, and race to migrate, the one in PREFECT_HOME; process 0's run is the job's record."""
+    from jaxtune import processes
+
+    if not processes.join(config.mesh):
+        return
+    import atexit
+
+    # Registered after JAX's exit handler (it shuts the job's client down), so run before it, and after Prefect's.
+    atexit.register(_leaving)
+    if processes.writes() or any(os.environ.get(f"PREFECT_{kind}_DATABASE_CONNECTION_URL") for kind in ("SERVER", "API")):
+        return
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=f"jaxtune-prefect-{processes.index}-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # registered first, so run after Prefect's server stops
+    os.environ["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{folder}/prefect.db"
+
+
+def _leaving() -> None:
+    """At the exit of a process of a multi-process job: when its run failed, exit at once. JAX's
+    client would otherwise wait, up to its shutdown timeout (5 minutes), for the other processes
+    to reach its shutdown barrier, which they do not while they wait in a collective for this one."""
+    if _leaving.status != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_leaving.status)
+
+
+_leaving.status = 1  # until `main` returns another: an error it raised (--debug) is a failure too
 
 
 def _local_servers() -> None:
@@ -181,6 +255,15 @@ def _console_without_tracebacks() -> None:
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _WithoutTraceback):
                 handler.setFormatter(_WithoutTraceback(handler.formatter))
+
+
+def _launch(args) -> int:
+    from jaxtune import launch
+
+    arguments = args.arguments[1:] if args.arguments[:1] == ["--"] else args.arguments
+    if arguments and arguments[0] != "launch":
+        _parser().parse_args(arguments)  # a mistake in the command exits 2 here, not once in every process
+    return launch.main(args.processes, arguments, args.coordinator, args.host_command, args.cpu_devices)
 
 
 def _serve(args) -> int:

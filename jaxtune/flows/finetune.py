@@ -10,6 +10,20 @@ Two runs of one config at once (a nightly and a manual run) build each stage onc
 record path is its Prefect transaction key, taken with SERIALIZABLE isolation under a lock in
 the store (`jaxtune.artifacts.locks`), so the second run waits for the first and then finds
 the stage Cached.
+
+A multi-process job (`jaxtune launch`, or mesh.coordinator / num_processes / process_id, or
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) runs this same flow in every
+process, joined through `jax.distributed` before the first stage. Process 0 alone writes the
+store and creates Prefect artifacts; for each stage it decides cached-or-not and the others
+follow. A stage that computes on the mesh (its `Step.extra` holds the MeshConfig) is run by
+every process, as its collectives need them all: process 0 as above, the others by calling
+the task's function, building into a temporary folder they discard (`build_artifact`). A
+stage that does not use the mesh runs on process 0 alone. After each stage every process
+meets at a barrier, and the others then read process 0's verified artifact from the store, so
+the store (store.root) must be a folder every host sees at the same path (a shared
+filesystem: NFS, Filestore, a mounted bucket with read-after-write consistency). Only process
+0 takes the store's locks and runs Prefect tasks; the others' flow runs hold none, and with no
+PREFECT_API_URL they are recorded in a throw-away database (see `jaxtune.cli`).
 """
 
 from __future__ import annotations
@@ -21,10 +35,10 @@ from typing import Any, Literal
 from prefect import Task, flow, get_run_logger
 from prefect.cache_policies import CachePolicy
 
-from jaxtune import ui
+from jaxtune import processes, ui
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks
-from jaxtune.config import OFFLINE, JaxtuneConfig, load_config
+from jaxtune.config import OFFLINE, JaxtuneConfig, MeshConfig, load_config
 from jaxtune.flows import browse
 from jaxtune.tasks import BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf, report, tokenize, train
 from jaxtune.tasks.downloads import retry_options
@@ -55,6 +69,11 @@ class Step:
     @property
     def module(self) -> str:
         return self.task.fn.__module__
+
+    @property
+    def on_mesh(self) -> bool:
+        """Whether the stage computes on the device mesh (in a multi-process job: in every process)."""
+        return any(isinstance(argument, MeshConfig) for argument in self.extra)
 
 
 def pipeline(config: JaxtuneConfig) -> list[Step]:
@@ -119,26 +138,62 @@ class StageRunner:
 
     def __call__(self, step: Step, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
         key = stage_key(step.stage, step.module, step.section, input_keys(inputs))
+        record = f"{step.stage}/{key}/result.json"
+        if processes.count > 1:
+            return self._in_job(step, inputs, key, record)
         if step.stage in self.refresh or not self.store.verify(step.stage, key):
             self.store.remove(step.stage, key)  # also drops a result record whose artifact is gone or damaged
-        policy = ArtifactRecord(record=f"{step.stage}/{key}/result.json")
+        return self._run_task(step, inputs, record)
+
+    def _run_task(self, step: Step, inputs: dict[str, ArtifactRef], record: str, overwrite: bool = False) -> ArtifactRef:
+        """The stage as a Prefect task whose result record is `record` (`overwrite`: run it even if recorded)."""
+        policy = ArtifactRecord(record=record)
         name = ui.stage_run_name(step.stage, self.config)
         configured = step.task.with_options(
             result_storage=self.store.root,
             cache_policy=policy.configure(isolation_level="SERIALIZABLE", lock_manager=self.locks),
             task_run_name=lambda: name,
+            **({"refresh_cache": True} if overwrite else {}),
             **retry_options(step.stage, inputs),
         )
         state = configured(step.section, inputs, str(self.store.root), *step.extra, return_state=True)
         try:
             ref = state.result()  # re-raises the stage's error
         except Exception as error:
-            error.add_note(f"{STAGE_NOTE}{step.stage}")  # for the one line `jaxtune run` prints
+            _note_stage(error, step.stage)
             raise
         self.states[step.stage] = state.name
         # The record may come from a store since moved: the path is this store's, the key the record's.
         ref = self.store.ref(step.stage, ref.key)
-        browse.publish_stage(ref, state.name)
+        if processes.writes():
+            browse.publish_stage(ref, state.name)
+        return ref
+
+    def _in_job(self, step: Step, inputs: dict[str, ArtifactRef], key: str, record: str) -> ArtifactRef:
+        """The stage in a multi-process job: process 0 decides whether it is cached and the others
+        follow; it runs in every process if it computes on the mesh, else on process 0 alone; then
+        every process waits for the others, and reads the artifact process 0 wrote."""
+        writer, cached = processes.writes(), False
+        if writer:
+            # Cached only with its result record, else Prefect would run the task, on process 0 alone.
+            cached = (step.stage not in self.refresh and self.store.verify(step.stage, key)
+                      and (self.store.root / record).is_file())
+            if not cached:
+                self.store.remove(step.stage, key)
+        cached = processes.agree(cached)
+        if writer:
+            # Not cached: run even if another job records the stage meanwhile, as the others compute with this one.
+            ref = self._run_task(step, inputs, record, overwrite=not cached)
+        elif step.on_mesh and not cached:
+            try:  # without Prefect's task run, caching or locks; build_artifact discards what this process builds
+                step.task.fn(step.section, inputs, str(self.store.root), *step.extra)
+            except Exception as error:
+                _note_stage(error, step.stage)
+                raise
+        processes.barrier(f"{step.stage}/{key}")
+        if not writer:
+            ref = self.store.ref(step.stage, key)
+            self.states[step.stage] = "Cached" if cached else "Completed"
         return ref
 
 
@@ -179,6 +234,9 @@ def finetune(
         config = load_recipe(recipe, overrides)
     elif recipe != OFFLINE or overrides:
         raise ValueError("give either config, or recipe and overrides, not both")
+    # A multi-process job: join it before anything starts JAX (`jaxtune run` has joined already).
+    # Not through jaxtune.runtime.distributed: importing the runtime starts JAX's backend.
+    processes.join(config.mesh)
     run = StageRunner(Path(config.store.root).resolve(), set(refresh), config)
     if config.store.compile_cache:
         from jaxtune.runtime import compile_cache
@@ -189,11 +247,16 @@ def finetune(
         if step.stage in STAGES and STAGES.index(step.stage) > STAGES.index(until):
             break
         done[step.stage] = run(step, {name: done[v] if isinstance(v, str) else v for name, v in step.inputs.items()})
-    if "report" in done:
-        report.publish_report(done["report"])
-    browse.publish_stages(done, run.states)
+    if processes.writes():  # in a multi-process job, process 0 alone shows the run in Prefect
+        if "report" in done:
+            report.publish_report(done["report"])
+        browse.publish_stages(done, run.states)
     get_run_logger().info("stages: %s", ", ".join(f"{k}={v}" for k, v in run.states.items()))
     return {"path": done[until].path, "stages": run.states}
+
+
+def _note_stage(error: Exception, stage: str) -> None:
+    error.add_note(f"{STAGE_NOTE}{stage}")  # for the one line `jaxtune run` prints
 
 
 def _train_section(config: JaxtuneConfig) -> train.TrainSection:

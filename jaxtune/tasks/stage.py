@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from jaxtune import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore, artifact_key
 from jaxtune.artifacts.code import code_identity
 
@@ -34,11 +36,21 @@ def build_artifact(
 
     `module` is the task module that defines the stage (its `__name__`): its code is in the key.
     `build` writes into a temporary folder that becomes the artifact only when it returns.
+
+    In a multi-process job (see jaxtune.flows.finetune) the flow calls a stage only when process 0
+    has decided it must be built, and every process builds it, as the mesh's collectives need
+    them all: process 0 then builds even if the artifact appeared meanwhile, and the others build
+    into a temporary folder outside the store that is deleted when `build` returns. They return
+    a ref to where process 0 publishes the artifact, which the flow reads after a barrier.
     """
     store = ArtifactStore(store_root)
     keys = input_keys(inputs)
     key = stage_key(stage, module, section, keys)
-    if not store.verify(stage, key):
+    if not processes.writes():
+        with tempfile.TemporaryDirectory(prefix=f"jaxtune-{stage}-") as folder:
+            build(Path(folder))
+        return ArtifactRef(stage=stage, key=key, path=str(store.folder(stage, key)))
+    if processes.count > 1 or not store.verify(stage, key):
         with store.writing(stage, key, inputs=keys, config=section, code=code_identity(module)) as folder:
             build(folder)
     return store.ref(stage, key)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from jaxtune import ui
+from jaxtune import processes, ui
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, Section, TrainConfig
 from jaxtune.tasks.sources import pretrained_location
@@ -69,7 +69,8 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         (folder / "method.json").write_text(json.dumps(method, indent=2))
 
     ref = build_artifact(store_root, STAGE, __name__, section, inputs, build)
-    shutil.rmtree(checkpoints, ignore_errors=True)
+    if processes.writes():  # in a multi-process job the checkpoints are process 0's
+        shutil.rmtree(checkpoints, ignore_errors=True)
     return ref
 
 
@@ -91,7 +92,7 @@ def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path
 
 class TrainLog:
     """Where training records go: log.jsonl (one JSON line each), the Prefect log, and a Prefect
-    progress artifact that the UI shows as a bar."""
+    progress artifact that the UI shows as a bar (in a multi-process job, process 0's alone)."""
 
     def __init__(self, path: Path, total_steps: int):
         from prefect.artifacts import create_progress_artifact
@@ -99,8 +100,10 @@ class TrainLog:
         self.file = path.open("w")
         self.total = total_steps
         self.logger = get_run_logger()
-        self.progress = create_progress_artifact(0.0, key=ui.artifact_key("train-progress"),
-                                                 description=f"training, {total_steps} steps")
+        self.progress = None
+        if processes.writes():
+            self.progress = create_progress_artifact(0.0, key=ui.artifact_key("train-progress"),
+                                                     description=f"training, {total_steps} steps")
 
     def __call__(self, records: list[dict]) -> None:
         from prefect.artifacts import update_progress_artifact
@@ -116,7 +119,8 @@ class TrainLog:
             self.logger.info("step %(step)d eval loss %(eval_loss).4f", last)
         elif "loss" in last:
             self.logger.info("step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f", last)
-            update_progress_artifact(self.progress, 100.0 * last["step"] / self.total)
+            if self.progress is not None:
+                update_progress_artifact(self.progress, 100.0 * last["step"] / self.total)
 
     def close(self) -> None:
         self.file.close()

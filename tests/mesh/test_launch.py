@@ -1,0 +1,157 @@
+"""`jaxtune launch`: the commands and environments it composes, its prefixed output, and how a
+failing process ends the job. Nothing here imports JAX: the processes are small shell scripts."""
+
+from __future__ import annotations
+
+import io
+import os
+import shlex
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxtune import launch
+from jaxtune.cli import main
+
+pytestmark = pytest.mark.mesh
+
+ARGS = ["run", "configs/x.yaml", "--set", "data.source=my data.jsonl", "--set", "train.note=it's \"quoted\" $HOME"]
+
+
+def test_local_processes_get_the_job_variables_and_the_same_command():
+    base = {"PATH": "/bin", "XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=2"}
+    procs = launch.plan(3, ARGS, cpu_devices=4, base_env=base, python="/venv/bin/python")
+    assert [p.index for p in procs] == [0, 1, 2]
+    coordinator = procs[0].env["JAX_COORDINATOR_ADDRESS"]
+    host, port = coordinator.rsplit(":", 1)
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    for i, p in enumerate(procs):
+        assert p.argv == ["/venv/bin/python", "-m", "jaxtune.cli", *ARGS]
+        assert p.env["JAX_COORDINATOR_ADDRESS"] == coordinator
+        assert (p.env["JAX_NUM_PROCESSES"], p.env["JAX_PROCESS_ID"]) == ("3", str(i))
+        # The device count replaces the one there was; other XLA flags stay.
+        assert p.env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4"
+        assert p.env["JAX_PLATFORMS"] == "cpu" and p.env["PATH"] == "/bin" and p.env["PYTHONHASHSEED"] == "0"
+        assert f"JAX_PROCESS_ID={i}" in p.shown and "jaxtune run configs/x.yaml" in p.shown
+
+
+def test_without_cpu_devices_the_platform_is_left_alone():
+    [p] = launch.plan(1, ["run"], coordinator="10.0.0.2:1234", base_env={"XLA_FLAGS": "--xla_dump_to=/d"})
+    assert "JAX_PLATFORMS" not in p.env and p.env["XLA_FLAGS"] == "--xla_dump_to=/d"
+    assert (p.env["JAX_COORDINATOR_ADDRESS"], p.env["JAX_NUM_PROCESSES"], p.env["JAX_PROCESS_ID"]) == ("10.0.0.2:1234", "1", "0")
+
+
+def test_host_command_receives_the_quoted_command_with_its_environment():
+    template = "gcloud compute tpus tpu-vm ssh my-pod --zone us-z1 --worker={process_id} --command {command}"
+    procs = launch.plan(2, ARGS, coordinator="10.0.0.2:8476", host_command=template, cpu_devices=4, base_env={})
+    for i, p in enumerate(procs):
+        assert p.argv[:2] == ["/bin/sh", "-c"] and p.argv[2] == p.shown
+        words = shlex.split(p.argv[2])  # as the local shell splits it
+        assert words[:7] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-pod", "--zone"]
+        assert words[8] == f"--worker={i}" and words[9] == "--command" and len(words) == 11
+        remote = shlex.split(words[10])  # as the remote shell splits the one argument it gets
+        assert remote == ["env", "JAX_COORDINATOR_ADDRESS=10.0.0.2:8476", "JAX_NUM_PROCESSES=2", f"JAX_PROCESS_ID={i}",
+                          "XLA_FLAGS=--xla_force_host_platform_device_count=4", "JAX_PLATFORMS=cpu", "jaxtune", *ARGS]
+
+
+def test_host_command_without_coordinator_leaves_it_to_jax():
+    [p, _] = launch.plan(2, ["run"], host_command="ssh host{process_id} {command}", base_env={})
+    assert "JAX_COORDINATOR_ADDRESS" not in p.shown
+    assert shlex.split(shlex.split(p.shown)[2]) == ["env", "JAX_NUM_PROCESSES=2", "JAX_PROCESS_ID=0", "jaxtune", "run"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"count": 0}, "--processes"),
+    ({"cpu_devices": 0}, "--cpu-devices"),
+    ({"arguments": []}, "no jaxtune command"),
+    ({"arguments": ["launch", "--processes", "2"]}, "itself"),
+    ({"host_command": "ssh h {command}"}, "{process_id}"),
+    ({"host_command": "ssh h{process_id}"}, "{command}"),
+    ({"coordinator": "no-port"}, "HOST:PORT"),
+])
+def test_launch_arguments_that_describe_no_job_are_refused(kwargs, message):
+    arguments = {"count": 2, "arguments": ["run"], **kwargs}
+    with pytest.raises(launch.LaunchError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        launch.plan(**arguments, base_env={})
+
+
+def test_cli_checks_the_command_before_starting_anything(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--processes", "2", "--", "run", "--no-such-flag"])
+    assert exit_info.value.code == 2
+    assert main(["launch", "--processes", "0", "--", "run"]) == 2
+    assert "--processes must be 1 or more" in capsys.readouterr().err
+
+
+def _script(code: str) -> list[str]:
+    return ["/bin/sh", "-c", code]
+
+
+def _run(scripts: list[str]) -> tuple[int, str, str, float]:
+    procs = [launch.Process(i, _script(code), dict(os.environ), code) for i, code in enumerate(scripts)]
+    out, err = io.BytesIO(), io.BytesIO()
+    started = time.monotonic()
+    status = launch.run(procs, out, err, poll_seconds=0.02)
+    return status, out.getvalue().decode(), err.getvalue().decode(), time.monotonic() - started
+
+
+def test_output_lines_are_prefixed_with_the_process_index():
+    status, out, err, _ = _run(["echo a; echo b; echo oops >&2", "printf 'c\\nno newline'"])
+    assert status == 0
+    assert sorted(out.splitlines()) == ["[0] a", "[0] b", "[1] c", "[1] no newline"]
+    assert err.splitlines() == ["[0] oops"]
+
+
+def test_a_failing_process_stops_the_others_and_gives_its_status(tmp_path):
+    marker = tmp_path / "survived"
+    # Process 0 would outlive the test by far, and its child (as Prefect's server would) too.
+    status, out, err, seconds = _run([f"(sleep 60; touch {marker}) & sleep 60; touch {marker}", "echo bye; sleep 0.3; exit 3"])
+    assert status == 3 and seconds < 20
+    assert "[1] bye" in out
+    assert "process 1 exited with status 3; stopping process 0" in err
+    time.sleep(0.5)
+    assert not marker.exists()
+
+
+def test_a_process_killed_by_a_signal_exits_as_a_shell_reports_it():
+    status, *_ = _run(["kill -9 $$", "sleep 30"])
+    assert status == 128 + 9
+
+
+def test_host_command_runs_the_command_it_is_given(tmp_path):
+    """End to end through a shell template: a stand-in `jaxtune` on PATH reports what it got."""
+    fake = tmp_path / "bin" / "jaxtune"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$JAX_PROCESS_ID/$JAX_NUM_PROCESSES $JAX_COORDINATOR_ADDRESS $*"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+    procs = launch.plan(2, ["run", "--set", "a=b c"], coordinator="h:1", host_command="sh -c {command} # {process_id}",
+                        base_env=env)
+    out = io.BytesIO()
+    assert launch.run(procs, out, io.BytesIO(), poll_seconds=0.02) == 0
+    assert sorted(out.getvalue().decode().splitlines()) == ["[0] 0/2 h:1 run --set a=b c", "[1] 1/2 h:1 run --set a=b c"]
+
+
+def test_launch_imports_neither_jax_nor_prefect():
+    code = "import sys, jaxtune.launch; print(sorted(m for m in ('jax', 'prefect', 'torch') if m in sys.modules))"
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_run_relays_output_while_the_processes_run():
+    """A line comes out when it is written, not when its process ends."""
+    procs = [launch.Process(0, _script("echo first; sleep 3; echo second"), dict(os.environ), "")]
+    out = io.BytesIO()
+    thread = threading.Thread(target=launch.run, args=(procs, out, io.BytesIO()), kwargs={"poll_seconds": 0.02})
+    thread.start()
+    deadline = time.monotonic() + 2.5
+    while b"[0] first" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert b"[0] first" in out.getvalue() and b"second" not in out.getvalue()
+    thread.join()
