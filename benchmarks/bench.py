@@ -373,7 +373,7 @@ class JaxtuneTrainer:
         self.optimizer = make_optimizer(cfg, 1000)
         self.step_fn = steps.make_train_step(model, self.optimizer, remat=TrainConfig().remat)  # jaxtune's default
         self.weights = model.weights
-        self.opt_state = model.placement.replicate(self.optimizer.init(model.weights))  # as training places it
+        self.opt_state = steps.init_optimizer(model, self.optimizer)  # as training places it
         self.n = 0
 
     def step(self, batch: dict[str, np.ndarray], labels: np.ndarray):

@@ -53,9 +53,6 @@ class Placement:
         host = np.asarray(value)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    def replicate(self, tree):
-        return jax.tree.map(lambda a: self.put(a), tree)
-
     @property
     def batch_sharding(self) -> NamedSharding:
         return self.sharding(PartitionSpec(BATCH_AXES))

@@ -70,7 +70,7 @@ def test_the_learning_rate_is_an_input_of_the_step_not_a_constant():
 
     optimizer = steps.make_optimizer(TrainConfig())
     step = steps.make_train_step(model, optimizer)
-    weights, state = {k: v.copy() for k, v in model.weights.items()}, model.placement.replicate(optimizer.init(model.weights))
+    weights, state = {k: v.copy() for k, v in model.weights.items()}, steps.init_optimizer(model, optimizer)
     for i, lr in enumerate((0.0, 1e-3, 2e-3), start=1):
         _, weights, state = step(weights, model.buffers, state, batch, labels, steps.step_key(0, i), lr)
         assert float(state.hyperparams["learning_rate"]) == pytest.approx(lr)
