@@ -29,9 +29,7 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
     rows = rows or cfg.batch_size
     xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused)
     gradients = device_bytes(model.weights)
-    opt_state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                             jax.eval_shape(optimizer.init, model.weights),
-                             steps.optimizer_shardings(optimizer, model.weights, model.placement.replicated))
+    opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
     return {
         "parameters": device_bytes(model.weights) + device_bytes(model.buffers),
         "gradients": gradients,

@@ -50,8 +50,7 @@ class Placement:
         sharding = sharding or self.replicated
         if isinstance(value, jax.Array) and value.is_fully_addressable:
             return jax.device_put(value, sharding)
-        host = np.asarray(value)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return place(np.asarray(value), sharding)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -85,6 +84,12 @@ class Placement:
                 + f" on {self.mesh.size} {first.platform} device{'s' * (self.mesh.size != 1)}"
                 + (f" ({first.device_kind})" if first.platform != "cpu" else "")
                 + (f" across {processes} processes" if processes > 1 else ""))
+
+
+def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """`host` (the whole array, on every process) on the devices of `sharding`, each process
+    handing over only the slices its own devices hold."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def fetch(tree):

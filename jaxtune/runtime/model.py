@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from jaxtune.config import LoraConfig, ModelConfig
 from jaxtune.runtime.compat import torchax_env
-from jaxtune.runtime.mesh import Placement
+from jaxtune.runtime.mesh import Placement, place
 from jaxtune.tasks.sources import ModelError
 
 
@@ -149,11 +149,6 @@ def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.
     return JaxModel(module=module, weights=weights, buffers=buffers, placement=placement, dtype=dtype, casts=casts)
 
 
-def shardings_of(tree) -> dict:
-    """The sharding of every array (or shape) in `tree`, same structure."""
-    return jax.tree.map(lambda a: a.sharding, tree)
-
-
 def _transposed_weights(module: torch.nn.Module) -> set[str]:
     """Names of weights stored (in, out) rather than torch Linear's (out, in): GPT-2's Conv1D."""
     from transformers.pytorch_utils import Conv1D
@@ -177,7 +172,7 @@ def _to_array(tensor: torch.Tensor, sharding, dtype=None) -> jax.Array:
     if value.dtype == torch.bfloat16:  # numpy has no bfloat16; go through float32
         value = value.float()
     host = value.numpy().astype(dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return place(host, sharding)
 
 
 def _to_shape(tensor: torch.Tensor, sharding, dtype=None) -> jax.ShapeDtypeStruct:

@@ -116,8 +116,10 @@ def _fit(axes: Sequence, shape: Sequence[int], sizes: Mapping[str, int]) -> Part
 
 def _fsdp_largest(shape: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:
     fsdp = sizes["fsdp"]
+    if fsdp == 1:
+        return PartitionSpec()
     for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
-        if fsdp > 1 and shape[dim] % fsdp == 0:
+        if shape[dim] % fsdp == 0:
             return _trim(tuple("fsdp" if d == dim else None for d in range(len(shape))))
     return PartitionSpec()
 

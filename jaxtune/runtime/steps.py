@@ -148,6 +148,12 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, weights: dict, 
     return jax.tree_util.tree_map_with_path(follow, shapes)
 
 
+def optimizer_state_shapes(optimizer: optax.GradientTransformation, weights: dict, replicated) -> Any:
+    """`optimizer.init(weights)` as shapes, each with its sharding (`optimizer_shardings`)."""
+    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        jax.eval_shape(optimizer.init, weights), optimizer_shardings(optimizer, weights, replicated))
+
+
 def init_optimizer(model: JaxModel, optimizer: optax.GradientTransformation, weights: dict | None = None) -> Any:
     """The optimizer state of `weights` (default the model's), each leaf placed as `optimizer_shardings` says."""
     weights = model.weights if weights is None else weights
@@ -205,9 +211,7 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     jitted = _jitted_train_step(model, optimizer, remat, fused)
     spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)  # noqa: E731
     weights = spec(model.weights)
-    opt_state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                             jax.eval_shape(optimizer.init, weights),
-                             optimizer_shardings(optimizer, weights, model.placement.replicated))
+    opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)
     shape = (micro_batches, batch_size, length)
     rows = model.placement.micro_batch_sharding
     batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows) for name in BATCH_KEYS}
