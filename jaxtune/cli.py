@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return _decode(args)
     if args.command == "serve":
         return _serve(args)
-    from jaxtune.config import ConfigError, config_from_dict, load_config
+    from jaxtune.config import config_from_dict, load_config
+    from jaxtune.errors import ConfigError
 
     try:
         if args.command == "doctor" and args.config is None:
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, config) -> int:
     """`jaxtune run` once its config is loaded (and its job joined)."""
     from jaxtune import preflight
-    from jaxtune.config import OFFLINE, ConfigError
+    from jaxtune.config import OFFLINE
+    from jaxtune.errors import ConfigError
 
     try:
         preflight.check(config)
@@ -224,7 +226,7 @@ def _local_servers() -> None:
 
 
 def _one_line(error: BaseException) -> str:
-    from jaxtune.tasks.sources import first_line
+    from jaxtune.errors import first_line
 
     return first_line(error)
 
@@ -267,7 +269,8 @@ def _launch(args) -> int:
 
 
 def _serve(args) -> int:
-    from jaxtune.flows.serve import ServeError, serve
+    from jaxtune.errors import ServeError
+    from jaxtune.flows.serve import serve
 
     try:
         serve(args.prefect_yaml, args.only, args.limit)
@@ -278,7 +281,8 @@ def _serve(args) -> int:
 
 
 def _doctor(args, config) -> int:
-    from jaxtune.doctor import DoctorError, diagnose, render
+    from jaxtune.doctor import diagnose, render
+    from jaxtune.errors import DoctorError
 
     if config.store.compile_cache:
         _compile_cache(config.store.root)

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from jaxtune.errors import ConfigError
+
 OFFLINE = "offline"
 MESH_AXES = ("data", "fsdp", "tensor")  # outermost first: tensor neighbours talk most
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "offline.yaml"
@@ -307,10 +309,6 @@ class JaxtuneConfig(Section):
     export: ExportConfig = Field(default_factory=ExportConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
-
-
-class ConfigError(ValueError):
-    """A config file or override that does not validate; the message names the key."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JaxtuneConfig:

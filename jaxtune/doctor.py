@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxtune.config import JaxtuneConfig
+from jaxtune.errors import DoctorError
 
 LOGITS_TOLERANCE = 1e-4  # max |Δ logits|, times max(1, max |logits|)
 LOSS_TOLERANCE = 1e-3  # relative
@@ -20,10 +21,6 @@ GRADIENT_TOLERANCE = 1e-3  # ‖Δ grad‖ / ‖grad‖ of the worst tensor
 DECODE_TOKENS = 32
 PROMPT_LENGTHS = (13, 6)
 MEMORY_CHECK = "train step memory, peak"
-
-
-class DoctorError(ValueError):
-    """The model cannot be checked as configured (the message says what to change)."""
 
 
 @dataclass

@@ -37,13 +37,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from jaxtune.errors import LaunchError
+
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 GRACE_SECONDS = 10.0  # between asking the other processes to stop and killing them
-
-
-class LaunchError(ValueError):
-    """The launch arguments cannot describe a job (exit status 2)."""
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,7 @@ from pydantic import ValidationError
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.artifacts.store import MANIFEST
 from jaxtune.config import OFFLINE, MeshConfig, ModelConfig
-
-
-class SourceError(ValueError):
-    """SOURCE is not something chat can open; the message is one line naming the path."""
+from jaxtune.errors import SourceError
 
 
 @dataclass

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from jaxtune.config import MESH_AXES, OFFLINE, ConfigError, JaxtuneConfig
+from jaxtune.config import MESH_AXES, OFFLINE, JaxtuneConfig
+from jaxtune.errors import ConfigError
 
 
 def check(config: JaxtuneConfig) -> None:
@@ -64,7 +65,8 @@ def _check_store(root: str) -> None:
 
 
 def _check_data_source(source: str, key: str = "data.source") -> None:
-    from jaxtune.data.rows import DataError, source_problem
+    from jaxtune.data.rows import source_problem
+    from jaxtune.errors import DataError
 
     problem = None if source == OFFLINE else source_problem(source)
     if problem is not None:

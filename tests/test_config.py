@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from jaxtune.config import DEFAULT_CONFIG, ConfigError, JaxtuneConfig, load_config
+from jaxtune.config import DEFAULT_CONFIG, JaxtuneConfig, load_config
+from jaxtune.errors import ConfigError
 
 SHIPPED = sorted(Path(__file__).parents[1].joinpath("configs").glob("*.yaml")) + [DEFAULT_CONFIG]
 

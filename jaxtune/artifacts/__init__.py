@@ -1,8 +1,10 @@
 """Content-addressed artifacts: cache keys, verified folders and the refs stages pass around."""
 
+from jaxtune.errors import ArtifactMissing
+
 from .keys import artifact_key, canonical_json, file_digest, plain_config, tree_digest, tree_files
 from .ref import ArtifactRef
-from .store import MANIFEST, ArtifactMissing, ArtifactStore
+from .store import MANIFEST, ArtifactStore
 
 __all__ = [
     "MANIFEST",

@@ -6,11 +6,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from jaxtune.errors import NotEnoughSpace
+
 MARGIN = 1.1  # room for logs, manifests, and the filesystem's own rounding
-
-
-class NotEnoughSpace(OSError):
-    """The store's filesystem has less free space than a stage needs."""
 
 
 def require_free(folder: str | Path, needed: int, what: str) -> None:

@@ -16,16 +16,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from jaxtune.errors import ArtifactMissing
+
 from .keys import file_digest, plain_config, tree_files
 from .ref import ArtifactRef
 
 MANIFEST = "manifest.json"
 TEMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-class ArtifactMissing(FileNotFoundError):
-    """No complete, verified artifact exists for a stage and key."""
 
 
 def _check_name(kind: str, value: str) -> str:

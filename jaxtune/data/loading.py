@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from jaxtune.config import OFFLINE, SourceConfig
 from jaxtune.data import rows as raw
-from jaxtune.data.rows import DataError
+from jaxtune.errors import DataError
 
 RECORD, ROW, PROBLEM = "_jaxtune_record", "_jaxtune_row", "_jaxtune_problem"  # raw rows of the text formats
 BATCH = 1000  # rows per map batch and per Arrow record batch written
@@ -131,7 +131,7 @@ def _raw_dataset(src: SourceConfig, name: str, cache: Path):
         raise DataError(f"{name}{problem}")
     path = Path(name).expanduser()
     if path.is_dir():
-        return saved_dataset(path, src)
+        return raw.saved_dataset(path, src)
     if not path.exists():
         return _hub(name, src)
     suffix = path.suffix.lower()
@@ -180,22 +180,6 @@ def _check_parquet_schema(path: Path, src: SourceConfig) -> None:
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable parquet file ({e})") from None
     raw.check_arrow_schema(str(path), schema, src)
-
-
-def saved_dataset(folder: Path, src: SourceConfig):
-    """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk` (then its `hub_split`)."""
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(folder))
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise DataError(f"{folder}: not a folder written by datasets' save_to_disk ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if src.hub_split not in ds:
-            raise DataError(f"{folder}: no split {src.hub_split!r} (splits: {', '.join(ds)}); set hub_split")
-        ds = ds[src.hub_split]
-    raw.check_arrow_schema(str(folder), ds.data.schema, src)
-    return ds
 
 
 def _hub(dataset_id: str, src: SourceConfig):

@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from jaxtune.config import OFFLINE, DataConfig
+from jaxtune.config import OFFLINE, DataConfig, SourceConfig
+from jaxtune.errors import DataError
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 OFFLINE_DATA = Path(__file__).resolve().parents[1] / "offline" / "data" / "dolly_offline.jsonl"
@@ -40,10 +41,6 @@ _FIELDS = {
     "prompt_completion": ("prompt", None, "completion"),
 }
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-class DataError(ValueError):
-    """Bad input data; the message names the file (or dataset) and the row or line."""
 
 
 Record = tuple[str, Any]  # (location such as "data.jsonl line 7", raw row)
@@ -124,6 +121,22 @@ def is_saved_dataset(folder: Path) -> bool:
     return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
+def saved_dataset(folder: Path, src: DataConfig | SourceConfig):
+    """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk` (then its `hub_split`)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise DataError(f"{folder}: not a folder written by datasets' save_to_disk ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if src.hub_split not in ds:
+            raise DataError(f"{folder}: no split {src.hub_split!r} (splits: {', '.join(ds)}); set hub_split")
+        ds = ds[src.hub_split]
+    check_arrow_schema(str(folder), ds.data.schema, src)
+    return ds
+
+
 def _records(source: str, cfg: DataConfig) -> Iterator[Record]:
     """Raw rows of a local file or hub dataset, each with its location for error messages."""
     problem = source_problem(source)
@@ -131,8 +144,6 @@ def _records(source: str, cfg: DataConfig) -> Iterator[Record]:
         raise DataError(f"{source}{problem}")
     path = Path(source).expanduser()
     if path.is_dir():
-        from jaxtune.data.loading import saved_dataset
-
         return _numbered(source, saved_dataset(path, cfg))
     if not path.exists():
         return _hub_records(source, cfg)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxtune.errors import ChatTemplateError
+
 # Gemma 3's chat template, text only: a leading system message is folded into the first user
 # turn, the assistant's role is written 'model', and every turn ends with "<end_of_turn>\n".
 GEMMA_CHAT_TEMPLATE = (
@@ -30,10 +32,6 @@ GEMMA_CHAT_TEMPLATE = (
 
 NAMED_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE}
 _PROBE = "Zq"  # an answer short enough that no tokenizer merges it with what the template writes after it
-
-
-class ChatTemplateError(ValueError):
-    """The tokenizer's chat template is missing or cannot separate prompt tokens from answer tokens."""
 
 
 def apply_chat_template_setting(tokenizer: Any, setting: str | None) -> Any:

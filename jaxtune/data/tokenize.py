@@ -21,8 +21,7 @@ import pyarrow.compute as pc
 
 from jaxtune.config import DataConfig, SourceConfig
 from jaxtune.data import loading
-from jaxtune.data.rows import DataError
-from jaxtune.data.templates import ChatTemplateError
+from jaxtune.errors import ChatTemplateError, DataError
 
 IGNORE_INDEX = -100  # label value the loss skips
 DROP_REASONS = ("duplicate", "duplicate_of_train", "empty_response", "too_long", "max_train_rows", "max_eval_rows")

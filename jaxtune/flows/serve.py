@@ -14,11 +14,9 @@ from typing import Any
 
 import yaml
 
+from jaxtune.errors import ServeError
+
 PREFECT_YAML = Path("prefect.yaml")
-
-
-class ServeError(ValueError):
-    """prefect.yaml is missing or names no deployment of the finetune flow that was asked for."""
 
 
 def read_deployments(path: Path = PREFECT_YAML, only: list[str] = ()) -> list[dict[str, Any]]:

@@ -19,13 +19,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from jaxtune.errors import CheckpointMissing
+
 DEFAULT_FOLDER = Path(".jaxtune/models")
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
-
-
-class CheckpointMissing(FileNotFoundError):
-    """A checkpoint package is not installed; the message gives the pip command."""
 
 
 def smollm2_source() -> Path:

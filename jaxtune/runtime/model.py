@@ -13,9 +13,9 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from jaxtune.config import LoraConfig, ModelConfig
+from jaxtune.errors import ModelError
 from jaxtune.runtime.compat import torchax_env
 from jaxtune.runtime.mesh import Placement, place
-from jaxtune.tasks.sources import ModelError
 
 
 @dataclass

@@ -19,15 +19,12 @@ from tqdm import tqdm
 
 from jaxtune import processes
 from jaxtune.config import TrainConfig
+from jaxtune.errors import NonFiniteLoss
 from jaxtune.runtime import attention, checkpoint, memory, steps
 from jaxtune.runtime.batches import row_lengths
 from jaxtune.runtime.feed import Feed, make_feed
 from jaxtune.runtime.mesh import fetch
 from jaxtune.runtime.model import JaxModel
-
-
-class NonFiniteLoss(FloatingPointError):
-    """A step produced a NaN or infinite loss or gradient norm."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import task
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.tasks.sources import ModelError, first_line
+from jaxtune.errors import ModelError, first_line
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "import_gguf"

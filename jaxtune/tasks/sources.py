@@ -12,6 +12,7 @@ from pathlib import Path
 from jaxtune.artifacts import ArtifactRef, artifact_key, file_digest, tree_digest
 from jaxtune.config import OFFLINE, DataConfig, ModelConfig, SourceConfig
 from jaxtune.data.rows import OFFLINE_DATA
+from jaxtune.errors import ModelError, ModelNotFoundError, first_line
 
 
 def dataset_ref(cfg: DataConfig | SourceConfig) -> ArtifactRef:
@@ -43,15 +44,6 @@ def data_input(index: int) -> str:
 GGUF = "gguf"  # stage name of a ref to a local GGUF file, which the import_gguf stage turns into a folder
 GGUF_HEADER_BYTES = 24  # magic, version, tensor count, metadata count: a file no longer than this holds no model
 PATH_SUFFIXES = (".gguf", ".safetensors", ".bin")
-
-
-class ModelError(ValueError):
-    """`model.name`, or what it names, is no model jaxtune can fine-tune; the message's first line
-    names the path or config key, what is wrong, and what is accepted."""
-
-
-class ModelNotFoundError(ModelError, FileNotFoundError):
-    """`model.name` is a local path that does not exist; also a FileNotFoundError, which callers caught before."""
 
 
 def model_ref(cfg: ModelConfig) -> ArtifactRef:
@@ -131,11 +123,6 @@ def check_gguf_header(path: Path) -> None:
         raise ModelError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     if size <= GGUF_HEADER_BYTES:
         raise ModelError(f"{path}: not a GGUF file ({size} bytes, too short to hold a model)")
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 MODEL_INPUT = "(the model input)"

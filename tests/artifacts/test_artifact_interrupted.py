@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.artifacts import ArtifactMissing, ArtifactStore
+from jaxtune.artifacts import ArtifactStore
+from jaxtune.errors import ArtifactMissing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

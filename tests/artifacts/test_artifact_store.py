@@ -7,7 +7,8 @@ from datetime import datetime
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from jaxtune.artifacts import ArtifactMissing, ArtifactRef, ArtifactStore, file_digest
+from jaxtune.artifacts import ArtifactRef, ArtifactStore, file_digest
+from jaxtune.errors import ArtifactMissing
 
 STAGE = "tokenize"
 KEY = "0123456789abcdef0123"

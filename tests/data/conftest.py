@@ -86,7 +86,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def error_line() -> Callable[..., str]:
     """error_line(fn, *args): the first line of the DataError `fn(*args)` raises, the line users see."""
-    from jaxtune.data.rows import DataError
+    from jaxtune.errors import DataError
 
     def first_line(fn: Callable, *args) -> str:
         with pytest.raises(DataError) as info:

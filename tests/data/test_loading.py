@@ -13,8 +13,8 @@ import pytest
 
 from jaxtune.config import DataConfig, SourceConfig
 from jaxtune.data import loading
-from jaxtune.data.rows import DataError
 from jaxtune.data.tokenize import tokenize_sources
+from jaxtune.errors import DataError
 
 pytestmark = pytest.mark.data
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from jaxtune.config import ConfigError, DataConfig, JaxtuneConfig, SourceConfig, StoreConfig, load_config
+from jaxtune.config import DataConfig, JaxtuneConfig, SourceConfig, StoreConfig, load_config
 from jaxtune.data.tokenize import tokenize_sources
+from jaxtune.errors import ConfigError
 
 pytestmark = pytest.mark.data
 

@@ -12,7 +12,8 @@ import pytest
 
 from jaxtune.config import DataConfig
 from jaxtune.data import rows as rows_module
-from jaxtune.data.rows import DataError, read_rows, source_texts
+from jaxtune.data.rows import read_rows, source_texts
+from jaxtune.errors import DataError
 
 pytestmark = pytest.mark.data
 

@@ -8,17 +8,17 @@ import pyarrow as pa
 import pytest
 
 from jaxtune.config import DataConfig
-from jaxtune.data.rows import DataError, normalize_row
+from jaxtune.data.rows import normalize_row
 from jaxtune.data.tokenize import (
     ARROW_SCHEMA,
     IGNORE_INDEX,
-    ChatTemplateError,
     encode_example,
-    split_examples,
     read_arrow,
+    split_examples,
     tokenize_dataset,
     write_arrow,
 )
+from jaxtune.errors import ChatTemplateError, DataError
 
 pytestmark = pytest.mark.data
 

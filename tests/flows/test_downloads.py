@@ -9,7 +9,7 @@ import pytest
 from huggingface_hub import errors
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.data.rows import DataError
+from jaxtune.errors import DataError
 from jaxtune.tasks import downloads
 
 HUB = ArtifactRef(stage="hub", key="k", path="acme/tiny@main")
@@ -67,8 +67,8 @@ def _tokenizer_failing(first: list[BaseException], folder):
 
 @pytest.fixture(scope="module")
 def tokenizer_folder(tmp_path_factory):
-    from jaxtune.data.rows import read_rows
     from jaxtune.config import DataConfig
+    from jaxtune.data.rows import read_rows
     from jaxtune.offline.tokenizer import texts_for_tokenizer, train_tokenizer
 
     folder = tmp_path_factory.mktemp("tokenizer")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtune.config import ConfigError, MeshConfig, load_config
+from jaxtune.config import MeshConfig, load_config
+from jaxtune.errors import ConfigError
 from jaxtune.runtime.sharding import layer_of, spec_for
 
 pytestmark = pytest.mark.mesh

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxtune.config import ARCHITECTURES, LoraConfig, ModelConfig
-from jaxtune.tasks.sources import ModelError, ModelNotFoundError, model_ref
+from jaxtune.errors import ModelError, ModelNotFoundError
+from jaxtune.tasks.sources import model_ref
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.badinput
@@ -179,7 +180,8 @@ def test_a_truncated_gguf_file_is_named_as_truncated_or_corrupt(tmp_path):
 
 
 def test_a_tokenizer_without_a_chat_template_names_the_model_and_the_setting():
-    from jaxtune.data.templates import ChatTemplateError, apply_chat_template_setting, require_chat_template
+    from jaxtune.data.templates import apply_chat_template_setting, require_chat_template
+    from jaxtune.errors import ChatTemplateError
 
     tokenizer = SimpleNamespace(chat_template=None)
     with pytest.raises(ChatTemplateError) as caught:

@@ -23,7 +23,8 @@ class TestGemma3(RealCheckpointTests):
         assert tokenizer.eos_token == "<eos>"  # what decoding stopped on before: never written by the template
 
     def test_without_a_template_tokenize_says_what_to_set(self, checkpoint):
-        from jaxtune.data.templates import ChatTemplateError, require_chat_template
+        from jaxtune.data.templates import require_chat_template
+        from jaxtune.errors import ChatTemplateError
 
         bare = checks.tokenizer_of(checks.Checkpoint(checkpoint.gguf, checkpoint.folder, checkpoint.store, None))
         with pytest.raises(ChatTemplateError, match="model.chat_template"):

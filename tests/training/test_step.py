@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxtune.config import ConfigError, LoraConfig, MeshConfig, TrainConfig, load_config
+from jaxtune.config import LoraConfig, MeshConfig, TrainConfig, load_config
+from jaxtune.errors import ConfigError
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime import steps
-from jaxtune.runtime.mesh import make_placement
 from jaxtune.runtime.feed import make_feed
+from jaxtune.runtime.mesh import make_placement
 from jaxtune.runtime.training import total_steps
 from tests.conftest import PAD, VOCAB, tiny_model
 
