@@ -4,7 +4,9 @@ line or row in error messages (in worker processes too), and `max_rows`."""
 from __future__ import annotations
 
 import json
+import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -168,6 +170,34 @@ def test_two_worker_processes_give_the_rows_one_gives(ext, make_dolly, write_row
     assert split_rows(two) == split_rows(one)
     assert two.stats == one.stats
     assert two.stats["rows_in"] == 60
+
+
+class _RecordsPids:
+    """A map function that leaves a file named after the process calling it in `folder`, then does what `function` does."""
+
+    def __init__(self, function, folder: Path):
+        self.function, self.folder = function, folder
+
+    def __call__(self, *args, **kwargs):
+        (self.folder / f"{os.getpid()}-{uuid.uuid4().hex}").touch()
+        return self.function(*args, **kwargs)
+
+
+def test_two_workers_normalize_and_encode_in_two_other_processes(make_dolly, write_rows, tokenize, monkeypatch, tmp_path):
+    """The worker count is not taken on trust (as `two_workers` takes it): each map function records its pid."""
+    from jaxtune.data import tokenize as encoding
+
+    monkeypatch.setattr(loading, "ROWS_PER_PROCESS", 10)  # 60 rows: one worker per 30, at most num_proc=2
+    seen = {}
+    for name, module, attribute in (("normalize", loading, "_normalize_batch"), ("encode", encoding, "_encode_map")):
+        seen[name] = tmp_path / f"pids-{name}"
+        seen[name].mkdir()
+        monkeypatch.setattr(module, attribute, _RecordsPids(getattr(module, attribute), seen[name]))
+    tables = tokenize(write_rows(make_dolly(60), "jsonl"), num_proc=2)
+    assert tables.stats["rows_in"] == 60
+    for name, folder in seen.items():
+        pids = {int(p.name.split("-")[0]) for p in folder.iterdir()}
+        assert len(pids) == 2 and os.getpid() not in pids, f"{name} ran in processes {pids}, this one is {os.getpid()}"
 
 
 def test_a_bad_row_in_the_second_worker_is_named_by_its_true_line(make_dolly, tmp_path, tokenize, two_workers, error_line):
