@@ -181,28 +181,32 @@ def _write_manifest(folder: Path, manifest: dict) -> Path:
     return folder
 
 
-def bad_sources(tmp_path: Path) -> list[Path]:
+def bad_sources(tmp_path: Path) -> list[tuple[Path, str]]:
+    """Each bad SOURCE with the whole message after `jaxtune <command>: `."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a model")
+    store = tmp_path / "store"
     return [
-        tmp_path / "missing",
-        tmp_path / "empty",
-        tmp_path / "notes.txt",
-        tmp_path / "missing.gguf",
-        _write_manifest(tmp_path / "store" / "tokenize" / "k1", {"stage": "tokenize", "inputs": {}}),
-        _write_manifest(tmp_path / "store" / "report" / "k2", {"stage": "report", "inputs": {"export": "gone"}}),
-        _write_manifest(tmp_path / "store" / "train" / "k3",
-                        {"stage": "train", "inputs": {"model": "gone"}, "config": {"model": {"name": "offline"}}}),
+        (tmp_path / "missing", "no such file or folder, and not a hub id like 'google/gemma-3-1b-it'"),
+        (tmp_path / "empty", "neither an artifact folder (manifest.json) nor an HF model folder (config.json)"),
+        (tmp_path / "notes.txt", "not a folder or a .gguf file"),
+        (tmp_path / "missing.gguf", "no such .gguf file"),
+        (_write_manifest(store / "tokenize" / "k1", {"stage": "tokenize", "inputs": {}}),
+         "a 'tokenize' artifact; chat and generate open report, export or train artifacts or a model"),
+        (_write_manifest(store / "report" / "k2", {"stage": "report", "inputs": {"export": "gone"}}),
+         f"the export artifact this report names is missing ({store / 'export' / 'gone'})"),
+        (_write_manifest(store / "train" / "k3",
+                         {"stage": "train", "inputs": {"model": "gone"}, "config": {"model": {"name": "offline"}}}),
+         f"its base model {store / 'build_model' / 'gone'} is missing from the store"),
     ]
 
 
 @pytest.mark.parametrize("command", ["chat", "generate"])
 def test_a_bad_source_exits_2_with_one_line_naming_it(tmp_path, capsys, command):
-    for source in bad_sources(tmp_path):
+    for source, message in bad_sources(tmp_path):
         assert main([command, str(source), *(["hi"] if command == "generate" else [])]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"jaxtune {command}: "), lines
-        assert str(source) in lines[0], lines
+        assert lines == [f"jaxtune {command}: {source}: {message}"]
 
 
 @pytest.mark.parametrize("flags", [["--top-k", "5"], ["--max-new-tokens", "0"], ["--temperature", "-1"],
