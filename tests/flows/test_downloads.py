@@ -1,6 +1,7 @@
-"""Stages that download retry a passing network failure with backoff, through Prefect's task
-retries; errors that would fail again (offline mode, a missing repo, bad data) fail at once, and
-training is never retried (it resumes from its checkpoint when the flow runs again)."""
+"""Stages that download retry a passing network failure (a dropped connection, a timeout, a 429 or
+5xx answer) three times, 10, 20 and 40 s apart, through Prefect's task retries; errors that would
+fail again (offline mode, a missing repo, bad data) fail at once, and training is never retried
+(it resumes from its checkpoint when the flow runs again)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ from jaxtune.tasks import downloads
 
 HUB = ArtifactRef(stage="hub", key="k", path="acme/tiny@main")
 LOCAL = ArtifactRef(stage="source", key="k", path="/models/tiny")
+
+
+def hub_error(status: int, kind: type[errors.HfHubHTTPError] = errors.HfHubHTTPError) -> errors.HfHubHTTPError:
+    """What huggingface_hub raises when the hub answers `status`."""
+    request = httpx.Request("GET", "https://huggingface.co/acme/tiny/resolve/main/tokenizer.json")
+    return kind(f"{status} Client Error for url: {request.url}", response=httpx.Response(status, request=request))
 
 
 def raised_from(cause: BaseException, outer: BaseException) -> BaseException:
@@ -39,6 +46,15 @@ def test_only_stages_reading_from_the_hub_retry_and_train_never_does():
     (TimeoutError("read timed out"), True),
     (raised_from(httpx.ReadTimeout("slow"), OSError("We couldn't connect to 'https://huggingface.co'")), True),
     (raised_from(httpx.ConnectError("reset"), DataError("acme/rows: could not load hub dataset")), True),
+    (hub_error(429), True),
+    (hub_error(500), True),
+    (hub_error(503), True),
+    (raised_from(hub_error(502), OSError("There was a specific connection error when trying to load acme/tiny")), True),
+    (hub_error(404), False),
+    (hub_error(401), False),
+    (hub_error(404, errors.RepositoryNotFoundError), False),
+    (raised_from(hub_error(404, errors.RepositoryNotFoundError), OSError("acme/tiny is not a valid model identifier")), False),
+    (hub_error(404, errors.RevisionNotFoundError), False),
     (errors.OfflineModeIsEnabled("HF_HUB_OFFLINE=1"), False),
     (raised_from(errors.OfflineModeIsEnabled("offline"), OSError("We couldn't connect")), False),
     (DataError("rows.jsonl line 3: not valid JSON"), False),
@@ -76,12 +92,12 @@ def tokenizer_folder(tmp_path_factory):
     return folder
 
 
-def _tokenize_run(store, monkeypatch, opener):
+def _tokenize_run(store, monkeypatch, opener, backoff: float = 0.0):
     from jaxtune.flows.finetune import finetune
     from jaxtune.tasks import tokenize
 
     monkeypatch.setattr(tokenize, "open_tokenizer", opener)
-    monkeypatch.setattr(downloads, "BACKOFF_SECONDS", 0.0)
+    monkeypatch.setattr(downloads, "BACKOFF_SECONDS", backoff)
     return finetune(overrides=["model.name=acme/tiny", "data.max_train_rows=32", "data.max_eval_rows=8",
                                f"store.root={store}"], until="tokenize", return_state=True)
 
@@ -108,4 +124,47 @@ def test_offline_mode_is_not_retried(tmp_path, monkeypatch, tokenizer_folder):
     state = _tokenize_run(tmp_path / "store", monkeypatch, opener)
     assert state.is_failed()
     assert len(calls) == 1 and _run_counts(state)["tokenize"] == 1
+    assert not list((tmp_path / "store").glob("tokenize/*"))
+
+
+@pytest.fixture
+def sleeps(monkeypatch) -> list[float]:
+    """The seconds Prefect's task engine waits before each retry, recorded instead of slept, with
+    the jitter off (each delay as the schedule gives it)."""
+    import time
+    import types
+
+    from prefect import task_engine
+
+    slept: list[float] = []
+    clock = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    clock.sleep = slept.append
+    monkeypatch.setattr(task_engine, "time", clock)
+    monkeypatch.setattr(task_engine, "clamped_poisson_interval", lambda average_interval, clamping_factor: average_interval)
+    return slept
+
+
+def test_429_and_5xx_answers_are_retried_three_times_10_20_and_40_s_apart(tmp_path, monkeypatch, tokenizer_folder, sleeps):
+    opener, calls = _tokenizer_failing([hub_error(429), hub_error(500), hub_error(503)], tokenizer_folder)
+    state = _tokenize_run(tmp_path / "store", monkeypatch, opener, backoff=downloads.BACKOFF_SECONDS)
+    assert state.is_completed() and state.result()["stages"] == {"tokenize": "Completed"}
+    assert len(calls) == 4 and _run_counts(state)["tokenize"] == 4
+    assert [round(s) for s in sleeps] == [10, 20, 40], sleeps
+
+
+def test_a_fourth_failure_is_not_retried(tmp_path, monkeypatch, tokenizer_folder):
+    opener, calls = _tokenizer_failing([hub_error(503)] * 5, tokenizer_folder)
+    state = _tokenize_run(tmp_path / "store", monkeypatch, opener)
+    assert state.is_failed()
+    assert len(calls) == 4 and _run_counts(state)["tokenize"] == 4
+    assert not list((tmp_path / "store").glob("tokenize/*"))
+
+
+def test_a_missing_repo_fails_at_once(tmp_path, monkeypatch, tokenizer_folder, sleeps):
+    missing = raised_from(hub_error(404, errors.RepositoryNotFoundError), OSError("acme/tiny is not a valid model identifier"))
+    opener, calls = _tokenizer_failing([missing], tokenizer_folder)
+    state = _tokenize_run(tmp_path / "store", monkeypatch, opener, backoff=downloads.BACKOFF_SECONDS)
+    assert state.is_failed()
+    assert len(calls) == 1 and _run_counts(state)["tokenize"] == 1
+    assert sleeps == []
     assert not list((tmp_path / "store").glob("tokenize/*"))
