@@ -135,3 +135,24 @@ def test_without_merge_no_merged_folder(store, merged_export):
     assert folder != merged_export and (folder / "adapter").is_dir()
     assert not (folder / "merged").exists() and "merged" not in json.loads((folder / "export.json").read_text())
 
+
+
+def test_export_dtype_bfloat16_writes_bf16_tensors(store, merged_export):
+    """`export.dtype=bfloat16`: every tensor of adapter/ and merged/ is bf16, the float32 export's value
+    rounded once (the merge is taken in float32, then cast)."""
+    import torch
+    from safetensors import safe_open
+
+    result = run_toy(store, "export.merge=true", "export.dtype=bfloat16", until="export")
+    assert {s for s, state in states(result).items() if state != "Cached"} == {"export"}
+    half_export = Path(result["path"])
+    for part in ("adapter", "merged"):
+        files = sorted(p.name for p in (half_export / part).glob("*.safetensors"))
+        assert files and files == sorted(p.name for p in (merged_export / part).glob("*.safetensors"))
+        for file in files:
+            with safe_open(half_export / part / file, "pt") as half, safe_open(merged_export / part / file, "pt") as full:
+                assert sorted(half.keys()) == sorted(full.keys())
+                for name in half.keys():
+                    tensor, reference = half.get_tensor(name), full.get_tensor(name)
+                    assert (tensor.dtype, reference.dtype) == (torch.bfloat16, torch.float32), f"{part}/{file}: {name}"
+                    assert torch.equal(tensor, reference.to(torch.bfloat16)), f"{part}/{file}: {name}"
