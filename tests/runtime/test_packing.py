@@ -121,7 +121,7 @@ def test_no_bin_exceeds_the_length_and_every_batch_has_the_fixed_shape():
         assert all(sum(lengths[r] for r in b) <= shape.length for b in bins)
 
 
-def test_packing_fills_over_90_percent_of_slots_on_instruction_lengths(capsys):
+def test_packing_fills_97_8_percent_of_slots_on_instruction_lengths(capsys):
     lengths = instruction_lengths()
     shape = packed_shape(lengths, batch_size=8, max_length=512)
     ids = [list(range(1, n + 1)) for n in lengths]
@@ -141,7 +141,12 @@ def test_packing_fills_over_90_percent_of_slots_on_instruction_lengths(capsys):
     with capsys.disabled():
         print(f"\nnonpad fraction: packed {packed:.3f} ({shape.sequences}x{shape.length}, {len(batches)} micro-batches, "
               f"{len(lengths) / len(batches):.1f} rows each) vs padded {plain:.3f}")
-    assert packed >= 0.9
+    # The plan is deterministic (seeded lengths, seeded shuffle), so its figure is asserted as it is:
+    # 309,361 tokens in 206 micro-batches of 3 x 512 slots, 0.9777 (the README's 0.978). The fewest
+    # that could hold them is 202 (0.997); a plan looking 16 rows ahead instead of 64 takes 208
+    # (0.968), none ahead 232 (0.868), and both passed the bound of 0.9 this replaces.
+    assert (shape, len(batches)) == (PackedShape(sequences=3, length=512), 206)
+    assert round(packed, 4) == 0.9777
     assert packed > plain
 
 
