@@ -20,14 +20,17 @@ def device_bytes(tree) -> int:
     return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | None = None, fused: bool = True) -> dict:
+def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | None = None, fused: bool = True,
+                jitted=None) -> dict:
     """Bytes per device for parameters, gradients, optimizer state and one micro-batch's
     activations at `rows` (default `train.batch_size`) sequences of `length`, XLA's peak for the
-    whole step, and the device's memory where JAX reports it (accelerators do, the CPU does not)."""
+    whole step, and the device's memory where JAX reports it (accelerators do, the CPU does not).
+    `jitted`: the jitted step that will train (see `steps.train_step_memory`)."""
     from jaxtune.runtime import steps
 
     rows = rows or cfg.batch_size
-    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused)
+    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused,
+                                  jitted=jitted)
     gradients = device_bytes(model.weights)
     opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
     return {

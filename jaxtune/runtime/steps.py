@@ -201,14 +201,16 @@ BATCH_KEYS = ("input_ids", "attention_mask", "segment_ids", "position_ids")
 
 
 def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
-                      length: int, remat: str = "none", fused: bool = True) -> dict:
+                      length: int, remat: str = "none", fused: bool = True, jitted: Callable | None = None) -> dict:
     """XLA's memory plan for one train step of (micro_batches, batch_size, length), compiled from shapes alone.
 
     `batch_size` is the whole micro-batch's rows, split over the mesh as training splits it; the
     bytes are one device's: of arguments (weights, frozen tensors, optimizer state, batch), of
     outputs, of temporaries (activations kept for the backward pass, gradients), and their peak.
+    `jitted`: the step training will call (`make_train_step(...).jitted`), so that its first call at
+    these shapes reuses this trace instead of tracing the model again.
     """
-    jitted = _jitted_train_step(model, optimizer, remat, fused)
+    jitted = jitted or _jitted_train_step(model, optimizer, remat, fused)
     spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)  # noqa: E731
     weights = spec(model.weights)
     opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)

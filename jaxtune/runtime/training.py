@@ -69,12 +69,13 @@ def train(
     total = total_steps(cfg, feed)
     optimizer = steps.make_optimizer(cfg)
     schedule = steps.learning_rate_schedule(cfg, total)
+    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused)
     plan = {}
     if check_memory:
-        plan = memory.memory_plan(model, optimizer, cfg, feed.length, rows=feed.rows, fused=fused)
+        # Planned with the step that trains: its first call finds this trace (the model is traced once, not twice).
+        plan = memory.memory_plan(model, optimizer, cfg, feed.length, rows=feed.rows, fused=fused, jitted=step_fn.jitted)
         on_log([{"memory_plan": plan, "message": memory.describe(plan)}])
         memory.check_fits(plan, cfg)
-    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused)
     evaluate = _evaluator(model, eval_data, cfg, pad_id) if cfg.eval_every and eval_data else None
     flops = flops_per_token(model, feed)
 

@@ -33,12 +33,32 @@ def rows():
     return ids, [list(r) for r in ids]
 
 
-def train_step_compiles(caplog, packing: bool, cfg: TrainConfig) -> int:
+def train_step_compiles(caplog, packing: bool, cfg: TrainConfig, check_memory: bool = False) -> int:
     ids, labels = rows()
     caplog.clear()
     with jax.log_compiles(), caplog.at_level(logging.WARNING, logger="jax._src.interpreters.pxla"):
-        training.train(lora_model(), ids, labels, cfg, PAD, 64, check_memory=False, packing=packing)
+        training.train(lora_model(), ids, labels, cfg, PAD, 64, check_memory=check_memory, packing=packing)
     return sum("Compiling jit(train_step)" in r.getMessage() for r in caplog.records)
+
+
+def test_the_memory_plan_compiles_the_very_step_that_trains(caplog, monkeypatch):
+    """The plan lowers the jitted step training then calls: the model is traced and compiled once, not twice."""
+    traced = []
+    step_fn = steps._train_step_fn
+
+    def counted(*args, **kwargs):
+        step = step_fn(*args, **kwargs)
+
+        def train_step(*inputs):
+            traced.append(1)
+            return step(*inputs)
+
+        return train_step
+
+    monkeypatch.setattr(steps, "_train_step_fn", counted)
+    cfg = TrainConfig(max_steps=3, batch_size=4, warmup_steps=1, log_every=3)
+    assert train_step_compiles(caplog, packing=True, cfg=cfg, check_memory=True) == 1
+    assert len(traced) == 1
 
 
 def test_a_packed_run_compiles_its_step_once_a_padded_one_once_per_length_bucket(caplog):
