@@ -68,15 +68,27 @@ def test_four_micro_batches_make_the_update_of_one_batch_four_times_larger():
     assert diff <= 1e-5 and abs(acc_loss - big_loss) <= 1e-6 * big_loss
 
 
-def test_layer_remat_cuts_temporary_memory_and_keeps_the_loss():
-    """4 layers at sequence length 512: XLA's temp bytes drop by >= 30%, loss and update unchanged."""
+@pytest.fixture(scope="module")
+def remat_plans():
+    """4 layers at 2 x 512 tokens: the model and XLA's temporary bytes of one train step under each remat policy."""
     model = lora_model(layers=4)
     optimizer = steps.make_optimizer(TrainConfig())
-    plain = steps.train_step_memory(model, optimizer, 1, 2, 512, remat="none")["temp_bytes"]
-    remat = steps.train_step_memory(model, optimizer, 1, 2, 512, remat="layer")["temp_bytes"]
-    print(f"temp memory at 2 x 512, 4 layers: no remat {plain / 2**20:.1f} MiB, remat layer {remat / 2**20:.1f} MiB "
-          f"({100 * (1 - remat / plain):.0f}% less)")
-    assert remat <= 0.7 * plain
+    temp = {remat: steps.train_step_memory(model, optimizer, 1, 2, 512, remat=remat)["temp_bytes"]
+            for remat in ("none", "matmuls", "layer")}
+    print("temp memory at 2 x 512, 4 layers: " + ", ".join(f"remat {r} {b / 2**20:.2f} MiB ({b / temp['none']:.3f}x)"
+                                                            for r, b in temp.items()))
+    return model, temp
+
+
+def test_layer_remat_cuts_temporary_memory_and_keeps_the_loss(remat_plans):
+    """XLA's temp bytes drop by 30%, loss and update unchanged."""
+    model, temp = remat_plans
+    # Measured 51.39 MiB without remat, 34.89 MiB with remat layer: 0.679x. XLA's buffer assignment
+    # is deterministic for one jaxlib, so the bound, 0.70x, leaves a 3% margin (1.1 MiB) for another
+    # jaxlib's scheduling, yet fails on layer remat lowered as a plain jax.checkpoint (whose
+    # recomputation XLA's CPU scheduler hoists, see runtime/remat.py: 0.988x) or saving what matmuls
+    # saves (0.954x).
+    assert temp["layer"] <= 0.70 * temp["none"], temp
     ids, mask, labels = rows(2, longest=512)
     batch = {"input_ids": ids, "attention_mask": mask}
     loss, grads = steps.make_loss_and_grad(model)(model.weights, model.buffers, batch, labels)
@@ -85,6 +97,19 @@ def test_layer_remat_cuts_temporary_memory_and_keeps_the_loss():
     # Recomputed activations may be fused differently by XLA: equal up to float rounding.
     assert abs(float(remat_loss) - float(loss)) <= 1e-6 * float(loss)
     assert relative(as_np(remat_grads), as_np(grads)) <= 1e-5
+
+
+def test_matmuls_remat_keeps_less_than_none_and_more_than_layer(remat_plans):
+    """The default: each layer saves its weight matmuls' outputs and recomputes the elementwise ops
+    between them, so it keeps less than no remat and more than `layer` (only the layer's input)."""
+    _, temp = remat_plans
+    # Measured 51.39 MiB (none), 49.01 MiB (matmuls, 0.954x), 34.89 MiB (layer, 0.679x). The saving
+    # is small here: the temporaries hold more than saved activations, and with LoRA on every linear
+    # layer each B(A x) is a saved matmul output too. The bound, 0.97x, lies midway between the
+    # measured 0.954x (1.6% margin) and the nearest break: the policy saving nothing, a plain
+    # jax.checkpoint whose recomputation XLA's CPU scheduler hoists (0.988x); saving everything gives
+    # 1.019x, and recomputing the whole layer layer's bytes, which the strict lower bound refuses.
+    assert temp["layer"] < temp["matmuls"] <= 0.97 * temp["none"], temp
 
 
 @pytest.mark.parametrize("schedule, expected", [
