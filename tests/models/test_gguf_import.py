@@ -46,3 +46,38 @@ def test_the_import_reads_the_header_once_and_writes_transformers_own_folder(tmp
     assert names == sorted(p.name for p in (tmp_path / "imported").iterdir())
     for name in names:
         assert (tmp_path / "imported" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+
+
+def test_callers_sharing_a_store_import_a_file_once(tmp_path, monkeypatch):
+    """Two callers at once (as two test modules or `jaxtune chat` beside a flow run): the second
+    waits on the stage's store lock, then finds the first one's folder."""
+    import threading
+    import time
+
+    from jaxtune.config import ModelConfig
+    from jaxtune.tasks import import_gguf
+    from jaxtune.tasks.sources import model_ref
+
+    file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(file)
+    copy = tmp_path / "elsewhere" / "renamed.gguf"  # the same bytes under another name: the same key
+    copy.parent.mkdir()
+    copy.write_bytes(file.read_bytes())
+    built, write = [], import_gguf.write_hf_folder
+
+    def slow_write(gguf, folder):
+        built.append(gguf)
+        time.sleep(0.5)  # long enough for the other caller to arrive while this one builds
+        write(gguf, folder)
+
+    monkeypatch.setattr(import_gguf, "write_hf_folder", slow_write)
+    refs = {}
+    callers = [threading.Thread(target=lambda p=p: refs.__setitem__(p, import_gguf.imported(tmp_path / "store", model_ref(ModelConfig(name=str(p))))))
+               for p in (file, copy)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(built) == 1
+    assert refs[file] == refs[copy]
+    assert [p.name for p in (tmp_path / "store" / "import_gguf").iterdir()] == [refs[file].key]
