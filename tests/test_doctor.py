@@ -68,3 +68,46 @@ def test_doctor_names_the_linear_layers_when_lora_targets_match_none(model_dirs,
     assert main(["doctor", model_dirs["gpt2"], *SMALL]) == 2
     err = capsys.readouterr().err
     assert "c_attn" in err and "all-linear" in err
+
+
+def test_doctor_on_a_gguf_file_checks_the_folder_the_import_gguf_stage_builds(tmp_path, monkeypatch, capsys):
+    """`jaxtune doctor FILE.gguf` imports the file as the import_gguf stage does (into the store,
+    keyed by its content: the folder a run of the same file reads), says so, and checks that folder.
+    The checks are the other tests' (a doctor run costs about 15 s here): `diagnose` only loads the folder."""
+    import os
+    import shutil
+
+    import torch
+
+    from jaxtune import doctor
+    from jaxtune.cli import _model_folder
+    from jaxtune.config import load_config
+    from jaxtune.flows.finetune import pipeline
+    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.tasks.stage import stage_key
+    from tests.models.test_model_errors import write_tiny_gguf
+
+    checked = []
+
+    def diagnose(name, config, revision=None, tokens=48):
+        module = load_torch_model(name, revision, config.model.trust_remote_code, "float32")
+        checked.append((name, module.config.model_type, {p.dtype for p in module.parameters()}, tokens))
+        return doctor.Diagnosis(model=name, summary=f"{module.config.model_type}, checks left out")
+
+    monkeypatch.setattr(doctor, "diagnose", diagnose)
+    gguf, store = tmp_path / "tiny.gguf", tmp_path / "store"
+    write_tiny_gguf(gguf)
+    assert main(["doctor", str(gguf), *SMALL, "--set", f"store.root={store}"]) == 0
+    out, err = capsys.readouterr()
+    [step] = [s for s in pipeline(load_config(None, [f"model.name={gguf}"])) if s.stage == "import_gguf"]
+    folder = store / "import_gguf" / stage_key(step.stage, step.module, step.section, {"gguf": step.inputs["gguf"].key})
+    assert f"jaxtune: {gguf} imported as {folder}" in err.splitlines(), err
+    assert checked == [(str(folder), "llama", {torch.float32}, 24)]
+    assert out.splitlines()[0] == f"jaxtune doctor: {folder} (llama, checks left out)"
+    # Once: a copy of the file elsewhere, under another name, opens the same folder without importing it again.
+    built = os.stat(folder / "model.safetensors").st_mtime_ns
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copy(gguf, copy)
+    assert _model_folder(str(copy), load_config(None, [f"store.root={store}"])) == str(folder)
+    assert os.stat(folder / "model.safetensors").st_mtime_ns == built
