@@ -24,6 +24,24 @@ pytestmark = pytest.mark.parity
 
 WINDOW = 8
 
+# Float32 bounds for these 2-layer models, where JAX and PyTorch add the same float32 products in
+# different orders (XLA's CPU kernels against PyTorch's) and differ by rounding alone. Measured on a
+# 2-core AMD EPYC (AVX-512), per family (gemma3, gemma2, llama, qwen3, mistral, phi3, gpt2):
+#   logits, max |diff| over max |logit| (logits up to 0.72): 7.5e-7, 6.5e-7, 3.6e-7, 3.8e-7, 4.5e-7,
+#     3.6e-7, 2.5e-7 (1.8e-7 to 5.1e-7 absolute);
+#   loss, relative: 8.6e-8, 8.6e-8, 8.6e-8, 8.6e-8, 1.7e-7, 0, 0 (0 to 2 float32 spacings of 5.55);
+#   worst LoRA gradient tensor, relative: 1.1e-6, 1.5e-6, 8.0e-7, 8.8e-7, 8.3e-7, 7.2e-7, 1.1e-6.
+# Another x86 CPU's kernels (AVX2, AVX-512, AMX) sum in yet another order, which moves these figures
+# by rounding-sized amounts, not tenfold; each bound leaves 10x or more over the worst family, yet
+# fails on an error of 1e-5 relative size (logits or loss scaled by 1 + 1e-5) that 1e-4 and 1e-3 passed.
+# `jaxtune doctor` keeps its own, looser limits (jaxtune/doctor.py: 1e-4 of the logits' scale, 1e-3
+# for the loss and the worst gradient): it checks real checkpoints of up to 30 layers, where the
+# same rounding compounds (tests/real/checks.py: logits 2.3e-6 to 3.2e-6 of their scale, worst
+# gradient tensor 8.5e-5 on SmolLM2 and 1.0e-3 on Gemma 3 270M), so these bounds would fail there.
+LOGITS_RTOL = 8e-6  # of max |logit|: 10x over gemma3's 7.5e-7; logits scaled by (1 + 1e-5) exceed it
+LOSS_RTOL = 2e-6  # 12x over mistral's 1.7e-7; a loss off by 1e-5 of itself exceeds it
+GRADIENT_RTOL = 2e-5  # 13x over gemma2's 1.5e-6; gradients off by 3e-5 of their norm exceed it
+
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def family(request) -> str:
@@ -72,8 +90,11 @@ def prompts(seed: int = 3, lengths=(11, 23, 5)) -> list[list[int]]:
 def test_fp32_logits_match_pytorch(jax_model):
     batch, _ = right_padded()
     valid = batch["attention_mask"].astype(bool)
-    diff = np.abs(parity.jax_logits(jax_model, batch) - parity.torch_logits(jax_model, batch))[valid]
-    assert diff.max() <= 1e-4, diff.max()  # measured 2e-7 to 5e-7
+    expected = parity.torch_logits(jax_model, batch)[valid]
+    diff = np.abs(parity.jax_logits(jax_model, batch)[valid] - expected).max()
+    scale = np.abs(expected).max()
+    print(f"fp32 logits max |diff| {diff:.2e} on logits up to {scale:.2f} ({diff / scale:.1e} of it)")
+    assert diff <= LOGITS_RTOL * scale, (diff, scale)
 
 
 def test_bf16_logits_are_as_close_to_fp32_as_pytorch_bf16(torch_model, jax_model):
@@ -98,9 +119,10 @@ def test_loss_and_lora_gradients_match_pytorch(lora_model):
     torch_loss, torch_grads = parity.torch_loss_and_grads(lora_model, batch, labels)
     assert set(jax_grads) == set(torch_grads) and len(jax_grads) >= 8
     assert all(np.abs(g).max() > 0 for g in torch_grads.values()), "every LoRA tensor gets a gradient"
-    assert abs(jax_loss - torch_loss) <= 1e-3 * torch_loss
     name, worst = parity.worst_gradient(jax_grads, torch_grads)
-    assert worst <= 1e-3, (name, worst)  # measured 6e-7 to 1e-6
+    print(f"loss relative diff {abs(jax_loss - torch_loss) / torch_loss:.1e}, worst gradient {worst:.1e} ({name})")
+    assert abs(jax_loss - torch_loss) <= LOSS_RTOL * torch_loss, (jax_loss, torch_loss)
+    assert worst <= GRADIENT_RTOL, (name, worst)
 
 
 @pytest.fixture(scope="module")
