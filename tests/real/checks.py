@@ -42,13 +42,14 @@ class Checkpoint:
     chat_template: str | None
 
 
-def import_checkpoint(place, tmp: Path, chat_template: str | None = None) -> Checkpoint:
+def import_checkpoint(place, store: Path, chat_template: str | None = None) -> Checkpoint:
+    """The checkpoint placed beside `store` and imported into it, or found there: `store` may be
+    shared by every module of the session (the import is keyed by the file's bytes, and locked)."""
     from jaxtune.config import ModelConfig
     from jaxtune.tasks.import_gguf import imported
     from jaxtune.tasks.sources import model_ref
 
-    gguf = place(tmp / "models")
-    store = tmp / "store"
+    gguf = place(store.parent / "real-models")  # placing is atomic and idempotent
     ref = imported(store, model_ref(ModelConfig(name=str(gguf))))
     return Checkpoint(gguf=gguf, folder=Path(ref.path), store=store, chat_template=chat_template)
 
@@ -114,13 +115,14 @@ def greedy_pairs(model, tokenizer) -> list[tuple[list[int], list[int]]]:
     return [(got, parity.torch_greedy(model.module, row, GREEDY_TOKENS, pad)) for got, row in zip(together, rows)]
 
 
-def three_lora_steps(checkpoint: Checkpoint, *overrides: str) -> dict:
-    """The pipeline up to export: 3 LoRA steps on 24 of the bundled rows, in the checkpoint's store."""
+def three_lora_steps(checkpoint: Checkpoint, tmp: Path, *overrides: str) -> dict:
+    """The pipeline up to export: 3 LoRA steps on 24 of the bundled rows, in the checkpoint's store.
+    Returns the flow's result and `keys`, every stage's key in that store."""
     from jaxtune.config import load_config
     from jaxtune.data.rows import OFFLINE_DATA
-    from jaxtune.flows.finetune import finetune
+    from jaxtune.flows.finetune import finetune, planned_keys
 
-    rows = checkpoint.store.parent / "rows.jsonl"  # a few rows: tokenizing all 6,000 would take longer than training
+    rows = tmp / "rows.jsonl"  # a few rows: tokenizing all 6,000 would take longer than training
     rows.write_text("".join(OFFLINE_DATA.read_text().splitlines(keepends=True)[:24]))
     settings = [f"model.name={checkpoint.gguf}", "model.dtype=float32", f"store.root={checkpoint.store}",
                 f"data.source={rows}", "data.eval_fraction=0.25", "data.max_length=96",
@@ -128,4 +130,5 @@ def three_lora_steps(checkpoint: Checkpoint, *overrides: str) -> dict:
                 "train.learning_rate=1e-3", "train.log_every=1"]
     if checkpoint.chat_template:
         settings.append(f"model.chat_template={checkpoint.chat_template}")
-    return finetune(config=load_config(None, [*settings, *overrides]), until="export")
+    config = load_config(None, [*settings, *overrides])
+    return {**finetune(config=config, until="export"), "keys": planned_keys(config)}

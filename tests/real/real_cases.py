@@ -13,7 +13,8 @@ from tests.real import checks
 
 
 class RealCheckpointTests:
-    """Every fixture is class-scoped: one import, one model and one flow run per checkpoint."""
+    """Every fixture is class-scoped: one model and one flow run per checkpoint, in the session's
+    shared real store, where the checkpoint is imported once for every module that opens it."""
 
     name: str
     chat_template: str | None = None
@@ -24,12 +25,12 @@ class RealCheckpointTests:
         raise NotImplementedError
 
     @pytest.fixture(scope="class")
-    def checkpoint(self, tmp_path_factory):
-        return checks.import_checkpoint(self.place, tmp_path_factory.mktemp(self.name), self.chat_template)
+    def checkpoint(self, real_store):
+        return checks.import_checkpoint(self.place, real_store, self.chat_template)
 
     @pytest.fixture(scope="class")
-    def run(self, checkpoint):
-        return checks.three_lora_steps(checkpoint)
+    def run(self, checkpoint, tmp_path_factory):
+        return checks.three_lora_steps(checkpoint, tmp_path_factory.mktemp(self.name))
 
     @pytest.fixture(scope="class")
     def model(self, checkpoint):
@@ -57,7 +58,7 @@ class RealCheckpointTests:
         assert labelled_spans(last, tokenizer) == [f"White{self.end_of_turn}\n"]
 
     def test_logits_match_pytorch(self, checkpoint, run):
-        check_logits(checkpoint.store)
+        check_logits(checkpoint.store, run["keys"])
 
     def test_loss_and_lora_gradients_match_pytorch(self, model, tokenizer):
         check_loss_and_gradients(model, tokenizer)
@@ -69,9 +70,9 @@ class RealCheckpointTests:
         check_three_steps_export(checkpoint, run)
 
 
-def check_logits(store: Path) -> None:
+def check_logits(store: Path, keys: dict[str, str]) -> None:
     """The baseline eval's own parity check: the base model's logits on 4 eval rows, JAX against PyTorch."""
-    parity = _metrics(store / "baseline_eval")["parity"]
+    parity = _metrics(store, keys, "baseline_eval")["parity"]
     assert parity["dtype"] == "float32" and parity["tokens"] >= 40
     diff, scale = parity["max_abs_diff"], parity["max_abs_logit"]
     assert diff <= checks.LOGITS_RTOL * scale, f"max |diff| {diff:.2e} at logits up to {scale:.1f}"
@@ -92,26 +93,23 @@ def check_greedy(model, tokenizer) -> None:
 
 
 def check_three_steps_export(checkpoint: checks.Checkpoint, result: dict) -> None:
-    export, store = Path(result["path"]), checkpoint.store
-    assert _only(store / "import_gguf") == checkpoint.folder.name  # the module's own import, reused by the flow
+    export, store, keys = Path(result["path"]), checkpoint.store, result["keys"]
+    assert keys["import_gguf"] == checkpoint.folder.name  # the session's import, reused by the flow
     info = json.loads((export / "export.json").read_text())
     assert info["base_model"] == str(checkpoint.folder)  # the adapter names the imported HF folder as its base
     train = store / "train" / json.loads((export / "manifest.json").read_text())["inputs"]["train"]
     records = [json.loads(line) for line in (train / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
-    final = _metrics(store / "final_eval")["loss"]
-    baseline = _metrics(store / "baseline_eval")["loss"]
+    final = _metrics(store, keys, "final_eval")["loss"]
+    baseline = _metrics(store, keys, "baseline_eval")["loss"]
     (plain,) = plain_torch_losses([{"base": checkpoint.folder, "adapter": export / "adapter",
-                                    "eval_arrow": store / "tokenize" / _only(store / "tokenize") / "eval.arrow"}])
+                                    "eval_arrow": store / "tokenize" / keys["tokenize"] / "eval.arrow"}])
+    print(f"exported adapter: plain PyTorch loss {plain:.6f}, final eval {final:.6f}, relative {abs(plain - final) / final:.2e}; "
+          f"baseline {baseline:.6f}")
     assert abs(plain - final) <= checks.EXPORT_LOSS_RTOL * final, (plain, final)
     # The 1% check tells a trained adapter from an untrained one only if training moved the loss by more.
     assert baseline - final > 2 * checks.EXPORT_LOSS_RTOL * final, (baseline, final)
 
 
-def _metrics(stage_folder: Path) -> dict:
-    return json.loads((stage_folder / _only(stage_folder) / "metrics.json").read_text())
-
-
-def _only(folder: Path) -> str:
-    (key,) = [p.name for p in folder.iterdir() if not p.name.startswith(".")]
-    return key
+def _metrics(store: Path, keys: dict[str, str], stage: str) -> dict:
+    return json.loads((store / stage / keys[stage] / "metrics.json").read_text())
