@@ -326,11 +326,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ja
     path = Path(path) if path is not None else DEFAULT_CONFIG
     try:
         raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise ConfigError(f"{path}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: {_yaml_problem(e)}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return config_from_dict(raw, overrides, where=str(path))
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line for the parser's several: where it stopped (1-based, as editors count) and why."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def config_from_dict(raw: dict[str, Any], overrides: list[str] = (), where: str = "config") -> JaxtuneConfig:

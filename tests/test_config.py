@@ -39,6 +39,28 @@ def test_unknown_key_is_named(tmp_path):
     assert str(raised.value) == f"{bad}: train.max_stepz: unknown key; did you mean train.max_steps?"
 
 
+def test_unparsable_yaml_is_one_line_with_the_1_based_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_steps: 3\n  lr: a: b\n")  # a second colon on line 3, its 8th character
+    with pytest.raises(ConfigError) as raised:
+        load_config(bad)
+    assert str(raised.value) == f"{bad}: line 3, column 8: mapping values are not allowed here"
+
+
+def test_a_yaml_error_without_a_position_keeps_its_first_line(tmp_path, monkeypatch):
+    import yaml
+
+    def fail(text):
+        raise yaml.YAMLError("the reader gave up\nsecond line")
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {}\n")
+    monkeypatch.setattr(yaml, "safe_load", fail)
+    with pytest.raises(ConfigError) as raised:
+        load_config(bad)
+    assert str(raised.value) == f"{bad}: the reader gave up"
+
+
 def test_an_unknown_key_far_from_any_lists_the_section_keys():
     with pytest.raises(ConfigError) as raised:
         load_config(None, ["export.zzz=1"])
