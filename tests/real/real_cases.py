@@ -107,7 +107,7 @@ def check_three_steps_export(checkpoint: checks.Checkpoint, result: dict) -> Non
     print(f"exported adapter: plain PyTorch loss {plain:.6f}, final eval {final:.6f}, relative {abs(plain - final) / final:.2e}; "
           f"baseline {baseline:.6f}")
     assert abs(plain - final) <= checks.EXPORT_LOSS_RTOL * final, (plain, final)
-    # The 1% check tells a trained adapter from an untrained one only if training moved the loss by more.
+    # The check above tells a trained adapter from an untrained one only if training moved the loss by more.
     assert baseline - final > 2 * checks.EXPORT_LOSS_RTOL * final, (baseline, final)
 
 
