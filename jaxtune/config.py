@@ -404,7 +404,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item!r}: {part} is not a section")
-    node[leaf] = yaml.safe_load(value)  # YAML typing: 3 -> int, true -> bool, [a, b] -> list
+    try:
+        node[leaf] = yaml.safe_load(value)  # YAML typing: 3 -> int, true -> bool, [a, b] -> list
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not YAML ({_yaml_problem(e)})") from None
 
 
 def section_dict(section: BaseModel) -> dict[str, Any]:

@@ -67,6 +67,13 @@ def test_an_unknown_key_far_from_any_lists_the_section_keys():
     assert str(raised.value) == "--set: export.zzz: unknown key; export has dtype, merge"
 
 
+def test_an_override_whose_value_is_not_yaml_is_one_line_naming_it():
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, ["train.max_steps=[3"])
+    assert str(raised.value) == ("--set 'train.max_steps=[3': the value is not YAML "
+                                 "(line 1, column 3: expected ',' or ']', but got '<stream end>')")
+
+
 def test_each_bad_setting_is_one_line_naming_its_key_and_the_value_given():
     with pytest.raises(ConfigError) as raised:
         load_config(None, ["train.learning_rate=-0.1", "train.batch_size=eight"])

@@ -105,8 +105,8 @@ def test_editing_the_training_loop_rekeys_train_and_downstream_only(tmp_path):
     assert moved == here, "the package's location is not in any key"
     commented = planned_keys_in(copy_with_edit(
         tmp_path, "commented", "runtime/training.py",
-        '    """A step produced a NaN or infinite loss or gradient norm."""',
-        '    """A step gave a loss or gradient norm that is not finite."""  # reworded'))
+        '    """`max_steps`, or the optimizer steps in `epochs` passes over the feed\'s micro-batches."""',
+        '    """The optimizer steps to take: `max_steps`, else `epochs` passes\' worth."""  # reworded'))
     assert commented == here, "a docstring or comment is not code"
     edited = planned_keys_in(copy_with_edit(
         tmp_path, "edited", "runtime/training.py",
