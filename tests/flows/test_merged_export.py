@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.toy import run_toy, states
+from tests.flows.plain_torch import EXPORT_RTOL
+from tests.flows.toy import run_toy, states, toy_config
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +38,21 @@ def tensors(path):
     with safe_open(path, "pt") as f:
         return {name: f.get_tensor(name) for name in f.keys()}
 
-ids = pa.ipc.open_file(eval_arrow).read_all().to_pydict()["input_ids"][:rows]
+table = pa.ipc.open_file(eval_arrow).read_all().to_pydict()
+ids = table["input_ids"][:rows]
 def logits(model):
     with torch.no_grad():
         return torch.cat([model(input_ids=torch.tensor([row])).logits[0] for row in ids])  # (tokens, vocab)
 
 merged = load(folder / "merged")
+nll = count = 0.0  # the final eval's loss, token-weighted over every eval row
+with torch.no_grad():
+    for row, labels in zip(table["input_ids"], table["labels"]):
+        target = torch.tensor(labels[1:])
+        keep = target != -100
+        nll += torch.nn.functional.cross_entropy(merged(input_ids=torch.tensor([row])).logits[0, :-1][keep], target[keep],
+                                                 reduction="sum").item()
+        count += keep.sum().item()
 with_adapter = PeftModel.from_pretrained(load(base_dir), folder / "adapter").eval()
 merged_logits, adapter_logits, base_logits = logits(merged), logits(with_adapter), logits(load(base_dir))
 merged_tensors = {}
@@ -66,6 +76,7 @@ print(json.dumps({
     "saved_vs_base": {n: (t - base_tensors.get(n, base_tensors["model.embed_tokens.weight"])).abs().max().item()
                       for n, t in saved.items()},
     "merged_tied": merged.config.tie_word_embeddings,
+    "merged_loss": nll / count,
 }))
 """
 
@@ -107,10 +118,15 @@ def merged_export(store) -> Path:
 
 
 def test_merged_model_gives_the_logits_of_base_plus_adapter(store, merged_export):
+    from jaxtune.flows.finetune import planned_keys
+
     assert json.loads((merged_export / "export.json").read_text())["merged"] == "merged"
     assert (merged_export / "merged" / "tokenizer.json").is_file()
     check = merge_check(merged_export, store)
     assert_merged_is_base_plus_adapter(check)
+    # An export that lost the LoRA tensors merges and adapts alike, to the base: only the trained model's own loss tells.
+    final_eval = store / "final_eval" / planned_keys(toy_config(store, "export.merge=true"))["final_eval"]
+    assert check["merged_loss"] == pytest.approx(json.loads((final_eval / "metrics.json").read_text())["loss"], rel=EXPORT_RTOL)
     assert check["merged_names"] == check["base_names"]
     assert check["merged_tied"] is False
 
