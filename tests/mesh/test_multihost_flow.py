@@ -1,6 +1,7 @@
 """The finetune flow as a job of two processes (`jaxtune launch --processes 2 --cpu-devices 4`),
-through the train stage: process 0 alone writes the store and the Prefect artifacts, and the
-losses are a one-process run's on the same 2 x 4 mesh.
+through the train stage: process 0 alone writes the store and the Prefect artifacts, both train
+on one mesh of all 8 devices (each process's 4 holding half of every batch), and the losses are
+a one-process run's on the same 2 x 4 mesh.
 
 One test, so that no two xdist workers start the job each (about a minute on 2 cores).
 """
@@ -51,6 +52,12 @@ def losses(train_folder: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (train_folder / "log.jsonl").read_text().splitlines()) if "loss" in r]
 
 
+def train_mesh(train_folder: Path) -> tuple[str, dict, list[int]]:
+    """The train artifact's mesh line (summary.json), its memory plan (memory.json) and its batch shape."""
+    summary = json.loads((train_folder / "summary.json").read_text())
+    return summary["mesh"], json.loads((train_folder / "memory.json").read_text()), summary["batch_shape"]
+
+
 def prefect_runs(store: Path) -> tuple[list, list, list]:
     """The flow runs of `store`'s job, their task runs and their Prefect artifacts."""
     from prefect.client.orchestration import get_client
@@ -90,8 +97,25 @@ def test_two_processes_train_as_one_and_process_0_alone_writes(tmp_path):
     assert artifacts and {a.flow_run_id for a in artifacts} == {writer}
     assert any(a.type == "progress" and float(a.data) == 100.0 for a in artifacts)
 
+    # One mesh of both processes' devices: data=2 x fsdp=4 over 2 x 4, each device holding 1 of
+    # the 8 rows of a micro-batch, so each process's devices hold half of it. Placed on
+    # jax.local_devices() instead, each process would train every row on a mesh of its own 4
+    # (data=1, fsdp=4, 2 rows a device), and the losses would be the same.
+    mesh, plan, (_, rows, _) = train_mesh(train_folder)
+    assert mesh == "data=2, fsdp=4, tensor=1 on 8 cpu devices across 2 processes"
+    assert plan["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and plan["devices"] == 8
+    assert rows == 8 and plan["shape"]["rows_per_device"] == 1
+    plan_line = "memory plan per device on mesh data=2, fsdp=4, tensor=1 on 8 devices:"
+    for i in (0, 1):  # process 1 writes nothing, but logs the plan of the mesh it trained on
+        assert any(line.startswith(f"[{i}] ") and plan_line in line for line in job.stderr.splitlines()), i
+
     # The same steps on one process with all 8 devices, mesh data=2 x fsdp=4: the same losses.
+    # Each device computes what it computes in the job; only the cross-process sums may add in
+    # another order. Measured: equal to the log's 6 decimals at every step. The bound, 1e-6
+    # relative (5.7e-6 here), holds the log's rounding (1e-6) and float32 sums in another order,
+    # as for the meshes of one process (LOSS_RTOL and LOG_ROUNDING in tests/mesh/test_mesh.py).
     job_losses = losses(train_folder)
     assert len(job_losses) == 3
     launch(store, 1, 8, "--refresh", "train")
-    assert losses(train_folder) == pytest.approx(job_losses, rel=1e-4)
+    assert losses(train_folder) == pytest.approx(job_losses, rel=1e-6, abs=1e-6)
+    assert train_mesh(train_folder)[0] == "data=2, fsdp=4, tensor=1 on 8 cpu devices"
