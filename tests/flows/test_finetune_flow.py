@@ -80,12 +80,18 @@ def test_exported_adapter_loads_in_plain_pytorch_with_the_same_loss(store, repor
 
 
 def test_a_plan_larger_than_the_device_stops_training_before_step_1(store, first, monkeypatch):
-    """The train stage reads XLA's memory plan (9.2 MiB peak here) before compiling a step; a
-    device of 1 MiB (faked: the CPU reports no limit) refuses it, naming what would shrink it."""
+    """The train stage reads XLA's memory plan (9.2 MiB peak here) of the step it will call, before
+    calling it; a device of 1 MiB (faked: the CPU reports no limit) refuses it, naming what would shrink it."""
     from jaxtune.runtime import memory, steps
 
+    make_train_step = steps.make_train_step
+
     def no_step(*args, **kwargs):
-        raise AssertionError("a train step was built")
+        def step(*inputs):
+            raise AssertionError("a train step ran")
+
+        step.jitted = make_train_step(*args, **kwargs).jitted  # what the plan compiles from shapes alone
+        return step
 
     trained = sorted((store / "train").glob("*/manifest.json"))
     monkeypatch.setattr(memory, "device_limit", lambda: 2**20)
