@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from jaxtune.errors import ConfigError
+from jaxtune.errors import ConfigError, first_line
 
 OFFLINE = "offline"
 MESH_AXES = ("data", "fsdp", "tensor")  # outermost first: tensor neighbours talk most
@@ -341,7 +341,7 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     problem = getattr(e, "problem", None)
     if mark is not None and problem:
         return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return first_line(e)
 
 
 def config_from_dict(raw: dict[str, Any], overrides: list[str] = (), where: str = "config") -> JaxtuneConfig:

@@ -20,7 +20,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from jaxtune.config import OFFLINE, DataConfig, SourceConfig
-from jaxtune.errors import DataError
+from jaxtune.errors import DataError, first_line
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 OFFLINE_DATA = Path(__file__).resolve().parents[1] / "offline" / "data" / "dolly_offline.jsonl"
@@ -128,7 +128,7 @@ def saved_dataset(folder: Path, src: DataConfig | SourceConfig):
     try:
         ds = datasets.load_from_disk(str(folder))
     except (FileNotFoundError, ValueError, OSError) as e:
-        raise DataError(f"{folder}: not a folder written by datasets' save_to_disk ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise DataError(f"{folder}: not a folder written by datasets' save_to_disk ({first_line(e)})") from None
     if isinstance(ds, datasets.DatasetDict):
         if src.hub_split not in ds:
             raise DataError(f"{folder}: no split {src.hub_split!r} (splits: {', '.join(ds)}); set hub_split")
