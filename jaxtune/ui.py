@@ -55,8 +55,26 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "jaxtune"
 
 
+# Asked from inside a task, Prefect finds the run's deployment by reading the flow run (and then
+# the deployment) from the API: two requests for each of a run's dozen artifacts. The label is the
+# same all run long, so each flow run asks once.
+_RUN_LABELS: dict[str, str] = {}
+
+
 def run_label() -> str:
     """The deployment that started this run, else the recipe the flow was given, as a key prefix."""
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id
+    if run_id is None or run_id not in _RUN_LABELS:
+        label = _asked_run_label()
+        if run_id is None:
+            return label
+        _RUN_LABELS[run_id] = label
+    return _RUN_LABELS[run_id]
+
+
+def _asked_run_label() -> str:
     from prefect.runtime import deployment, flow_run
 
     if deployment.name:
