@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,32 @@ def artifact_key(
     return hashlib.sha256(canonical_json(payload).encode("utf-8")).hexdigest()[:KEY_LENGTH]
 
 
+# Digests of large files this process has read, by what stat says of the file when it was read.
+# A run verifies the same weights once for every stage that takes them as input (a 1 GB model:
+# about a second each time); a file rewritten since, in place or anew, has another modification
+# and change time (or inode, or size), and is read again. Small files are always read, and so is
+# a file changed in the last seconds: the kernel's clock for file times moves in steps of a few
+# milliseconds, so a write just after a read could leave the times as they were (git's "racy
+# clean" entries, handled the same way).
+_REMEMBERED_FROM_BYTES = 1 << 24
+_SETTLED_AFTER_NS = 2_000_000_000
+_DIGESTS: dict[tuple[int, ...], str] = {}
+
+
 def file_digest(path: str | Path) -> str:
     """sha256 hex of a file's bytes, read in 1 MiB chunks so large weights never sit in memory."""
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
+        stat = os.fstat(handle.fileno())
+        identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        settled = time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) > _SETTLED_AFTER_NS
+        remembered = stat.st_size >= _REMEMBERED_FROM_BYTES and settled
+        if remembered and identity in _DIGESTS:
+            return _DIGESTS[identity]
+        digest = hashlib.sha256()
         while chunk := handle.read(CHUNK_BYTES):
             digest.update(chunk)
+    if remembered:
+        _DIGESTS[identity] = digest.hexdigest()
     return digest.hexdigest()
 
 

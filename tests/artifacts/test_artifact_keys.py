@@ -77,6 +77,32 @@ def test_file_digest_matches_hashlib(tmp_path):
     assert file_digest(path) == hashlib.sha256(data).hexdigest()
 
 
+def test_a_large_settled_file_is_read_once_until_it_changes(tmp_path, monkeypatch):
+    from jaxtune.artifacts import keys
+
+    monkeypatch.setattr(keys, "_REMEMBERED_FROM_BYTES", 1 << 20)
+    reads = []
+    monkeypatch.setattr(keys.hashlib, "sha256", lambda *data: reads.append(1) or hashlib.new("sha256", *data))
+    data = bytearray(os.urandom(2 << 20))
+
+    def expected():
+        return hashlib.new("sha256", bytes(data)).hexdigest()
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data)
+    assert file_digest(path) == expected() and len(reads) == 1
+    assert file_digest(path) == expected() and len(reads) == 2, "just written: read again"
+
+    monkeypatch.setattr(keys, "_SETTLED_AFTER_NS", 0)
+    file_digest(path)
+    assert file_digest(path) == expected() and len(reads) == 3, "settled: read once more, then known"
+    data[len(data) // 2] ^= 0xFF  # same size, same inode: only the file's times tell
+    with open(path, "r+b") as handle:
+        handle.write(data)
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    assert file_digest(path) == expected() and len(reads) == 4
+
+
 def _tree(root):
     (root / "sub").mkdir(parents=True)
     (root / "config.json").write_text('{"a": 1}')
