@@ -120,7 +120,8 @@ def test_a_store_root_that_is_a_file_is_refused(jaxtune, tmp_path):
 @pytest.mark.slow
 def test_a_batch_that_cannot_split_over_the_mesh_is_refused_with_a_size_that_can(tmp_path):
     """Two fake CPU devices in a fresh process: 3 rows cannot split over 2, 4 can."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=2"  # beside the suite's own
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
     env.pop("PREFECT_API_URL", None)
     done = subprocess.run([sys.executable, "-m", "jaxtune.cli", "run", "--set", "train.batch_size=3",
                            "--set", f"store.root={tmp_path / 'store'}"], cwd=ROOT, env=env, capture_output=True,

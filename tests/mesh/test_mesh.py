@@ -39,7 +39,8 @@ LOG_ROUNDING, LOSS_RTOL = 1e-6, 1e-6
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mesh")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"  # beside the suite's own
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-m", "tests.mesh.mesh_runs", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
