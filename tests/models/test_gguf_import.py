@@ -32,16 +32,17 @@ def test_the_import_reads_the_header_once_and_writes_transformers_own_folder(tmp
     write_tiny_gguf(file)
     plain_transformers_folder(file, tmp_path / "plain")
 
-    parsed, real = [], gguf.GGUFReader
+    parsed = []
 
-    def counting(path, *args, **kwargs):
-        parsed.append(Path(path).name)
-        return real(path, *args, **kwargs)
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parsed.append(Path(path).name)
+            super().__init__(path, *args, **kwargs)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
     write_hf_folder(file, tmp_path / "imported")
     assert parsed == ["tiny.gguf"]  # transformers alone parses it three times: tokenizer, config, weights
-    assert gguf.GGUFReader is counting, "the memo is undone after the import"
+    assert gguf.GGUFReader is Counting, "the memo is undone after the import"
     names = sorted(p.name for p in (tmp_path / "plain").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "imported").iterdir())
     for name in names:
