@@ -14,6 +14,8 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 MIN_COMPILE_SECONDS = 0.5  # programs that compile faster than this are not worth a file
+# JAX's own setting of that threshold, which wins when it is set.
+MIN_COMPILE_SECONDS_VARIABLE = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # A folder holding one cache for every store on this machine, in place of each store's own.
 SHARED_FOLDER_VARIABLE = "JAXTUNE_COMPILE_CACHE"
 
@@ -25,7 +27,8 @@ def enable(folder: str | Path) -> Path:
     if jax.config.jax_compilation_cache_dir != str(folder):
         compilation_cache.set_cache_dir(str(folder))
         compilation_cache.reset_cache()  # a cache opened on another folder would otherwise stay in use
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+        if MIN_COMPILE_SECONDS_VARIABLE not in os.environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     return folder
 
 

@@ -101,6 +101,7 @@ def test_the_persistent_cache_serves_a_step_compiled_before(tmp_path):
     hits = []
     jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event))
     previous = jax.config.jax_compilation_cache_dir
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
     try:
         compile_cache.enable(tmp_path / "xla-cache")
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # a toy model compiles fast
@@ -122,7 +123,25 @@ def test_the_persistent_cache_serves_a_step_compiled_before(tmp_path):
         assert "/jax/compilation_cache/cache_hits" in hits
     finally:
         jax.config.update("jax_compilation_cache_dir", previous)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", compile_cache.MIN_COMPILE_SECONDS)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+        jax.experimental.compilation_cache.compilation_cache.reset_cache()
+
+
+def test_the_threshold_for_caching_a_program_is_jaxs_own_setting_when_set(monkeypatch, tmp_path):
+    previous = jax.config.jax_compilation_cache_dir
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    try:
+        monkeypatch.delenv(compile_cache.MIN_COMPILE_SECONDS_VARIABLE, raising=False)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 7.0)
+        compile_cache.enable(tmp_path / "a")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == compile_cache.MIN_COMPILE_SECONDS
+        monkeypatch.setenv(compile_cache.MIN_COMPILE_SECONDS_VARIABLE, "3")  # JAX read it when it started
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 3.0)
+        compile_cache.enable(tmp_path / "b")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 3.0
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
         jax.experimental.compilation_cache.compilation_cache.reset_cache()
 
 
