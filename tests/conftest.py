@@ -82,3 +82,19 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+LONG_MARKERS = ("slow", "real", "mesh", "parity", "deployment")  # whole flows, checkpoints, child processes
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with long tests first, each module's tests kept together and in order. Under
+    `-n auto --dist loadscope` each module (or class) goes whole to one worker in this order, so
+    the long ones start early and the many short ones fill in at the end, instead of one worker
+    running a minute-long module while the other has nothing left."""
+    modules: dict[str, bool] = {}
+    for item in items:
+        long = any(item.get_closest_marker(marker) for marker in LONG_MARKERS)
+        modules[item.module.__name__] = modules.get(item.module.__name__, False) or long
+    position = {name: i for i, name in enumerate(modules)}
+    items.sort(key=lambda item: (not modules[item.module.__name__], position[item.module.__name__]))

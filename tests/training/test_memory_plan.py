@@ -39,6 +39,7 @@ def recipe_model():
     return config, rt_model.to_jax(module, make_placement(MeshConfig()), shapes_only=True)
 
 
+@pytest.mark.slow  # three compiles of the full 1B step
 def test_the_recipe_plan_at_8_x_512_against_eager_attention_and_full_logits(recipe_model):
     config, model = recipe_model
     cfg = config.train
