@@ -9,7 +9,6 @@ from prefect import get_run_logger, task
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import EvalConfig, MeshConfig, ModelConfig, Section
-from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.trained import open_trained_model
 
@@ -23,15 +22,11 @@ class EvalSection(Section):
 
 def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, mesh: MeshConfig) -> ArtifactRef:
     def build(folder: Path) -> None:
-        from transformers import AutoTokenizer
-
         from jaxtune.data.token_table import TokenTable
-        from jaxtune.data.tokenize import pad_id_of
         from jaxtune.runtime.inference import evaluate
         from jaxtune.runtime.parity import logits_parity
 
-        name, revision = pretrained_location(inputs["model"])
-        pad_id = pad_id_of(AutoTokenizer.from_pretrained(name, revision=revision))
+        pad_id = inputs["data"].read_json("stats.json")["pad_id"]
         model = open_trained_model(inputs, section.model, mesh)
         table = TokenTable(inputs["data"].file("eval.arrow"))  # memory-mapped: rows are read as batches take them
         metrics = evaluate(model, table.input_ids, table.labels, table.column("category"), section.eval.batch_size, pad_id)

@@ -36,17 +36,15 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
 
     def build(folder: Path) -> None:
         from safetensors.numpy import save_file
-        from transformers import AutoTokenizer
 
         from jaxtune.data.token_table import TokenTable
-        from jaxtune.data.tokenize import pad_id_of
         from jaxtune.runtime import model as rt_model
         from jaxtune.runtime import training
         from jaxtune.runtime.checkpoint import tree_to_arrays
         from jaxtune.runtime.mesh import make_placement
 
         name, revision = pretrained_location(inputs["model"])
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+        pad_id = inputs["data"].read_json("stats.json")["pad_id"]
         model = rt_model.open_model(name, revision, section.model, make_placement(mesh), lora=section.lora,
                                     train_all=section.lora is None)
         _require_space(model, section, checkpoints, folder)
@@ -55,7 +53,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         feed = training.feed_for(model, rows.lengths, section.train, rows.longest, section.packing)
         log = TrainLog(folder / "log.jsonl", training.total_steps(section.train, feed))
         try:
-            result = training.train(model, rows.input_ids, rows.labels, section.train, pad_id_of(tokenizer),
+            result = training.train(model, rows.input_ids, rows.labels, section.train, pad_id,
                                     rows.longest, log, eval_data=(evals.input_ids, evals.labels),
                                     checkpoint_dir=checkpoints, packing=section.packing, feed=feed)
         finally:

@@ -65,3 +65,4 @@ def test_the_offline_model_trains_its_tokenizer_on_a_users_own_file(tmp_path):
     assert len(own.tokenize(" quorbix")) == 1
     stats = json.loads(next((store / "tokenize").glob("*/stats.json")).read_text())
     assert stats["rows_in"] == 40
+    assert stats["pad_id"] == own.pad_token_id is not None  # what train and eval pad with, without the tokenizer
