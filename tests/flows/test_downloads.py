@@ -102,13 +102,22 @@ def _tokenize_run(store, monkeypatch, opener, backoff: float = 0.0):
                                f"store.root={store}"], until="tokenize", return_state=True)
 
 
-def _run_counts(state) -> dict[str, int]:
+def _run_counts(state, settle_seconds: float = 30.0) -> dict[str, int]:
+    """How many times Prefect recorded each task of the run as run. The server records task runs
+    from the events the engine sends, a moment after the flow returns: read until every task run's
+    recorded state is final (each event carries its run count, the final one the last)."""
+    import time
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + settle_seconds
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-    return {run.task_key.split("-")[0]: run.run_count for run in runs}
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+            if (runs and all(run.state is not None and run.state.is_final() for run in runs)) or time.monotonic() > deadline:
+                return {run.task_key.split("-")[0]: run.run_count for run in runs}
+            time.sleep(0.1)
 
 
 def test_a_dropped_connection_is_retried_and_the_stage_completes(tmp_path, monkeypatch, tokenizer_folder):
