@@ -66,11 +66,10 @@ def run_label() -> str:
     from prefect.runtime import flow_run
 
     run_id = flow_run.id
-    if run_id is None or run_id not in _RUN_LABELS:
-        label = _asked_run_label()
-        if run_id is None:
-            return label
-        _RUN_LABELS[run_id] = label
+    if run_id is None:
+        return _asked_run_label()
+    if run_id not in _RUN_LABELS:
+        _RUN_LABELS[run_id] = _asked_run_label()
     return _RUN_LABELS[run_id]
 
 
