@@ -97,52 +97,51 @@ def test_the_learning_rate_is_an_input_of_the_step_not_a_constant():
     assert step.jitted._cache_size() == 1
 
 
+@pytest.fixture
+def restored_cache_settings():
+    """The process's cache folder and threshold put back after the test (the suite's own)."""
+    previous = jax.config.jax_compilation_cache_dir
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    yield
+    jax.config.update("jax_compilation_cache_dir", previous)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+    jax.experimental.compilation_cache.compilation_cache.reset_cache()
+
+
+@pytest.mark.usefixtures("restored_cache_settings")
 def test_the_persistent_cache_serves_a_step_compiled_before(tmp_path):
     hits = []
     jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event))
-    previous = jax.config.jax_compilation_cache_dir
-    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
-    try:
-        compile_cache.enable(tmp_path / "xla-cache")
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # a toy model compiles fast
-        model = lora_model()
-        optimizer = steps.make_optimizer(TrainConfig())
-        batch = {name: np.ones((1, 2, 32), np.int32) for name in steps.BATCH_KEYS}
-        labels = np.ones((1, 2, 32), np.int32)
+    compile_cache.enable(tmp_path / "xla-cache")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # a toy model compiles fast
+    model = lora_model()
+    optimizer = steps.make_optimizer(TrainConfig())
+    batch = {name: np.ones((1, 2, 32), np.int32) for name in steps.BATCH_KEYS}
+    labels = np.ones((1, 2, 32), np.int32)
 
-        def run():
-            weights = {k: v.copy() for k, v in model.weights.items()}
-            step = steps.make_train_step(model, optimizer)
-            return float(step(weights, model.buffers, optimizer.init(weights), batch, labels, steps.step_key(0, 1), 1e-3)[0])
+    def run():
+        weights = {k: v.copy() for k, v in model.weights.items()}
+        step = steps.make_train_step(model, optimizer)
+        return float(step(weights, model.buffers, optimizer.init(weights), batch, labels, steps.step_key(0, 1), 1e-3)[0])
 
-        first = run()
-        assert any((tmp_path / "xla-cache").iterdir()), "the compiled step was written to the cache"
-        jax.clear_caches()  # what a new process starts with
-        hits.clear()
-        assert run() == first
-        assert "/jax/compilation_cache/cache_hits" in hits
-    finally:
-        jax.config.update("jax_compilation_cache_dir", previous)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
-        jax.experimental.compilation_cache.compilation_cache.reset_cache()
+    first = run()
+    assert any((tmp_path / "xla-cache").iterdir()), "the compiled step was written to the cache"
+    jax.clear_caches()  # what a new process starts with
+    hits.clear()
+    assert run() == first
+    assert "/jax/compilation_cache/cache_hits" in hits
 
 
+@pytest.mark.usefixtures("restored_cache_settings")
 def test_the_threshold_for_caching_a_program_is_jaxs_own_setting_when_set(monkeypatch, tmp_path):
-    previous = jax.config.jax_compilation_cache_dir
-    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
-    try:
-        monkeypatch.delenv(compile_cache.MIN_COMPILE_SECONDS_VARIABLE, raising=False)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 7.0)
-        compile_cache.enable(tmp_path / "a")
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == compile_cache.MIN_COMPILE_SECONDS
-        monkeypatch.setenv(compile_cache.MIN_COMPILE_SECONDS_VARIABLE, "3")  # JAX read it when it started
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 3.0)
-        compile_cache.enable(tmp_path / "b")
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 3.0
-    finally:
-        jax.config.update("jax_compilation_cache_dir", previous)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
-        jax.experimental.compilation_cache.compilation_cache.reset_cache()
+    monkeypatch.delenv(compile_cache.MIN_COMPILE_SECONDS_VARIABLE, raising=False)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 7.0)
+    compile_cache.enable(tmp_path / "a")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == compile_cache.MIN_COMPILE_SECONDS
+    monkeypatch.setenv(compile_cache.MIN_COMPILE_SECONDS_VARIABLE, "3")  # JAX read it when it started
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 3.0)
+    compile_cache.enable(tmp_path / "b")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 3.0
 
 
 def test_one_folder_can_hold_the_compile_cache_of_every_store(monkeypatch, tmp_path):
