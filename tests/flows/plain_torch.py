@@ -1,11 +1,12 @@
-"""Eval loss of exported models computed in a fresh process that imports neither jaxtune, torchax nor JAX."""
+"""Eval loss of exported models computed in a process that imports neither jaxtune, torchax nor JAX
+(`tests.plain_process`)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.plain_process import run_plain
 
 # Exports are checked against the pipeline's own eval loss at 1e-4 relative (float32; 2e-6
 # measured). An export that lost its trained tensors would score the baseline loss instead, so
@@ -47,6 +48,4 @@ print(json.dumps(losses))
 def plain_torch_losses(cases: list[dict]) -> list[float]:
     """cases: {"base": model dir, "adapter": PEFT adapter dir or None, "eval_arrow": path}."""
     cases = [{k: str(v) if isinstance(v, Path) else v for k, v in case.items()} for case in cases]
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(run_plain(SCRIPT, json.dumps(cases)).strip().splitlines()[-1])

@@ -4,14 +4,13 @@ checked in a fresh plain-PyTorch process against the base model with the exporte
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.flows.plain_torch import EXPORT_RTOL
 from tests.flows.toy import run_toy, states, toy_config
+from tests.plain_process import run_plain
 
 pytestmark = pytest.mark.slow
 
@@ -82,12 +81,9 @@ print(json.dumps({
 
 
 def merge_check(export_folder: Path, store: Path, rows: int = 4) -> dict:
-    """Compare `export_folder`'s merged/ with base + adapter/ on `rows` eval rows, in a fresh process."""
+    """Compare `export_folder`'s merged/ with base + adapter/ on `rows` eval rows, in plain PyTorch."""
     eval_arrow = next(store.glob("tokenize/*/eval.arrow"))
-    cmd = [sys.executable, "-c", SCRIPT, str(export_folder), str(eval_arrow), str(rows)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(run_plain(SCRIPT, str(export_folder), str(eval_arrow), str(rows), timeout=600).strip().splitlines()[-1])
 
 
 def assert_merged_is_base_plus_adapter(check: dict) -> None:
