@@ -74,19 +74,63 @@ def real_store(tmp_path_factory, worker_id) -> Path:
     return (base.parent if worker_id != "master" else base) / "real-store"
 
 
+SHARED_SERVER = "jaxtune_prefect_url_file"  # the xdist worker input naming the file that holds its URL
+SESSION_SERVER = pytest.StashKey()
+
+
+def pytest_configure(config):
+    """Under xdist, the controller starts the session's one Prefect server while the workers start
+    and collect (each would otherwise start its own, about 7 s of CPU on a quiet machine and 20 s
+    under the suite's load, before its first flow could run); it stops it once they are done."""
+    if getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None) \
+            and getattr(config.option, "dist", "no") != "no":
+        from tests.session_server import SessionServer
+
+        config.stash[SESSION_SERVER] = SessionServer.start_in_background()
+
+
+def pytest_unconfigure(config):
+    server = config.stash.get(SESSION_SERVER, None)
+    if server is not None:
+        server.stop()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    server = node.config.stash.get(SESSION_SERVER, None)
+    if server is not None:
+        node.workerinput[SHARED_SERVER] = str(server.url_file)
+
+
 @pytest.fixture(scope="session")
-def prefect_server():
-    """One temporary Prefect server per test process, for every test that runs a flow (a server
-    takes about 20 s to start; the folders that need one share it).
+def prefect_server(request):
+    """The Prefect server every test that runs a flow records in: under xdist the session's one
+    server (see `pytest_configure`), shared by the workers; run without xdist, a temporary one of
+    this process's own.
 
     Flow runs in this process send Prefect no heartbeats: the liveness signal (every 180 s) that
     no test reads, whose thread each run otherwise waits on as it ends, for up to a second (a
     cached toy run: 1.06 s with it, 0.68 s without). Runs in processes the tests start keep them."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_SERVER_DATABASE_CONNECTION_URL,
+        temporary_settings,
+    )
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield
+    from tests.session_server import drain_to_server, wait_for_server
+
+    url_file = getattr(request.config, "workerinput", {}).get(SHARED_SERVER)
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        if url_file is None:
+            with prefect_test_harness(server_startup_timeout=120):
+                yield
+            return
+        shared = wait_for_server(Path(url_file))  # its database named as the harness names its own
+        with temporary_settings({PREFECT_API_URL: shared["api"], PREFECT_SERVER_DATABASE_CONNECTION_URL: shared["database"]}):
+            yield
+            drain_to_server()
 
 
 LONG_MARKERS = ("slow", "real", "mesh", "parity", "deployment")  # whole flows, checkpoints, child processes

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.prefect_runs import flow_runs_of_store
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[2]
@@ -38,7 +40,7 @@ def test_a_bad_data_file_ends_in_one_line_naming_it_and_prefect_keeps_the_traceb
     assert not list(store.glob("*/*/manifest.json")) and not list(store.glob("*/.tmp-*")), "the store is as it was"
 
     with get_client(sync_client=True) as client:
-        [run] = [r for r in client.read_flow_runs() if f"store.root={store}" in r.parameters.get("overrides", [])]
+        [run] = flow_runs_of_store(client, store)
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
     assert run.state.is_failed() and any("Traceback" in log.message and "not valid JSON" in log.message for log in logs)
 

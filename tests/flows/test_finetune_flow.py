@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.flows.plain_torch import EXPORT_RTOL, TRAINED_MARGIN, plain_torch_losses
-from tests.flows.toy import ALL_STAGES, run_toy, states
+from tests.flows.toy import ALL_STAGES, TOY, run_toy, states
+from tests.prefect_runs import flow_runs_of_store
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +59,14 @@ def test_exact_match_is_what_the_generations_say(store, first, report):
     assert report["exact_match"]["before"] == 0.0
 
 
-def test_training_shows_progress_in_the_prefect_ui(first):
+def test_training_shows_progress_in_the_prefect_ui(store, first):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["offline-train-progress"])))
+        [run] = [r for r in flow_runs_of_store(client, store) if r.parameters["overrides"] == [*TOY, f"store.root={store}"]]
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["offline-train-progress"]),
+                                                                     flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
     assert found and found[0].type == "progress" and float(found[0].data) == 100.0
 
 

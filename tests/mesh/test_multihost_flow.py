@@ -19,6 +19,7 @@ import pytest
 
 from jaxtune.artifacts import ArtifactStore
 from tests.flows.shapes import TOY_MODEL
+from tests.prefect_runs import flow_runs_of_store
 
 pytestmark = pytest.mark.mesh
 
@@ -64,8 +65,7 @@ def prefect_runs(store: Path) -> tuple[list, list, list]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        runs = [r for r in client.read_flow_runs(limit=200)
-                if f"store.root={store}" in (r.parameters.get("overrides") or [])]
+        runs = flow_runs_of_store(client, store)
         of_runs = FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs]))
         tasks = client.read_task_runs(flow_run_filter=of_runs, limit=200)
         artifacts = client.read_artifacts(flow_run_filter=of_runs, limit=200)

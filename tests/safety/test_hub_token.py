@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.flows.toy import TOY
+from tests.prefect_runs import all_pages, flow_runs_of_store
 
 pytestmark = [pytest.mark.safety, pytest.mark.slow]
 
@@ -20,7 +21,6 @@ ROOT = Path(__file__).parents[2]
 TOKEN = "hf_jaxtuneFAKEtoken0123456789abcdef"
 # Any recognisable piece of it counts, with or without its prefix.
 NEEDLES = (TOKEN, TOKEN[len("hf_"):])
-PAGE = 200
 
 
 def run_cli(env_extra: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -63,16 +63,6 @@ def _database_folder() -> Path | None:
     url = PREFECT_SERVER_DATABASE_CONNECTION_URL.value() or ""
     prefix = "sqlite+aiosqlite:///"
     return Path(url[len(prefix):]).parent if url.startswith(prefix) else None
-
-
-def _all_pages(read) -> list:
-    items, offset = [], 0
-    while page := read(limit=PAGE, offset=offset):
-        items += page
-        offset += len(page)
-        if len(page) < PAGE:
-            break
-    return items
 
 
 def test_the_search_finds_a_planted_token(tmp_path):
@@ -118,12 +108,12 @@ def test_a_run_with_a_hub_token_in_its_environment_keeps_it_out_of_logs_and_arti
     assert files_with_token(store) == []
 
     with get_client(sync_client=True) as client:
-        [run] = [r for r in client.read_flow_runs() if f"store.root={store}" in r.parameters.get("overrides", [])]
-        logs = _all_pages(lambda limit, offset: client.read_logs(
+        [run] = flow_runs_of_store(client, store)
+        logs = all_pages(lambda limit, offset: client.read_logs(
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=limit, offset=offset))
-        task_runs = _all_pages(lambda limit, offset: client.read_task_runs(
+        task_runs = all_pages(lambda limit, offset: client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])), limit=limit, offset=offset))
-        artifacts = _all_pages(lambda limit, offset: client.read_artifacts(
+        artifacts = all_pages(lambda limit, offset: client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])), limit=limit, offset=offset))
 
     assert run.state.is_completed()
