@@ -118,11 +118,12 @@ def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]
     return jax.jit(generate)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(b, p) ids and mask, p a bucket length (see `batches.bucket_length`) so few prompt shapes compile."""
+def left_pad(prompts: list[list[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(b, p) ids and mask; p is `length`, or else a bucket length (see `batches.bucket_length`) so
+    few prompt shapes compile."""
     from jaxtune.runtime.batches import bucket_length
 
-    p = bucket_length(max(len(x) for x in prompts))
+    p = length or bucket_length(max(len(x) for x in prompts))
     ids = np.full((len(prompts), p), pad_id, np.int32)
     mask = np.zeros((len(prompts), p), np.int32)
     for row, prompt in enumerate(prompts):

@@ -27,15 +27,19 @@ def evaluate(
 ) -> dict:
     """Token-weighted loss and perplexity over all rows, and the same per category.
 
+    Every batch pads to the longest row's bucket: one program for the whole eval, however the
+    lengths spread (each length of its own is another trace and compile: seconds on the CPU, a
+    minute for a 1B model on an accelerator, against a forward pass over a little more padding).
     `eval_step` reuses a compiled step across calls (periodic eval during training).
     """
     eval_step = eval_step or steps.make_eval_step(model)
     rows_per_batch = -(-batch_size // model.placement.batch_shards) * model.placement.batch_shards
     nll = np.zeros(len(input_ids))
     count = np.zeros(len(input_ids))
+    lengths = row_lengths(input_ids)
+    length = bucket_length(int(lengths.max()))
     pending = []
-    for rows in tqdm(list(eval_batches(row_lengths(input_ids), rows_per_batch)), desc="eval", unit="batch", disable=not progress):
-        length = bucket_length(max(len(input_ids[r]) for r in rows))
+    for rows in tqdm(list(eval_batches(lengths, rows_per_batch)), desc="eval", unit="batch", disable=not progress):
         batch = model.placement.shard_batch(
             pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, rows_per_batch)
         )
@@ -67,13 +71,17 @@ def greedy_generate(
     eos_ids: Sequence[int],
     pad_id: int,
 ) -> list[list[int]]:
-    """New tokens per prompt, cut after the first end-of-sequence token (which is dropped)."""
+    """New tokens per prompt, cut after the first end-of-sequence token (which is dropped).
+
+    Every batch has the same shape, its prompts left-padded to the longest prompt's bucket: one
+    program for all of them (as `evaluate`)."""
     generate = decode.make_generate(model, max_new_tokens, tuple(eos_ids))
+    length = bucket_length(max(len(p) for p in prompts))
     outputs: list[list[int]] = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="generate", unit="batch"):
         chunk = list(prompts[start : start + batch_size])
         chunk += [chunk[-1]] * (batch_size - len(chunk))  # fixed batch shape: one compile
-        ids, mask = decode.left_pad(chunk, pad_id)
+        ids, mask = decode.left_pad(chunk, pad_id, length)
         ids, mask = model.placement.shard_prompts((ids, mask))
         tokens = fetch(generate(model.weights, model.buffers, ids, mask))
         outputs += [_until_eos(row.tolist(), eos_ids) for row in tokens[: min(batch_size, len(prompts) - start)]]

@@ -1,5 +1,6 @@
-"""Compilation: one train-step program per distinct batch shape, a learning rate that never
-recompiles, and a persistent cache that a later process (here: a cleared in-memory cache) reads."""
+"""Compilation: one train-step program per distinct batch shape, one eval and one decode program
+whatever the rows' lengths, a learning rate that never recompiles, and a persistent cache that a
+later process (here: a cleared in-memory cache) reads."""
 
 from __future__ import annotations
 
@@ -69,6 +70,27 @@ def test_a_packed_run_compiles_its_step_once_a_padded_one_once_per_length_bucket
     buckets = {next(batches)["input_ids"].shape for _ in range(cfg.max_steps)}
     assert len(buckets) > 1
     assert train_step_compiles(caplog, packing=False, cfg=cfg) == len(buckets)
+
+
+def compiled(caplog, name: str, run) -> int:
+    """How many programs named `name` `run()` compiles (torchax names a jitted torch function call_torch)."""
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level(logging.WARNING, logger="jax._src.interpreters.pxla"):
+        run()
+    return sum(f"Compiling jit({name})" in r.getMessage() for r in caplog.records)
+
+
+def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(caplog):
+    from jaxtune.runtime import inference
+    from jaxtune.runtime.batches import bucket_length
+
+    model = lora_model()
+    ids, labels = rows()
+    assert len({bucket_length(n) for n in LENGTHS}) == 4  # sorted batches of 4 rows span all four
+    assert compiled(caplog, "call_torch", lambda: inference.evaluate(model, ids, labels, [""] * len(ids), 4, PAD,
+                                                                      progress=False)) == 1
+    prompts = [row[:n] for row, n in zip(ids, (3, 5, 20, 40))]  # two batches, 16 and 48 tokens long alone
+    assert compiled(caplog, "generate", lambda: inference.greedy_generate(model, prompts, 2, 4, (), PAD)) == 1
 
 
 def test_the_learning_rate_is_an_input_of_the_step_not_a_constant():
