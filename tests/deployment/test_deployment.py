@@ -1,6 +1,10 @@
 """prefect.yaml's deployments on a real Prefect server, run by a real worker, as the README says:
 create the pool, deploy from the clone, `prefect deployment run`, `prefect worker start`; then
-the same run refreshing one stage; then `jaxtune serve` in place of the pool and worker."""
+the same run refreshing one stage; then `jaxtune serve` in place of the pool and worker.
+
+Last, on the same server, two runs of one config at once (a nightly and a manual run) build each
+stage once: the second waits on the stage's lock in the store, then finds it Cached
+(jaxtune.artifacts.locks). One module, so one server for all (starting one takes 10-20 s)."""
 
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jaxtune.artifacts import ArtifactStore
 from tests.deployment.server import BIN, ROOT
 from tests.flows.toy import ALL_STAGES, TOY
+from tests.prefect_runs import flow_runs_of_store
 
 pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 
@@ -148,3 +154,50 @@ def test_jaxtune_serve_serves_the_deployments_with_their_schedules(deployed, fir
     with deployed.client_settings(), get_client(sync_client=True) as client:
         paused = client.read_deployment_by_name("finetune/offline-nightly")
     assert paused.paused, "serve pauses what it served when it stops: no schedule fires with nothing to run it"
+
+
+def stage_states(output: str) -> dict[str, str]:
+    """{stage: state} from `jaxtune run`'s closing lines (`<stage>  <state>`)."""
+    lines = [line.split() for line in output.splitlines()]
+    return {words[0]: words[1] for words in lines if len(words) == 2 and words[0] in ALL_STAGES}
+
+
+def task_runs_of_store(server, store: Path, stage: str) -> list:
+    """The task runs of `stage` in the flow runs given `store` (the module's other runs share the server)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+
+    with server.client_settings(), get_client(sync_client=True) as client:
+        of_store = FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in flow_runs_of_store(client, store)]))
+        return client.read_task_runs(flow_run_filter=of_store, task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=f"{stage} · ")))
+
+
+def test_two_runs_started_together_build_each_stage_once(server, tmp_path):
+    store = tmp_path / "store"
+    command = [str(BIN / "jaxtune"), "run", *[arg for o in (*TOY, f"store.root={store}") for arg in ("--set", o)]]
+    runs = [server.start(f"run-{i}", *command) for i in (1, 2)]
+    deadline = time.monotonic() + 600
+    while any(run.poll() is None for run in runs):
+        assert time.monotonic() < deadline, "runs did not finish in 10 minutes"
+        time.sleep(1)
+    logs = [server.log(f"run-{i}") for i in (1, 2)]
+    assert [run.returncode for run in runs] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+
+    states = [stage_states(log) for log in logs]
+    for stage in ALL_STAGES:
+        assert sorted((states[0][stage], states[1][stage])) == ["Cached", "Completed"], stage
+    # The runs did overlap: at least one Cached task run began before its Completed twin ended (it waited).
+    waited = []
+    for stage in ALL_STAGES:
+        found = task_runs_of_store(server, store, stage)
+        assert len(found) == 2, (stage, [run.name for run in found])
+        by_state = {run.state.name: run for run in found}
+        if by_state["Cached"].start_time < by_state["Completed"].end_time:
+            waited.append(stage)
+    assert waited, "the two runs never overlapped, so nothing here tested the lock"
+
+    built = ArtifactStore(store)
+    for stage in ALL_STAGES:
+        folders = list((store / stage).iterdir())
+        assert len(folders) == 1 and built.verify(stage, folders[0].name), folders  # no temp folder left either
+    assert not list(store.glob(".scratch/*/*"))
