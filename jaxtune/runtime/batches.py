@@ -65,10 +65,3 @@ def train_batches(n_rows: int, batch_size: int, seed: int) -> Iterator[np.ndarra
         for start in range(0, n_rows - batch_size + 1, batch_size):
             yield order[start : start + batch_size]
         epoch += 1
-
-
-def eval_batches(lengths: Sequence[int], batch_size: int) -> Iterator[np.ndarray]:
-    """Rows sorted by length, so each batch pads little."""
-    order = np.argsort(np.asarray(lengths), kind="stable")
-    for start in range(0, len(order), batch_size):
-        yield order[start : start + batch_size]

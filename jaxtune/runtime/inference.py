@@ -10,7 +10,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtune.runtime import decode, steps
-from jaxtune.runtime.batches import bucket_length, eval_batches, pad_batch, row_lengths
+from jaxtune.runtime.batches import bucket_length, pad_batch, row_lengths
 from jaxtune.runtime.mesh import fetch
 from jaxtune.runtime.model import JaxModel
 
@@ -36,10 +36,10 @@ def evaluate(
     rows_per_batch = -(-batch_size // model.placement.batch_shards) * model.placement.batch_shards
     nll = np.zeros(len(input_ids))
     count = np.zeros(len(input_ids))
-    lengths = row_lengths(input_ids)
-    length = bucket_length(int(lengths.max()))
+    length = bucket_length(int(row_lengths(input_ids).max()))
+    batches = [np.arange(start, min(start + rows_per_batch, len(input_ids))) for start in range(0, len(input_ids), rows_per_batch)]
     pending = []
-    for rows in tqdm(list(eval_batches(lengths, rows_per_batch)), desc="eval", unit="batch", disable=not progress):
+    for rows in tqdm(batches, desc="eval", unit="batch", disable=not progress):
         batch = model.placement.shard_batch(
             pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, rows_per_batch)
         )
