@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="override one config value (repeatable)")
     doctor.add_argument("--revision", help="hub revision")
     doctor.add_argument("--tokens", type=int, default=48, help="sequence length of the parity batch")
+    doctor.add_argument("--target", metavar="ACCELERATOR",
+                        help="plan the train step for an accelerator instead, compiled here without it, from the model's "
+                             "config alone (no weights read, no parity): v5e-1, v5e-8, v6e-1, v5p-8, v4-8 or a TPU "
+                             "topology such as v5e:2x4; exit 1 when it does not fit")
     chat = commands.add_parser("chat", help="talk with a trained or base model; answers stream as they are decoded")
     _decoding_arguments(chat)
     chat.add_argument("--show-prompt", action="store_true", help="write each turn's rendered prompt to stderr")
@@ -282,14 +286,21 @@ def _serve(args) -> int:
 
 def _doctor(args, config) -> int:
     from jaxtune.doctor import diagnose, render
-    from jaxtune.errors import DoctorError
+    from jaxtune.errors import DoctorError, TargetError
 
+    if args.target:
+        # Planning compiles for the target's devices alone: no local accelerator is looked for.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if config.store.compile_cache:
         _compile_cache(config.store.root)
     try:
-        model = _model_folder(args.model, config)
-        diagnosis = diagnose(model, config, revision=args.revision, tokens=args.tokens)
-    except (DoctorError, OSError) as e:
+        if args.target:
+            from jaxtune.target_plan import plan_for_target
+
+            diagnosis = plan_for_target(args.model, config, args.target, revision=args.revision)
+        else:
+            diagnosis = diagnose(_model_folder(args.model, config), config, revision=args.revision, tokens=args.tokens)
+    except (DoctorError, TargetError, OSError) as e:
         print(f"jaxtune doctor: {e}", file=sys.stderr)
         return 2
     print(render(diagnosis))

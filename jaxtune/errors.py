@@ -49,6 +49,10 @@ class NonFiniteLoss(FloatingPointError):
     """A step produced a NaN or infinite loss or gradient norm."""
 
 
+class TargetError(ValueError):
+    """An accelerator target that is unknown, or that this machine cannot compile for (the message names the extra to install)."""
+
+
 class DoctorError(ValueError):
     """The model cannot be checked as configured (the message says what to change)."""
 

@@ -22,6 +22,9 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_FLAGS}".
 # of the toy model's compile in under jaxtune's half-second threshold, and the suite builds each
 # of them in many stores (a toy flow in a fresh store: 9.1 s with the threshold, 7.2 s without).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The CPU alone, in this process and every process it starts: with libtpu installed (the tpu-plan
+# extra the target tests use) JAX would first look for a TPU and print libtpu's warnings.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Prefect configures logging when it is first imported, closing the handlers there are. Imported
 # after JAX, that closes absl's handler and with it the stream absl took as stderr, which under
@@ -135,7 +138,7 @@ def prefect_server(request):
 
 # Whole flows, checkpoints, child processes; in the order their modules should start: a real
 # checkpoint's module takes 1-2 minutes of a worker, a deployment module over 1.5, a mesh one 1.
-LONG_MARKERS = ("real", "deployment", "mesh", "slow", "parity")
+LONG_MARKERS = ("real", "deployment", "mesh", "slow", "target", "parity")
 
 
 def pytest_collection_modifyitems(items):

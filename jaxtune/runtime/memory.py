@@ -21,11 +21,11 @@ def device_bytes(tree) -> int:
 
 
 def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | None = None, fused: bool = True,
-                jitted=None) -> dict:
+                jitted=None, limit: int | None = None) -> dict:
     """Bytes per device for parameters, gradients, optimizer state and one micro-batch's
     activations at `rows` (default `train.batch_size`) sequences of `length`, XLA's peak for the
-    whole step, and the device's memory where JAX reports it (accelerators do, the CPU does not).
-    `jitted`: the jitted step that will train (see `steps.train_step_memory`)."""
+    whole step, and the device's memory: `limit`, else what JAX reports (accelerators do, the CPU
+    and compile-only devices do not). `jitted`: the jitted step that will train (see `steps.train_step_memory`)."""
     from jaxtune.runtime import steps
 
     rows = rows or cfg.batch_size
@@ -40,7 +40,9 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
         # XLA's temporaries hold the gradient accumulator and one micro-batch's gradients besides activations.
         "activations_per_micro_batch": max(xla["temp_bytes"] - 2 * gradients, 0),
         "peak": xla["peak_bytes"],
-        "device_limit": device_limit(),
+        "code": xla["code_bytes"],
+        "cost": {key: xla[key] for key in ("flops", "bytes_accessed") if key in xla},
+        "device_limit": limit or device_limit(),
         "mesh": model.placement.sizes,
         "devices": model.placement.mesh.size,
         "shape": {"micro_batches": cfg.grad_accumulation, "rows_per_device": rows // model.placement.batch_shards,
@@ -50,7 +52,11 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
 
 def device_limit() -> int | None:
     """Bytes of memory on the first device, where JAX reports it (accelerators do, the CPU does not)."""
-    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # a compile-only device raises rather than say it has none
+        return None
+    return (stats or {}).get("bytes_limit")
 
 
 def mesh_text(sizes: dict[str, int], devices: int) -> str:

@@ -107,12 +107,14 @@ def fetch(tree):
     return jax.tree.map(one, tree)
 
 
-def make_placement(cfg: MeshConfig) -> Placement:
-    """The mesh `cfg` asks for, on this job's devices (every host's, after jax.distributed starts)."""
-    from jaxtune.runtime.distributed import initialize
+def make_placement(cfg: MeshConfig, devices: Sequence | None = None) -> Placement:
+    """The mesh `cfg` asks for, on this job's devices (every host's, after jax.distributed starts),
+    or on `devices` (a target's compile-only ones: `jaxtune.runtime.targets`)."""
+    if devices is None:
+        from jaxtune.runtime.distributed import initialize
 
-    initialize(cfg)
-    devices = jax.devices()
+        initialize(cfg)
+        devices = jax.devices()
     sizes = cfg.sizes(len(devices))
     used = int(np.prod(list(sizes.values())))
     # Auto axes: sharded gathers (embedding lookups) raise under Explicit axes.

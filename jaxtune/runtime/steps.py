@@ -228,10 +228,22 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
         "output_bytes": int(stats.output_size_in_bytes),
         "temp_bytes": int(stats.temp_size_in_bytes),
         "alias_bytes": int(stats.alias_size_in_bytes),
+        "code_bytes": int(stats.generated_code_size_in_bytes),
     }
     # Donated outputs reuse their argument buffers (alias), so they count once.
     plan["peak_bytes"] = plan["argument_bytes"] + plan["output_bytes"] + plan["temp_bytes"] - plan["alias_bytes"]
-    return plan
+    return {**plan, **_costs(compiled)}
+
+
+def _costs(compiled) -> dict:
+    """XLA's count of one device's flops and bytes accessed for the step, where its backend gives them
+    (XLA:CPU and XLA:TPU do; a compile-only GPU gives none)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # one dict per program in older JAX
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return {}
+    return {"flops": float(cost["flops"]), "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
 
 
 def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""Accelerators a run can be planned for on a machine that has none: compile-only devices.
+
+libtpu compiles for any TPU slice without the chips (`jax.experimental.topologies`), so the
+train step's XLA:TPU memory plan, the one a rented chip would run, is known before the chip is.
+A target is named as users name slices (`v5e-8`: eight v5e chips), or by a raw libtpu topology
+(`v5e:2x4`).
+
+The figures per device are:
+- `hbm`: the memory XLA:TPU lets a program use, as libtpu's out-of-memory message states it
+  for that chip (less than the chip's nominal HBM, which the runtime keeps part of);
+- `peak_flops` and `hbm_bandwidth`: the vendor's published peak bf16 FLOP/s and HBM bandwidth
+  (https://cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e), for a roofline bound and nothing more.
+
+A v4 or v5p slice is named by TensorCores (`v5p-8`: 4 chips). v5p fuses a chip's two cores into
+one device (megacore); v4's topologies list each core as a device of its own, with half the chip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass, field
+
+from jaxtune.errors import TargetError
+
+GiB = 2**30
+TPU_PLAN_EXTRA = "pip install 'jaxtune[tpu-plan]'"
+
+
+@dataclass(frozen=True)
+class Chip:
+    kind: str  # libtpu's topology prefix
+    hbm: int  # bytes a program may use on one device
+    peak_flops: float  # bf16 FLOP/s of one device
+    hbm_bandwidth: float  # bytes/s of one device
+    cores_per_name: int  # what the N of a name `kind-N` counts per chip: 1 (chips) or 2 (TensorCores)
+    devices_per_chip: int = 1
+
+
+CHIPS = {
+    "v5e": Chip("v5e", int(15.75 * GiB), 197e12, 819e9, 1),
+    "v6e": Chip("v6e", int(31.25 * GiB), 918e12, 1640e9, 1),
+    "v5p": Chip("v5p", int(95.74 * GiB), 459e12, 2765e9, 2),
+    "v4": Chip("v4", int(15.25 * GiB), 137.5e12, 614e9, 2, devices_per_chip=2),  # one of a chip's two cores: half of 275 TFLOP/s, 1228 GB/s
+}
+# The slice shapes libtpu accepts for each chip count: 2D tori for v5e/v6e, 3D for v4/v5p.
+SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
+KNOWN = ("v5e-1", "v5e-4", "v5e-8", "v5e-16", "v6e-1", "v6e-4", "v6e-8", "v6e-16", "v5p-8", "v5p-16", "v5p-32",
+         "v4-8", "v4-16", "v4-32")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # as the user gave it
+    chip: Chip
+    topology: str  # libtpu's name, "v5e:2x4"
+    options: dict = field(default_factory=dict, hash=False)  # what a single chip needs besides its name
+
+    @property
+    def platform(self) -> str:
+        return "tpu"
+
+    def describe(self, devices: int) -> str:
+        return f"{self.name} (TPU {self.chip.kind}, topology {self.topology}, {devices} device{'s' * (devices != 1)})"
+
+
+def resolve(name: str) -> Target:
+    """The target `name` stands for; TargetError, listing the known names, when it is none."""
+    text = name.strip().lower()
+    raw = re.fullmatch(r"(v5e|v6e|v5p|v5|v4):(\d+(?:x\d+){1,2})", text)
+    if raw:
+        kind, shape = ("v5p" if raw[1] == "v5" else raw[1]), raw[2]
+        if (len(shape.split("x")) == 2) == (kind in ("v5e", "v6e")):
+            return Target(name, CHIPS[kind], f"{kind}:{shape}", _single_chip(shape))
+    named = re.fullmatch(r"(v5e|v6e|v5p|v4)-(\d+)", text)
+    if named:
+        chip = CHIPS[named[1]]
+        count, rest = divmod(int(named[2]), chip.cores_per_name)
+        shape = (SHAPES_2D if chip.kind in ("v5e", "v6e") else SHAPES_3D).get(count)
+        if shape and not rest:
+            return Target(name, chip, f"{chip.kind}:{shape}", _single_chip(shape))
+    raise TargetError(f"unknown target {name!r}: use one of {', '.join(KNOWN)}, or a TPU topology such as "
+                      "v5e:2x4, v6e:4x4 or v5p:2x2x2")
+
+
+def larger_slices(target: Target, devices: int) -> list[str]:
+    """Names of the slices of the target's chip with more devices than `devices`, smallest first."""
+    chip = target.chip
+    counts = sorted(SHAPES_2D if chip.kind in ("v5e", "v6e") else SHAPES_3D)  # chips in a slice
+    return [f"{chip.kind}-{chips * chip.cores_per_name}" for chips in counts if chips * chip.devices_per_chip > devices]
+
+
+def _single_chip(shape: str) -> dict:
+    """What libtpu needs besides a one-chip topology's name (it would otherwise look for a host)."""
+    if set(shape.split("x")) != {"1"}:
+        return {}
+    return {"chip_config_name": "default", "chips_per_host_bounds": (1, 1, 1), "wrap": (False, False, False)}
+
+
+def devices(target: Target) -> list:
+    """The target's compile-only devices. TargetError naming the extra to install when libtpu is missing."""
+    from jax.experimental import topologies
+
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise TargetError(f"planning for {target.name} needs libtpu, which is not installed: {TPU_PLAN_EXTRA}") from None
+    with _no_host_lookup():
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **target.options).devices)
+
+
+@contextlib.contextmanager
+def _no_host_lookup():
+    """libtpu looks for the TPU VM it runs on, and off one prints a page of warnings about it;
+    naming a host for it stops that. It also takes /tmp/libtpu_lockfile, so that two processes
+    never drive one chip, which would keep a second plan from compiling while a first one does:
+    compile-only devices drive no chip. A real TPU VM's own settings are kept."""
+    settings = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    found = {key: os.environ.get(key) for key in settings}
+    for key, value in settings.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in found.items():
+            if value is None:
+                os.environ.pop(key, None)

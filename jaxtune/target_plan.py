@@ -1,0 +1,141 @@
+"""`jaxtune doctor MODEL --target v5e-1`: XLA's plan of one train step on an accelerator this
+machine does not have, from the model's config alone.
+
+The model is built on the meta device from its `config.json` (a hub id's, a local folder's) or a
+GGUF file's header, so no weight is read or downloaded; the step the config trains with (LoRA or
+full, accumulation, remat, optimizer) is compiled for the target's compile-only devices on the
+config's mesh, and XLA:TPU's own memory analysis says what one device holds. The XLA:CPU plan of
+a plain `jaxtune doctor` overstates an accelerator's: XLA:CPU computes bf16 matmuls in float32
+and keeps float32 copies of the weights for them.
+
+The roofline figures are the compiler's estimate, not a measurement: the step's flops and bytes
+as XLA:TPU counts them, over the chip's published peak FLOP/s and HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from jaxtune.config import JaxtuneConfig
+from jaxtune.doctor import MEMORY_CHECK, Diagnosis, Row, _size, _trainable
+from jaxtune.errors import DoctorError
+
+# libtpu's refusal of a step that does not fit: "... (55.40G) exceeds available HBM (15.75G) ..."
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED: ([^\n]*)")
+MAX_SLICES_TRIED = 3  # each is a compile of the whole step: minutes for a real model
+
+
+def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision: str | None = None) -> Diagnosis:
+    """Rows of the target's plan for `name` trained as `config` says; TargetError when the target is
+    unknown or cannot be compiled for here (both found before the model is read). When the step
+    does not fit, the larger slices of the same chip are compiled in turn, the smallest that fits named."""
+    from jaxtune.runtime import memory, targets
+
+    target = targets.resolve(target_name)
+    devices = targets.devices(target)
+    train, length = config.train, config.data.max_length
+    dtype = config.model.model_copy(update={"name": name}).compute_dtype
+    module = _trainable(meta_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
+    method = f"LoRA r={config.lora.r}" if train.method == "lora" else "full fine-tuning"
+    diagnosis = Diagnosis(model=name, summary=f"{module.config.model_type}, {method}; XLA:TPU plan for "
+                                              f"{target.describe(len(devices))}, compiled here without the chips", plan_only=True)
+    shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {length}"
+    plan, refused = _compile(module, config, target, devices, config.mesh)
+    if refused:
+        diagnosis.rows += [Row("mesh", refused["mesh"]),
+                           Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", _size(target.chip.hbm), False)]
+    else:
+        diagnosis.rows += _rows(plan, target, shape, tokens=train.grad_accumulation * train.batch_size * length)
+    if diagnosis.ok:
+        return diagnosis
+    larger = _smallest_fitting_slice(module, config, target, len(devices))
+    diagnosis.rows.append(Row("  to fit", (larger + ". Or try: " if larger else "") + memory.knobs(train)))
+    return diagnosis
+
+
+def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tuple[dict | None, dict | None]:
+    """(the memory plan of the step on `devices` with `mesh`, None), or (None, {"mesh", "message"})
+    when XLA:TPU refuses it for want of memory."""
+    from jaxtune.runtime import memory, steps
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import to_jax
+
+    try:
+        placement = make_placement(mesh, devices)
+    except ValueError as e:
+        raise DoctorError(f"{e} of {target.describe(len(devices))}") from None
+    model = to_jax(module, placement, shapes_only=True)
+    try:
+        return memory.memory_plan(model, steps.make_optimizer(config.train), config.train, config.data.max_length,
+                                  limit=target.chip.hbm), None
+    except Exception as e:  # XLA:TPU refuses a step that does not fit at compile time
+        refused = OUT_OF_MEMORY.search(str(e))
+        if not refused:
+            raise
+        return None, {"mesh": memory.mesh_text(placement.sizes, placement.mesh.size), "message": refused[1].strip()}
+
+
+def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int) -> str | None:
+    """'v5e-8 fits: 9.10 GiB of 15.75 with mesh.data=1, mesh.fsdp=8, mesh.tensor=1', from compiling the
+    step on each larger slice of the chip in turn, its parameters split over every device (fsdp
+    where the batch divides, else tensor); None when none of the first few does."""
+    from jaxtune.config import MeshConfig
+    from jaxtune.runtime import memory, targets
+
+    for count in targets.larger_slices(target, devices)[:MAX_SLICES_TRIED]:
+        candidate = targets.resolve(count)
+        found = targets.devices(candidate)
+        axis = "fsdp" if config.train.batch_size % len(found) == 0 else "tensor"
+        mesh = MeshConfig(data=1, **{axis: len(found)})
+        plan, refused = _compile(module, config, candidate, found, mesh)
+        if plan and plan["peak"] + plan["code"] <= candidate.chip.hbm:
+            return (f"{candidate.name} fits: {_size(plan['peak'] + plan['code'])} of {_size(candidate.chip.hbm)} "
+                    f"per device with {memory.mesh_setting(plan['mesh'])} (compiled)")
+    return None
+
+
+def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
+    from jaxtune.runtime import memory
+
+    # The program itself lies in HBM beside its buffers: hundreds of MiB for a 1B model's step.
+    needed = plan["peak"] + plan["code"]
+    fits = needed <= target.chip.hbm
+    rows = [
+        Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
+        Row(MEMORY_CHECK, f"{_size(needed)} with its code ({shape})", f"{_size(target.chip.hbm)} HBM", fits),
+        Row("  parameters", _size(plan["parameters"])),
+        Row("  gradients", _size(plan["gradients"])),
+        Row("  optimizer state", _size(plan["optimizer_state"])),
+        Row("  activations per micro-batch", _size(plan["activations_per_micro_batch"])),
+        Row("  generated code", _size(plan["code"])),
+    ]
+    cost = plan["cost"]
+    if cost.get("flops"):
+        seconds = max(cost["flops"] / target.chip.peak_flops, cost["bytes_accessed"] / target.chip.hbm_bandwidth)
+        per_chip = tokens / plan["devices"] * target.chip.devices_per_chip / seconds
+        rows += [Row("compiler's count per device", f"{cost['flops']:.3g} flops, {cost['bytes_accessed']:.3g} bytes accessed"),
+                 Row("roofline (estimate)", f"step >= {seconds * 1e3:.1f} ms, <= {per_chip:,.0f} tokens/s per chip")]
+    return rows
+
+
+def meta_model(name: str, revision: str | None, trust_remote_code: bool, dtype: str):
+    """`name`'s architecture on the meta device in `dtype`: shapes, no storage; from a hub id's or
+    folder's config.json, or the header of a .gguf file."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(name)
+    if name.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise DoctorError(f"{name}: no such GGUF file")
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+        except OSError as e:
+            raise DoctorError(f"{name}: no model config.json found ({str(e).splitlines()[0]})") from None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="eager",
+                                                trust_remote_code=trust_remote_code)
+

@@ -1,0 +1,157 @@
+"""Planning for accelerators this machine does not have: the train step compiled by libtpu for
+compile-only TPU devices, from a model's config alone (`jaxtune doctor MODEL --target`)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from jaxtune import cli
+from jaxtune.config import load_config
+from jaxtune.runtime import targets
+
+pytestmark = pytest.mark.target
+
+SEQUENCE = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A folder holding nothing but a Llama's config.json: all a plan reads."""
+    from transformers import AutoConfig
+
+    folder = tmp_path_factory.mktemp("tiny-config")
+    AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         tie_word_embeddings=False).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("name, topology, devices", [
+    ("v5e-1", "v5e:1x1", 1), ("v5e-4", "v5e:2x2", 4), ("v5e-8", "v5e:2x4", 8), ("v6e-1", "v6e:1x1", 1),
+    ("v6e-8", "v6e:2x4", 8), ("v5p-8", "v5p:2x2x1", 4), ("v4-8", "v4:2x2x1", 8), ("v5e:4x4", "v5e:4x4", 16),
+])
+def test_the_names_users_type_become_libtpu_topologies_of_that_many_devices(name, topology, devices):
+    target = targets.resolve(name)
+    assert target.topology == topology
+    found = targets.devices(target)
+    assert len(found) == devices and {d.platform for d in found} == {"tpu"}
+    assert found[0].device_kind == {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5", "v4": "TPU v4"}[target.chip.kind]
+
+
+def test_an_unknown_target_is_one_line_listing_the_known_ones_and_exit_status_2(capsys, tmp_path):
+    # The model does not exist: had the target not been refused first, the error would be about the model.
+    code = cli.main(["doctor", str(tmp_path / "no-model"), "--target", "v5e-3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0] == ("jaxtune doctor: unknown target 'v5e-3': use one of " + ", ".join(targets.KNOWN)
+                      + ", or a TPU topology such as v5e:2x4, v6e:4x4 or v5p:2x2x2")
+
+
+def test_without_libtpu_the_line_names_the_extra_to_install(capsys, monkeypatch, tiny_folder):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu raises ImportError
+    code = cli.main(["doctor", str(tiny_folder), "--target", "v5e-1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == ["jaxtune doctor: planning for v5e-1 needs libtpu, which is not installed: pip install 'jaxtune[tpu-plan]'"]
+
+
+def _placed_model(folder, settings, target_name):
+    from jaxtune.doctor import _trainable
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import to_jax
+    from jaxtune.target_plan import meta_model
+
+    config = load_config(None, settings)
+    placement = make_placement(config.mesh, targets.devices(targets.resolve(target_name)))
+    module = _trainable(meta_model(str(folder), None, False, "bfloat16"), config, randomize_lora=False)
+    return config, to_jax(module, placement, shapes_only=True)
+
+
+@pytest.fixture(scope="module")
+def aligned_folder(tmp_path_factory):
+    """A Llama whose every matrix is a whole number of XLA:TPU's (8, 128) tiles, so that a
+    device's argument bytes are its shards' bytes and no padding."""
+    from transformers import AutoConfig
+
+    folder = tmp_path_factory.mktemp("aligned-config")
+    AutoConfig.for_model("llama", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         tie_word_embeddings=False).save_pretrained(folder)
+    return folder
+
+
+def _argument_bytes(folder, method: str, mesh: list[str]) -> tuple[int, int]:
+    """(XLA:TPU's argument bytes per device of the train step on v5e:2x2, the bytes of what
+    placement gives one device: weights, frozen tensors, optimizer state, batch rows, key and rate)."""
+    from jaxtune.runtime import memory, steps
+
+    config, model = _placed_model(folder, [f"train.method={method}", "train.batch_size=32", "lora.r=128", *mesh], "v5e:2x2")
+    optimizer = steps.make_optimizer(config.train)
+    plan = steps.train_step_memory(model, optimizer, 1, 32, 128, config.train.remat)
+    assert plan["flops"] > 0 and plan["code_bytes"] > 0
+    opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
+    rows = 5 * (32 // 4) * 128 * 4  # input_ids, attention_mask, segment_ids, position_ids and labels: int32, 8 rows a device
+    placed = memory.device_bytes(model.weights) + memory.device_bytes(model.buffers) + memory.device_bytes(opt_state)
+    return plan["argument_bytes"], placed + rows + 8 + 4
+
+
+DATA4, FSDP4 = ["mesh.data=4"], ["mesh.data=1", "mesh.fsdp=4"]
+
+
+def test_the_full_train_step_compiles_for_v5e_2x2_holding_the_shards_placement_gives_a_device(aligned_folder):
+    """Measured: XLA:TPU's argument bytes are placement's to within 2,332 bytes of 20 MB on data=4
+    and of 5 MB on fsdp=4 (the 1-D norms and scalars, which XLA:TPU lays out in tiles of its own);
+    fsdp=4 then holds 0.251 of data=4's state. A plan that ignored the mesh would hold it whole."""
+    data, data_placed = _argument_bytes(aligned_folder, "full", DATA4)
+    fsdp, fsdp_placed = _argument_bytes(aligned_folder, "full", FSDP4)
+    assert abs(data - data_placed) <= 4096 and abs(fsdp - fsdp_placed) <= 4096, (data, data_placed, fsdp, fsdp_placed)
+    assert fsdp <= 0.26 * data
+
+
+def test_the_lora_train_step_compiles_for_v5e_2x2_with_its_frozen_weights_split_over_fsdp(aligned_folder):
+    """Measured: fsdp=4 holds 0.50 of data=4's arguments (the frozen base split 4 ways, LoRA's
+    float32 A and B and their moments too), and never more than placement gives the device."""
+    data, data_placed = _argument_bytes(aligned_folder, "lora", DATA4)
+    fsdp, fsdp_placed = _argument_bytes(aligned_folder, "lora", FSDP4)
+    assert data <= data_placed and fsdp <= fsdp_placed
+    assert fsdp <= 0.55 * data
+
+
+def test_a_step_that_fits_one_v5e_chip_says_so_with_the_compilers_estimate(tiny_folder, capsys):
+    code = cli.main(["doctor", str(tiny_folder), "--target", "v5e-1", "--set", "train.batch_size=4",
+                     "--set", f"data.max_length={SEQUENCE}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "XLA:TPU plan for v5e-1 (TPU v5e, topology v5e:1x1, 1 device), compiled here without the chips" in out
+    assert "15.75 GiB HBM  ok" in out and "roofline (estimate)" in out and out.rstrip().splitlines()[-1].startswith("fits:")
+
+
+def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figures(tmp_path, capsys):
+    """A 2-layer model with a 6144-wide, 262k-token embedding, fully fine-tuned: 1.6e9 float32
+    master weights and Adam's two moments are 18 GiB before any gradient or activation (at 4096
+    wide, XLA:TPU fits the same step in 14.2 GiB by never holding every gradient at once)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", vocab_size=262144, hidden_size=6144, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                         tie_word_embeddings=True).save_pretrained(tmp_path)
+    code = cli.main(["doctor", str(tmp_path), "--target", "v5e-1", "--set", "train.method=full",
+                     "--set", "train.batch_size=1", "--set", "data.max_length=16"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("train step memory, peak"))
+    assert code == 1, out
+    assert row.endswith("15.75 GiB  FAIL") or row.endswith("15.75 GiB HBM  FAIL"), row
+    assert out.rstrip().splitlines()[-1] == "MEMORY: the train step does not fit the target as configured"
+    assert re.search(r"HLO temporaries \((\d+\.\d+)G\) exceeds available HBM \(15\.75G\)", row), row
+    advice = next(line for line in out.splitlines() if line.startswith("  to fit")).split(maxsplit=2)[2]
+    named = re.match(r"(v5e-\d+) fits: (\d+\.\d+) GiB of 15\.75 GiB per device with (mesh\.data=1, mesh\.fsdp=\d+, mesh\.tensor=\d+) \(compiled\)", advice)
+    assert named and "train.optimizer=adafactor" in advice, advice
+    # The slice it names, on the mesh it names, plans the same step within the chip's HBM.
+    slice_, mesh = named[1], [f"--set={setting}" for setting in named[3].split(", ")]
+    code = cli.main(["doctor", str(tmp_path), "--target", slice_, "--set", "train.method=full", "--set", "train.batch_size=1",
+                     "--set", "data.max_length=16", *mesh])
+    again = capsys.readouterr().out
+    assert code == 0 and f"{named[2]} GiB with its code" in again, again
