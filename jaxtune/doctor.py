@@ -21,6 +21,8 @@ GRADIENT_TOLERANCE = 1e-3  # ‖Δ grad‖ / ‖grad‖ of the worst tensor
 DECODE_TOKENS = 32
 PROMPT_LENGTHS = (13, 6)
 MEMORY_CHECK = "train step memory, peak"
+CPU_PLAN = ("XLA:CPU, which computes bf16 matmuls in float32 and keeps float32 copies of the weights for them: "
+            "an accelerator needs less. For a TPU's own plan: --target v5e-1 (or v6e-1, v5p-8, ...)")
 
 
 @dataclass
@@ -160,6 +162,8 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str) -> list[Row]:
         Row("  optimizer state", _size(plan["optimizer_state"])),
         Row("  activations per micro-batch", _size(plan["activations_per_micro_batch"])),
     ]
+    if plan.get("platform") == "cpu":
+        rows.append(Row("  planned by", CPU_PLAN))
     if fits is False:
         rows.append(Row("  to fit", memory.advice(plan, train)))
     return rows

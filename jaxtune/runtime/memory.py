@@ -45,6 +45,7 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
         "device_limit": limit or device_limit(),
         "mesh": model.placement.sizes,
         "devices": model.placement.mesh.size,
+        "platform": model.placement.mesh.devices.flat[0].platform,  # whose compiler made the plan: cpu, tpu, gpu
         "shape": {"micro_batches": cfg.grad_accumulation, "rows_per_device": rows // model.placement.batch_shards,
                   "length": length},
     }
