@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--target", metavar="ACCELERATOR",
                         help="plan the train step for an accelerator instead, compiled here without it, from the model's "
                              "config alone (no weights read, no parity): v5e-1, v5e-8, v6e-1, v5p-8, v4-8 or a TPU "
-                             "topology such as v5e:2x4; exit 1 when it does not fit")
+                             "topology such as v5e:2x4; exit 1 when it does not fit (default: the config's plan.target)")
     chat = commands.add_parser("chat", help="talk with a trained or base model; answers stream as they are decoded")
     _decoding_arguments(chat)
     chat.add_argument("--show-prompt", action="store_true", help="write each turn's rendered prompt to stderr")
@@ -288,6 +288,7 @@ def _doctor(args, config) -> int:
     from jaxtune.doctor import diagnose, render
     from jaxtune.errors import DoctorError, TargetError
 
+    args.target = args.target or config.plan.target
     if args.target:
         # Planning compiles for the target's devices alone: no local accelerator is looked for.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

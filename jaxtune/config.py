@@ -299,6 +299,15 @@ class StoreConfig(Section):
     )
 
 
+class PlanConfig(Section):
+    """The accelerator a config is written for; none of it is in a cache key."""
+
+    target: str | None = Field(
+        None, description="the TPU slice this config is meant to train on (v5e-1, v5e-8, v6e-1, v5p-8, v4-8 or a topology "
+        "such as v5e:2x4): `jaxtune doctor MODEL --config FILE` then compiles its train step for that slice, here, "
+        "without the chips, and says whether it fits (`--target` overrides it)")
+
+
 class JaxtuneConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -309,6 +318,7 @@ class JaxtuneConfig(Section):
     export: ExportConfig = Field(default_factory=ExportConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JaxtuneConfig:

@@ -155,3 +155,16 @@ def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figur
                      "--set", "data.max_length=16", *mesh])
     again = capsys.readouterr().out
     assert code == 0 and f"{named[2]} GiB with its code" in again, again
+
+
+def test_a_config_declaring_its_target_is_planned_for_it_and_no_stage_key_hashes_it(tiny_folder, tmp_path, capsys):
+    from jaxtune.flows.finetune import planned_keys
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("plan:\n  target: v5e-4\ntrain:\n  batch_size: 4\ndata:\n  max_length: 64\n")
+    code = cli.main(["doctor", str(tiny_folder), "--config", str(recipe)])
+    out = capsys.readouterr().out
+    assert code == 0 and "XLA:TPU plan for v5e-4 (TPU v5e, topology v5e:2x2, 4 devices)" in out, out
+    assert "data=4, fsdp=1, tensor=1 on 4 devices" in out
+    store = [f"store.root={tmp_path / 'store'}"]
+    assert planned_keys(load_config(None, store)) == planned_keys(load_config(None, [*store, "plan.target=v5e-8"]))
