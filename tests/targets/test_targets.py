@@ -72,12 +72,12 @@ def _placed_model(folder, settings, target_name):
 
 @pytest.fixture(scope="module")
 def aligned_folder(tmp_path_factory):
-    """A Llama whose every matrix is a whole number of XLA:TPU's (8, 128) tiles, so that a
-    device's argument bytes are its shards' bytes and no padding."""
+    """A one-layer Llama whose every matrix is a whole number of XLA:TPU's (8, 128) tiles, so
+    that a device's argument bytes are its shards' bytes and no padding."""
     from transformers import AutoConfig
 
     folder = tmp_path_factory.mktemp("aligned-config")
-    AutoConfig.for_model("llama", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    AutoConfig.for_model("llama", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                          tie_word_embeddings=False).save_pretrained(folder)
     return folder
@@ -102,9 +102,9 @@ DATA4, FSDP4 = ["mesh.data=4"], ["mesh.data=1", "mesh.fsdp=4"]
 
 
 def test_the_full_train_step_compiles_for_v5e_2x2_holding_the_shards_placement_gives_a_device(aligned_folder):
-    """Measured: XLA:TPU's argument bytes are placement's to within 2,332 bytes of 20 MB on data=4
-    and of 5 MB on fsdp=4 (the 1-D norms and scalars, which XLA:TPU lays out in tiles of its own);
-    fsdp=4 then holds 0.251 of data=4's state. A plan that ignored the mesh would hold it whole."""
+    """Measured: XLA:TPU's argument bytes are placement's to within 2,332 bytes of 13.4 MB on
+    data=4 and of 3.4 MB on fsdp=4 (the 1-D norms and scalars, which XLA:TPU lays out in tiles of
+    its own); fsdp=4 then holds 0.252 of data=4's state. A plan that ignored the mesh would hold it whole."""
     data, data_placed = _argument_bytes(aligned_folder, "full", DATA4)
     fsdp, fsdp_placed = _argument_bytes(aligned_folder, "full", FSDP4)
     assert abs(data - data_placed) <= 4096 and abs(fsdp - fsdp_placed) <= 4096, (data, data_placed, fsdp, fsdp_placed)
@@ -112,12 +112,14 @@ def test_the_full_train_step_compiles_for_v5e_2x2_holding_the_shards_placement_g
 
 
 def test_the_lora_train_step_compiles_for_v5e_2x2_with_its_frozen_weights_split_over_fsdp(aligned_folder):
-    """Measured: fsdp=4 holds 0.50 of data=4's arguments (the frozen base split 4 ways, LoRA's
-    float32 A and B and their moments too), and never more than placement gives the device."""
+    """Measured: fsdp=4 holds 0.444 of data=4's arguments (the frozen base split 4 ways, LoRA's
+    float32 A and B and their moments too), and never more than placement gives the device: 1 MiB
+    less on data=4 and 258 KiB less on fsdp=4, the size of the frozen embedding and output tables'
+    shards, which XLA:TPU does not count as arguments of the LoRA step."""
     data, data_placed = _argument_bytes(aligned_folder, "lora", DATA4)
     fsdp, fsdp_placed = _argument_bytes(aligned_folder, "lora", FSDP4)
     assert data <= data_placed and fsdp <= fsdp_placed
-    assert fsdp <= 0.55 * data
+    assert fsdp <= 0.5 * data
 
 
 def test_a_step_that_fits_one_v5e_chip_says_so_with_the_compilers_estimate(tiny_folder, capsys):
