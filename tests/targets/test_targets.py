@@ -170,3 +170,16 @@ def test_a_config_declaring_its_target_is_planned_for_it_and_no_stage_key_hashes
     assert "data=4, fsdp=1, tensor=1 on 4 devices" in out
     store = [f"store.root={tmp_path / 'store'}"]
     assert planned_keys(load_config(None, store)) == planned_keys(load_config(None, [*store, "plan.target=v5e-8"]))
+
+
+def test_a_gguf_files_header_gives_the_meta_model_without_reading_its_tensors(tmp_path):
+    """SmolLM2-135M's GGUF file (pip-installed): the architecture and every shape from its header,
+    on the meta device, so planning a quantized checkpoint dequantizes nothing."""
+    from jaxtune.offline.checkpoints import place_smollm2
+    from jaxtune.target_plan import meta_model
+
+    module = meta_model(str(place_smollm2(tmp_path)), None, False, "bfloat16")
+    config = module.config
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576, 49152)
+    assert all(p.is_meta and p.dtype.is_floating_point for p in module.parameters())
+    assert sum(p.numel() for p in module.parameters()) == 134_515_008
