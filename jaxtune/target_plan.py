@@ -77,14 +77,14 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
 
 
 def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int) -> str | None:
-    """'v5e-8 fits: 9.10 GiB of 15.75 with mesh.data=1, mesh.fsdp=8, mesh.tensor=1', from compiling the
+    """'v5e-8 fits: 9.10 GiB of 15.75 GiB per device with mesh.data=1, mesh.fsdp=8, mesh.tensor=1 (compiled)', from compiling the
     step on each larger slice of the chip in turn, its parameters split over every device (fsdp
     where the batch divides, else tensor); None when none of the first few does."""
     from jaxtune.config import MeshConfig
     from jaxtune.runtime import memory, targets
 
-    for count in targets.larger_slices(target, devices)[:MAX_SLICES_TRIED]:
-        candidate = targets.resolve(count)
+    for name in targets.larger_slices(target, devices)[:MAX_SLICES_TRIED]:
+        candidate = targets.resolve(name)
         found = targets.devices(candidate)
         axis = "fsdp" if config.train.batch_size % len(found) == 0 else "tensor"
         mesh = MeshConfig(data=1, **{axis: len(found)})

@@ -58,10 +58,6 @@ class Target:
     topology: str  # libtpu's name, "v5e:2x4"
     options: dict = field(default_factory=dict, hash=False)  # what a single chip needs besides its name
 
-    @property
-    def platform(self) -> str:
-        return "tpu"
-
     def describe(self, devices: int) -> str:
         return f"{self.name} (TPU {self.chip.kind}, topology {self.topology}, {devices} device{'s' * (devices != 1)})"
 
