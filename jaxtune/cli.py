@@ -48,10 +48,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="override one config value (repeatable)")
     doctor.add_argument("--revision", help="hub revision")
     doctor.add_argument("--tokens", type=int, default=48, help="sequence length of the parity batch")
-    doctor.add_argument("--target", metavar="ACCELERATOR",
+    doctor.add_argument("--target", metavar="ACCELERATOR", nargs="?", const="",
                         help="plan the train step for an accelerator instead, compiled here without it, from the model's "
                              "config alone (no weights read, no parity): v5e-1, v5e-8, v6e-1, v5p-8, v4-8 or a TPU "
-                             "topology such as v5e:2x4; exit 1 when it does not fit (default: the config's plan.target)")
+                             "topology such as v5e:2x4; exit 1 when it does not fit (--target alone: the config's plan.target)")
     chat = commands.add_parser("chat", help="talk with a trained or base model; answers stream as they are decoded")
     _decoding_arguments(chat)
     chat.add_argument("--show-prompt", action="store_true", help="write each turn's rendered prompt to stderr")
@@ -288,7 +288,12 @@ def _doctor(args, config) -> int:
     from jaxtune.doctor import diagnose, render
     from jaxtune.errors import DoctorError, TargetError
 
-    args.target = args.target or config.plan.target
+    if args.target == "":  # --target with no name: the one the config is written for
+        if not config.plan.target:
+            print("jaxtune doctor: --target names no accelerator and the config sets no plan.target: "
+                  "give one, e.g. --target v5e-1", file=sys.stderr)
+            return 2
+        args.target = config.plan.target
     if args.target:
         # Planning compiles for the target's devices alone: no local accelerator is looked for.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

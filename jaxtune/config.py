@@ -304,8 +304,8 @@ class PlanConfig(Section):
 
     target: str | None = Field(
         None, description="the TPU slice this config is meant to train on (v5e-1, v5e-8, v6e-1, v5p-8, v4-8 or a topology "
-        "such as v5e:2x4): `jaxtune doctor MODEL --config FILE` then compiles its train step for that slice, here, "
-        "without the chips, and says whether it fits (`--target` overrides it)")
+        "such as v5e:2x4): `jaxtune doctor MODEL --config FILE --target` then compiles its train step for that slice, "
+        "here, without the chips, and says whether it fits (`--target NAME` plans for another)")
 
 
 class JaxtuneConfig(Section):

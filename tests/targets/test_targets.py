@@ -159,12 +159,15 @@ def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figur
     assert code == 0 and f"{named[2]} GiB with its code" in again, again
 
 
-def test_a_config_declaring_its_target_is_planned_for_it_and_no_stage_key_hashes_it(tiny_folder, tmp_path, capsys):
+def test_target_alone_plans_for_the_configs_plan_target_which_no_stage_key_hashes(tiny_folder, tmp_path, capsys):
     from jaxtune.flows.finetune import planned_keys
 
+    assert cli.main(["doctor", str(tiny_folder), "--target"]) == 2
+    assert capsys.readouterr().err.strip() == ("jaxtune doctor: --target names no accelerator and the config sets no "
+                                               "plan.target: give one, e.g. --target v5e-1")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("plan:\n  target: v5e-4\ntrain:\n  batch_size: 4\ndata:\n  max_length: 64\n")
-    code = cli.main(["doctor", str(tiny_folder), "--config", str(recipe)])
+    code = cli.main(["doctor", str(tiny_folder), "--config", str(recipe), "--target"])
     out = capsys.readouterr().out
     assert code == 0 and "XLA:TPU plan for v5e-4 (TPU v5e, topology v5e:2x2, 4 devices)" in out, out
     assert "data=4, fsdp=1, tensor=1 on 4 devices" in out
