@@ -157,16 +157,20 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str) -> list[Row]:
     rows = [
         Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
         Row(MEMORY_CHECK, f"{_size(plan['peak'])} ({shape})", limit, fits),
-        Row("  parameters", _size(plan["parameters"])),
-        Row("  gradients", _size(plan["gradients"])),
-        Row("  optimizer state", _size(plan["optimizer_state"])),
-        Row("  activations per micro-batch", _size(plan["activations_per_micro_batch"])),
+        *part_rows(plan),
     ]
     if plan.get("platform") == "cpu":
         rows.append(Row("  planned by", CPU_PLAN))
     if fits is False:
         rows.append(Row("  to fit", memory.advice(plan, train)))
     return rows
+
+
+def part_rows(plan: dict) -> list[Row]:
+    """The memory plan's parts, one row each, indented under its peak."""
+    return [Row(f"  {label}", _size(plan[key])) for label, key in (
+        ("parameters", "parameters"), ("gradients", "gradients"), ("optimizer state", "optimizer_state"),
+        ("activations per micro-batch", "activations_per_micro_batch"))]
 
 
 def _size(n: int) -> str:

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from jaxtune.config import JaxtuneConfig
-from jaxtune.doctor import MEMORY_CHECK, Diagnosis, Row, _size, _trainable
+from jaxtune.doctor import MEMORY_CHECK, Diagnosis, Row, _size, _trainable, part_rows
 from jaxtune.errors import DoctorError
 
 # libtpu's refusal of a step that does not fit: "... (55.40G) exceeds available HBM (15.75G) ..."
@@ -104,10 +104,7 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
     rows = [
         Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
         Row(MEMORY_CHECK, f"{_size(needed)} with its code ({shape})", f"{_size(target.chip.hbm)} HBM", fits),
-        Row("  parameters", _size(plan["parameters"])),
-        Row("  gradients", _size(plan["gradients"])),
-        Row("  optimizer state", _size(plan["optimizer_state"])),
-        Row("  activations per micro-batch", _size(plan["activations_per_micro_batch"])),
+        *part_rows(plan),
         Row("  generated code", _size(plan["code"])),
     ]
     cost = plan["cost"]
