@@ -118,6 +118,18 @@ def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]
     return jax.jit(generate)
 
 
+def generate_memory(model: JaxModel, rows: int, prompt_length: int, max_new_tokens: int) -> dict:
+    """XLA's memory plan (see `steps.train_step_memory`) of decoding `max_new_tokens` after `rows`
+    prompts of `prompt_length`, the prompts split as `Placement.shard_prompts` splits them."""
+    from jaxtune.runtime import steps
+
+    prompts = jax.ShapeDtypeStruct((rows, prompt_length), jnp.int32, sharding=model.placement.prompt_sharding(rows))
+    generate = make_generate(model, max_new_tokens, eos_ids=(0,))  # which ids stop decoding changes no buffer
+    with model.env:
+        compiled = generate.lower(steps.shapes_of(model.weights), steps.shapes_of(model.buffers), prompts, prompts).compile()
+    return steps.compiled_memory(compiled)
+
+
 def left_pad(prompts: list[list[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(b, p) ids and mask; p is `length`, or else a bucket length (see `batches.bucket_length`) so
     few prompt shapes compile."""

@@ -72,9 +72,12 @@ class Placement:
         """Split decode's prompt rows over the data axis alone. Split over data × fsdp with
         tensor > 1 too, XLA (jax 0.10.2, CPU) decoded wrong tokens for some rows (tests/mesh
         catches it); rows split over data alone decode exactly as on one device."""
-        size = self.mesh.shape["data"]
-        sharding = self.sharding(PartitionSpec("data")) if len(jax.tree.leaves(arrays)[0]) % size == 0 else self.replicated
+        sharding = self.prompt_sharding(len(jax.tree.leaves(arrays)[0]))
         return jax.tree.map(lambda a: self.put(a, sharding), arrays)
+
+    def prompt_sharding(self, rows: int) -> NamedSharding:
+        """How `shard_prompts` places `rows` prompts: split over the data axis where it divides them, else replicated."""
+        return self.sharding(PartitionSpec("data")) if rows % self.mesh.shape["data"] == 0 else self.replicated
 
     def describe(self) -> str:
         devices = self.mesh.devices.flat

@@ -211,8 +211,7 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     these shapes reuses this trace instead of tracing the model again.
     """
     jitted = jitted or _jitted_train_step(model, optimizer, remat, fused)
-    spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)  # noqa: E731
-    weights = spec(model.weights)
+    weights = shapes_of(model.weights)
     opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)
     shape = (micro_batches, batch_size, length)
     rows = model.placement.micro_batch_sharding
@@ -221,7 +220,17 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
     with model.env:
-        compiled = jitted.lower(weights, spec(model.buffers), opt_state, batch, labels, key, lr).compile()
+        compiled = jitted.lower(weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr).compile()
+    return compiled_memory(compiled)
+
+
+def shapes_of(tree) -> Any:
+    """Every array (or shape) of `tree` as a shape with its sharding: what `jit(...).lower` compiles for."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def compiled_memory(compiled) -> dict:
+    """One device's bytes of a compiled program, from XLA's memory analysis (see `train_step_memory`), and its costs."""
     stats = compiled.memory_analysis()
     plan = {
         "argument_bytes": int(stats.argument_size_in_bytes),
@@ -279,11 +288,22 @@ def make_eval_step(model: JaxModel, fused: bool = True) -> Callable:
         nll, scored = forward(weights, buffers, batch, labels)
         return nll.sum(-1), scored.sum(-1)
 
-    jitted = interop.jax_jit(evaluate)
+    jitted = jax.jit(interop.jax_view(evaluate))  # on JAX arrays in and out, as torchax's jax_jit
 
     def run(weights, buffers, batch, labels):
         with model.env:
-            out = jitted(*interop.torch_view((weights, buffers, batch, labels)))
-        return interop.jax_view(out)
+            return jitted(weights, buffers, batch, labels)
 
+    run.jitted = jitted
     return run
+
+
+def eval_step_memory(model: JaxModel, rows: int, length: int, fused: bool = True) -> dict:
+    """XLA's memory plan (as `train_step_memory`) of one eval batch of (rows, length), the rows split as `evaluate` splits them."""
+    sharding = model.placement.batch_sharding
+    batch = {name: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding) for name in BATCH_KEYS}
+    labels = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
+    with model.env:
+        compiled = make_eval_step(model, fused).jitted.lower(shapes_of(model.weights), shapes_of(model.buffers),
+                                                             batch, labels).compile()
+    return compiled_memory(compiled)
