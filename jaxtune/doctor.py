@@ -22,7 +22,7 @@ DECODE_TOKENS = 32
 PROMPT_LENGTHS = (13, 6)
 MEMORY_CHECK = "train step memory, peak"
 CPU_PLAN = ("XLA:CPU, which computes bf16 matmuls in float32 and keeps float32 copies of the weights for them: "
-            "an accelerator needs less. For a TPU's own plan: --target v5e-1 (or v6e-1, v5p-8, ...)")
+            "an accelerator needs less. For an accelerator's own plan: --target v5e-1 (or v6e-1, v5p-8, h100, ...)")
 
 
 @dataclass
@@ -185,8 +185,9 @@ def render(diagnosis: Diagnosis) -> str:
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     failed = {r.check for r in diagnosis.rows if r.ok is False}
     if diagnosis.plan_only:
-        verdict = ("MEMORY: the train step does not fit the target as configured" if failed else
-                   "fits: the train step's XLA peak is within the target's HBM (parity not checked: run doctor without --target)")
+        verdict = ("MEMORY: a step does not fit the target as configured" if failed else
+                   "fits: the train, eval and decode steps' XLA peaks are within the target's memory (parity not "
+                   "checked: run doctor without --target)")
     elif not failed:
         verdict = "parity ok"
     elif failed == {MEMORY_CHECK}:

@@ -1,15 +1,16 @@
-"""`jaxtune doctor MODEL --target v5e-1`: XLA's plan of one train step on an accelerator this
-machine does not have, from the model's config alone.
+"""`jaxtune doctor MODEL --target v5e-1`: XLA's plan of the train, eval and decode steps on an
+accelerator this machine does not have, from the model's config alone.
 
 The model is built on the meta device from its `config.json` (a hub id's, a local folder's) or a
-GGUF file's header, so no weight is read or downloaded; the step the config trains with (LoRA or
-full, accumulation, remat, optimizer) is compiled for the target's compile-only devices on the
-config's mesh, and XLA:TPU's own memory analysis says what one device holds. The XLA:CPU plan of
+GGUF file's header, so no weight is read or downloaded; the steps the config runs (training as
+configured: LoRA or full, accumulation, remat, optimizer; an eval batch; greedy decoding) are
+compiled for the target's compile-only devices on the config's mesh, and the target's own
+compiler (XLA:TPU, or XLA:GPU for an NVIDIA GPU) says what one device holds. The XLA:CPU plan of
 a plain `jaxtune doctor` overstates an accelerator's: XLA:CPU computes bf16 matmuls in float32
 and keeps float32 copies of the weights for them.
 
-The roofline figures are the compiler's estimate, not a measurement: the step's flops and bytes
-as XLA:TPU counts them, over the chip's published peak FLOP/s and HBM bandwidth.
+The roofline figures are the compiler's estimate, not a measurement: the train step's flops and
+bytes as XLA:TPU counts them, over the chip's published peak FLOP/s and HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
     dtype = config.model.model_copy(update={"name": name}).compute_dtype
     module = _trainable(meta_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
     method = f"LoRA r={config.lora.r}" if train.method == "lora" else "full fine-tuning"
-    diagnosis = Diagnosis(model=name, summary=f"{module.config.model_type}, {method}; XLA:TPU plan for "
-                                              f"{target.describe(len(devices))}, compiled here without the chips", plan_only=True)
+    diagnosis = Diagnosis(model=name, summary=f"{module.config.model_type}, {method}; {target.chip.compiler} plan for "
+                                              f"{target.describe(len(devices))}, compiled here without them", plan_only=True)
     shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {length}"
     plan, refused = _compile(module, config, target, devices, config.mesh)
     if refused:
@@ -47,6 +48,7 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
                            Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", _size(target.chip.hbm), False)]
     else:
         diagnosis.rows += _rows(plan, target, shape, tokens=train.grad_accumulation * train.batch_size * length)
+        diagnosis.rows += _other_steps(module, config, target, devices)
     if diagnosis.ok:
         return diagnosis
     larger = _smallest_fitting_slice(module, config, target, len(devices))
@@ -114,6 +116,36 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
         rows += [Row("compiler's count per device", f"{cost['flops']:.3g} flops, {cost['bytes_accessed']:.3g} bytes accessed"),
                  Row("roofline (estimate)", f"step >= {seconds * 1e3:.1f} ms, <= {per_chip:,.0f} tokens/s per chip")]
     return rows
+
+
+def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
+    """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
+    from jaxtune.runtime import decode, steps
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import to_jax
+
+    model = to_jax(module, make_placement(config.mesh, devices), shapes_only=True)
+    shards = model.placement.batch_shards
+    rows = -(-config.eval.batch_size // shards) * shards  # as `inference.evaluate` rounds them
+    length, generate = config.data.max_length, config.generate
+    found = []
+    for check, shape, plan in (
+        ("eval step memory, peak", f"{rows} x {length}", lambda: steps.eval_step_memory(model, rows, length)),
+        ("decode memory, peak", f"{generate.batch_size} prompts of {length} + {generate.max_new_tokens} tokens",
+         lambda: decode.generate_memory(model, generate.batch_size, length, generate.max_new_tokens)),
+    ):
+        try:
+            bytes_ = plan()
+        except Exception as e:
+            refused = OUT_OF_MEMORY.search(str(e))
+            if not refused:
+                raise
+            found.append(Row(check, f"does not compile ({shape}): {refused[1].strip()}", _size(target.chip.hbm), False))
+            continue
+        needed = bytes_["peak_bytes"] + bytes_["code_bytes"]
+        found.append(Row(check, f"{_size(needed)} with its code ({shape})", f"{_size(target.chip.hbm)} HBM",
+                         needed <= target.chip.hbm))
+    return found
 
 
 def meta_model(name: str, revision: str | None, trust_remote_code: bool, dtype: str):

@@ -118,7 +118,7 @@ def test_the_doctor_shows_the_mesh_and_when_the_plan_does_not_fit_a_mesh_that_wo
     labelled = _memory_rows({**DATA8, "device_limit": None, "platform": "cpu"}, config, "bfloat16")
     assert (labelled[-1].check, labelled[-1].value) == ("  planned by", (
         "XLA:CPU, which computes bf16 matmuls in float32 and keeps float32 copies of the weights for them: "
-        "an accelerator needs less. For a TPU's own plan: --target v5e-1 (or v6e-1, v5p-8, ...)"))
+        "an accelerator needs less. For an accelerator's own plan: --target v5e-1 (or v6e-1, v5p-8, h100, ...)"))
     rows = _memory_rows(DATA8, config, "bfloat16")
     assert (rows[1].check, rows[1].value.split(" (")[0], rows[1].limit, rows[1].ok) == (
         "train step memory, peak", "17.00 GiB", "16.00 GiB", False)
