@@ -12,26 +12,64 @@ row is ever fully masked (no NaN) and a padded row computes what it computes alo
 are segments too. transformers builds no (b, 1, t, t) mask for it: `ATTENTION` is absent from
 its mask registry on purpose.
 
-The scores never outlive one layer: the core runs under `tied_checkpoint`, so the backward
-pass recomputes them from q, k and v instead of keeping (b, heads, t, t) per layer. The core is
-`jax.nn.dot_product_attention` (XLA on CPU and TPU, cuDNN's fused kernel on GPU where it applies);
-soft-capped scores (Gemma 2) and attention dropout, which that function cannot express, run
-the same math written out in JAX, still checkpointed.
+The scores never outlive one layer. On a TPU mesh the core is Pallas's splash-attention kernel
+(`splash`), which never forms them. Elsewhere, and on TPU where the kernel does not apply
+(attention dropout, a sequence not a whole number of its tiles), the core runs under
+`tied_checkpoint`, so the backward pass recomputes the scores from q, k and v instead of keeping
+(b, heads, t, t) per layer: `jax.nn.dot_product_attention` (XLA on CPU and TPU, cuDNN's fused
+kernel on GPU where it applies), or, for soft-capped scores (Gemma 2) and attention dropout,
+which that function cannot express, the same math written out in JAX, still checkpointed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import torch
 
+from jaxtune.runtime import splash
 from jaxtune.runtime.remat import next_key, tied_checkpoint
 
 ATTENTION = "jaxtune_fused"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Which core a traced step's attention runs: "xla" or "splash", on what mesh."""
+    name: str = "xla"
+    mesh: object = None
+    interpret: bool = False  # splash in Pallas's interpreter: its exact arithmetic on any backend (tests)
+
+
+_KERNEL: contextvars.ContextVar[Kernel] = contextvars.ContextVar("jaxtune_attention_kernel", default=Kernel())
+_CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxtune_attention_choice", default=None)
+
+
+def kernel_for(mesh) -> Kernel:
+    """Splash attention for a mesh of TPUs (real or compile-only), XLA's attention otherwise;
+    `choose` overrides it."""
+    chosen = _CHOSEN.get()
+    if chosen == "splash-interpret":
+        return Kernel("splash", mesh, interpret=True)
+    platform = mesh.devices.flat[0].platform if mesh is not None else None
+    return Kernel(chosen or ("splash" if platform == "tpu" else "xla"), mesh)
+
+
+@contextlib.contextmanager
+def choose(name: str) -> Iterator[None]:
+    """Steps traced inside run `name` ("xla", "splash", or "splash-interpret": splash on the CPU,
+    interpreted) whatever their devices: to compare the two cores on one target."""
+    token = _CHOSEN.set(name)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
 
 
 def segment_mask(segment_ids: jax.Array, window: int | None) -> jax.Array:
@@ -46,7 +84,7 @@ def segment_mask(segment_ids: jax.Array, window: int | None) -> jax.Array:
 
 
 def _core(query, key, value, segment_ids, *, scale, window, softcap, dropout, dropout_key):
-    """q (b, t, n, h), k/v (b, t, kv, h) -> (b, t, n, h)."""
+    """q (b, t, n, h), k/v (b, t, kv, h) -> (b, t, n, h), in XLA's ops."""
     mask = segment_mask(segment_ids, window)
     if softcap is None and dropout == 0.0:
         return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale)
@@ -71,6 +109,14 @@ def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     if segment_ids is None:
         raise ValueError(f"{ATTENTION} attention needs the segment_ids keyword; it runs only inside jaxtune's steps")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kernel = _KERNEL.get()
+    if kernel.name == "splash" and splash.supports(query.shape[2], float(dropout)):
+        def run_splash(q, k, v, segments):
+            q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (b, t, heads, h)
+            return splash.attention(q, k, v, segments, scale=float(scale), window=sliding_window, softcap=softcap,
+                                    mesh=kernel.mesh, interpret=kernel.interpret)
+
+        return interop.call_jax(run_splash, query, key, value, segment_ids), None
     dropout_key = next_key() if dropout else jnp.zeros((2,), jnp.uint32)
     core = functools.partial(_core, scale=float(scale), window=sliding_window, softcap=softcap, dropout=float(dropout))
 
@@ -105,8 +151,9 @@ def _configs(module: torch.nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def fused(module: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """While active (while a step is traced), the model's attention layers run `fused_attention`."""
+def fused(module: torch.nn.Module, enabled: bool = True, mesh=None) -> Iterator[None]:
+    """While active (while a step is traced), the model's attention layers run `fused_attention`,
+    with the core `kernel_for(mesh)` picks."""
     if not enabled:
         yield
         return
@@ -115,8 +162,10 @@ def fused(module: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
     before = [c._attn_implementation for c in configs]
     for config in configs:
         config._attn_implementation = ATTENTION
+    token = _KERNEL.set(kernel_for(mesh))
     try:
         yield
     finally:
+        _KERNEL.reset(token)
         for config, name in zip(configs, before):
             config._attn_implementation = name

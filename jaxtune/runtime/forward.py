@@ -57,7 +57,7 @@ def tracing(model: JaxModel, training: bool, remat: str, fused: bool):
     module.train(training)
     try:
         with keyed_layers(module, remat) if training or remat != "none" else contextlib.nullcontext(), \
-                attention.fused(module, fused):
+                attention.fused(module, fused, model.placement.mesh):
             yield module
     finally:
         module.eval()
