@@ -202,11 +202,17 @@ def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device(tiny_folder
     assert kernels("v5e:2x2", "xla") == kernels("h100") == (0, 0, 0)
 
 
-def test_a_step_that_fits_one_v5e_chip_says_so_with_the_compilers_estimate(tiny_folder, capsys):
-    code = cli.main(["doctor", str(tiny_folder), "--target", "v5e-1", "--set", "train.batch_size=4",
+def _tiny_plan(folder, capsys, target: str) -> str:
+    """What `jaxtune doctor FOLDER --target TARGET` prints for 4 rows of SEQUENCE tokens, which fit."""
+    code = cli.main(["doctor", str(folder), "--target", target, "--set", "train.batch_size=4",
                      "--set", f"data.max_length={SEQUENCE}"])
     out = capsys.readouterr().out
     assert code == 0, out
+    return out
+
+
+def test_a_step_that_fits_one_v5e_chip_says_so_with_the_compilers_estimate(tiny_folder, capsys):
+    out = _tiny_plan(tiny_folder, capsys, "v5e-1")
     assert "XLA:TPU plan for v5e-1 (TPU v5e, topology v5e:1x1, 1 device), compiled here without them" in out
     assert "15.75 GiB HBM  ok" in out and "roofline (estimate)" in out and out.rstrip().splitlines()[-1].startswith("fits:")
     checks = [line.split()[0:3] for line in out.splitlines() if " memory, peak " in line and line.endswith("HBM  ok")]
@@ -214,10 +220,7 @@ def test_a_step_that_fits_one_v5e_chip_says_so_with_the_compilers_estimate(tiny_
 
 
 def test_the_tiny_models_steps_fit_one_h100_as_xla_gpu_plans_them(tiny_folder, capsys):
-    code = cli.main(["doctor", str(tiny_folder), "--target", "h100", "--set", "train.batch_size=4",
-                     "--set", f"data.max_length={SEQUENCE}"])
-    out = capsys.readouterr().out
-    assert code == 0, out
+    out = _tiny_plan(tiny_folder, capsys, "h100")
     assert "XLA:GPU plan for h100 (1 x NVIDIA H100 80GB HBM3, 59.74 GiB each to JAX), compiled here without them" in out
     rows = [line for line in out.splitlines() if " memory, peak " in line]
     assert len(rows) == 3 and all(line.endswith("59.74 GiB HBM  ok") for line in rows), out
