@@ -27,10 +27,12 @@ OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED: ([^\n]*)")
 MAX_SLICES_TRIED = 3  # each is a compile of the whole step: minutes for a real model
 
 
-def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision: str | None = None) -> Diagnosis:
+def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision: str | None = None,
+                    train_only: bool = False) -> Diagnosis:
     """Rows of the target's plan for `name` trained as `config` says; TargetError when the target is
-    unknown or cannot be compiled for here (both found before the model is read). When the step
-    does not fit, the larger slices of the same chip are compiled in turn, the smallest that fits named."""
+    unknown or cannot be compiled for here (both found before the model is read). When the train
+    step does not fit, the larger slices of the same chip are compiled in turn, the smallest that
+    fits named. `train_only`: leave out the eval and decode steps (each another compile)."""
     from jaxtune.runtime import memory, targets
 
     target = targets.resolve(target_name)
@@ -48,7 +50,7 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
                            Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", _size(target.chip.hbm), False)]
     else:
         diagnosis.rows += _rows(plan, target, shape, tokens=train.grad_accumulation * train.batch_size * length)
-        diagnosis.rows += _other_steps(module, config, target, devices)
+        diagnosis.rows += [] if train_only else _other_steps(module, config, target, devices)
     if diagnosis.ok:
         return diagnosis
     larger = _smallest_fitting_slice(module, config, target, len(devices))
