@@ -16,9 +16,10 @@ The scores never outlive one layer. On a TPU mesh the core is Pallas's splash-at
 (`splash`), which never forms them. Elsewhere, and on TPU where the kernel does not apply
 (attention dropout, a sequence not a whole number of its tiles), the core runs under
 `tied_checkpoint`, so the backward pass recomputes the scores from q, k and v instead of keeping
-(b, heads, t, t) per layer: `jax.nn.dot_product_attention` (XLA on CPU and TPU, cuDNN's fused
-kernel on GPU where it applies), or, for soft-capped scores (Gemma 2) and attention dropout,
-which that function cannot express, the same math written out in JAX, still checkpointed.
+(b, heads, t, t) per layer: `jax.nn.dot_product_attention` (XLA's on every backend: given no
+`implementation`, JAX 0.10 never picks cuDNN's), or, for soft-capped scores (Gemma 2) and
+attention dropout, which that function cannot express, the same math written out in JAX, still
+checkpointed.
 """
 
 from __future__ import annotations
