@@ -22,6 +22,8 @@ import functools
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxtune.runtime.mesh import BATCH_AXES
+
 BLOCKS = (512, 256, 128)  # tile lengths tried, largest first: a tile must divide the sequence
 
 
@@ -39,8 +41,6 @@ def attention(query, key, value, segment_ids, *, scale: float, window: int | Non
     local = functools.partial(_local, scale=scale, window=window, softcap=softcap, interpret=interpret)
     if mesh is None or mesh.size == 1:
         return local(query, key, value, segment_ids)
-    from jaxtune.runtime.mesh import BATCH_AXES
-
     rows = BATCH_AXES if query.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
     tensor = mesh.shape["tensor"]
     heads = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 and key.shape[2] % tensor == 0 else None

@@ -90,10 +90,6 @@ class Chip:
     gpu: GpuSpec | None = None  # None for a TPU
 
     @property
-    def platform(self) -> str:
-        return "gpu" if self.gpu else "tpu"
-
-    @property
     def compiler(self) -> str:
         return "XLA:GPU" if self.gpu else "XLA:TPU"
 
@@ -131,10 +127,9 @@ class Target:
     options: dict = field(default_factory=dict, hash=False)  # what a single chip needs besides its name
 
     def describe(self, devices: int) -> str:
-        plural = "s" * (devices != 1)
         if self.chip.gpu:
             return f"{self.name} ({devices} x {self.chip.gpu.name}, {self.chip.hbm / GiB:.2f} GiB each to JAX)"
-        return f"{self.name} (TPU {self.chip.kind}, topology {self.topology}, {devices} device{plural})"
+        return f"{self.name} (TPU {self.chip.kind}, topology {self.topology}, {devices} device{'s' * (devices != 1)})"
 
 
 def resolve(name: str) -> Target:
