@@ -54,7 +54,7 @@ def diagnose(name: str, config: JaxtuneConfig, revision: str | None = None, toke
     module = load_torch_model(name, revision, config.model.trust_remote_code, "float32")
     total = sum(p.numel() for p in module.parameters())
     kind = module.config.model_type
-    module = _trainable(module, config, randomize_lora=True)
+    module = as_trained(module, config, randomize_lora=True)
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     model = to_jax(module, make_placement(config.mesh))
     method = f"LoRA r={config.lora.r} on {_targets(config)}" if config.train.method == "lora" else "full fine-tuning"
@@ -91,7 +91,7 @@ def diagnose(name: str, config: JaxtuneConfig, revision: str | None = None, toke
     return diagnosis
 
 
-def _trainable(module, config: JaxtuneConfig, randomize_lora: bool):
+def as_trained(module, config: JaxtuneConfig, randomize_lora: bool):
     """The module as the config trains it: LoRA attached (B drawn small and random when
     `randomize_lora`, since at PEFT's B = 0 no A gets a gradient), or every weight trainable."""
     import torch
@@ -138,7 +138,7 @@ def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]
     from jaxtune.runtime.model import load_torch_model, to_jax
 
     dtype = config.model.model_copy(update={"name": name}).compute_dtype
-    module = _trainable(load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
+    module = as_trained(load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
     model = to_jax(module, make_placement(config.mesh))
     train = config.train
     plan = memory.memory_plan(model, steps.make_optimizer(train), train, config.data.max_length)
@@ -152,11 +152,11 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str) -> list[Row]:
 
     train = config.train
     shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {config.data.max_length}"
-    limit = _size(plan["device_limit"]) if plan["device_limit"] else "not reported"
+    limit = size_text(plan["device_limit"]) if plan["device_limit"] else "not reported"
     fits = None if not plan["device_limit"] else plan["peak"] <= plan["device_limit"]
     rows = [
         Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
-        Row(MEMORY_CHECK, f"{_size(plan['peak'])} ({shape})", limit, fits),
+        Row(MEMORY_CHECK, f"{size_text(plan['peak'])} ({shape})", limit, fits),
         *part_rows(plan),
     ]
     if plan.get("platform") == "cpu":
@@ -168,12 +168,12 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str) -> list[Row]:
 
 def part_rows(plan: dict) -> list[Row]:
     """The memory plan's parts, one row each, indented under its peak."""
-    return [Row(f"  {label}", _size(plan[key])) for label, key in (
+    return [Row(f"  {label}", size_text(plan[key])) for label, key in (
         ("parameters", "parameters"), ("gradients", "gradients"), ("optimizer state", "optimizer_state"),
         ("activations per micro-batch", "activations_per_micro_batch"))]
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from jaxtune.config import JaxtuneConfig
-from jaxtune.doctor import MEMORY_CHECK, Diagnosis, Row, _size, _trainable, part_rows
+from jaxtune.doctor import MEMORY_CHECK, Diagnosis, Row, as_trained, part_rows, size_text
 from jaxtune.errors import DoctorError
 
 # libtpu's refusal of a step that does not fit: "... (55.40G) exceeds available HBM (15.75G) ..."
@@ -39,7 +39,7 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
     devices = targets.devices(target)
     train, length = config.train, config.data.max_length
     dtype = config.model.model_copy(update={"name": name}).compute_dtype
-    module = _trainable(meta_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
+    module = as_trained(meta_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
     method = f"LoRA r={config.lora.r}" if train.method == "lora" else "full fine-tuning"
     diagnosis = Diagnosis(model=name, summary=f"{module.config.model_type}, {method}; {target.chip.compiler} plan for "
                                               f"{target.describe(len(devices))}, compiled here without them", plan_only=True)
@@ -47,7 +47,7 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
     plan, refused = _compile(module, config, target, devices, config.mesh)
     if refused:
         diagnosis.rows += [Row("mesh", refused["mesh"]),
-                           Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", _size(target.chip.hbm), False)]
+                           Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", size_text(target.chip.hbm), False)]
     else:
         diagnosis.rows += _rows(plan, target, shape, tokens=train.grad_accumulation * train.batch_size * length)
         diagnosis.rows += [] if train_only else _other_steps(module, config, target, devices)
@@ -94,7 +94,7 @@ def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int)
         mesh = MeshConfig(data=1, **{axis: len(found)})
         plan, refused = _compile(module, config, candidate, found, mesh)
         if plan and plan["peak"] + plan["code"] <= candidate.chip.hbm:
-            return (f"{candidate.name} fits: {_size(plan['peak'] + plan['code'])} of {_size(candidate.chip.hbm)} "
+            return (f"{candidate.name} fits: {size_text(plan['peak'] + plan['code'])} of {size_text(candidate.chip.hbm)} "
                     f"per device with {memory.mesh_setting(plan['mesh'])} (compiled)")
     return None
 
@@ -107,9 +107,9 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
     fits = needed <= target.chip.hbm
     rows = [
         Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
-        Row(MEMORY_CHECK, f"{_size(needed)} with its code ({shape})", f"{_size(target.chip.hbm)} HBM", fits),
+        Row(MEMORY_CHECK, f"{size_text(needed)} with its code ({shape})", f"{size_text(target.chip.hbm)} HBM", fits),
         *part_rows(plan),
-        Row("  generated code", _size(plan["code"])),
+        Row("  generated code", size_text(plan["code"])),
     ]
     cost = plan["cost"]
     if cost.get("flops"):
@@ -142,10 +142,10 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
             refused = OUT_OF_MEMORY.search(str(e))
             if not refused:
                 raise
-            found.append(Row(check, f"does not compile ({shape}): {refused[1].strip()}", _size(target.chip.hbm), False))
+            found.append(Row(check, f"does not compile ({shape}): {refused[1].strip()}", size_text(target.chip.hbm), False))
             continue
         needed = bytes_["peak_bytes"] + bytes_["code_bytes"]
-        found.append(Row(check, f"{_size(needed)} with its code ({shape})", f"{_size(target.chip.hbm)} HBM",
+        found.append(Row(check, f"{size_text(needed)} with its code ({shape})", f"{size_text(target.chip.hbm)} HBM",
                          needed <= target.chip.hbm))
     return found
 

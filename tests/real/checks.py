@@ -72,13 +72,13 @@ def tokenizer_of(checkpoint: Checkpoint):
 def lora_model(checkpoint: Checkpoint):
     """The float32 model with random-B LoRA on every linear layer, on JAX (`doctor`'s set-up)."""
     from jaxtune.config import load_config
-    from jaxtune.doctor import _trainable
+    from jaxtune.doctor import as_trained
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import load_torch_model, to_jax
 
     config = load_config(None, [f"model.name={checkpoint.folder}", "lora.target_modules=all-linear"])
     module = load_torch_model(str(checkpoint.folder), None, False, "float32")
-    return to_jax(_trainable(module, config, randomize_lora=True), make_placement(config.mesh))
+    return to_jax(as_trained(module, config, randomize_lora=True), make_placement(config.mesh))
 
 
 def prompts(tokenizer) -> list[list[int]]:

@@ -83,14 +83,14 @@ def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, mon
 
 
 def _placed_model(folder, settings, target_name):
-    from jaxtune.doctor import _trainable
+    from jaxtune.doctor import as_trained
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import to_jax
     from jaxtune.target_plan import meta_model
 
     config = load_config(None, settings)
     placement = make_placement(config.mesh, targets.devices(targets.resolve(target_name)))
-    module = _trainable(meta_model(str(folder), None, False, "bfloat16"), config, randomize_lora=False)
+    module = as_trained(meta_model(str(folder), None, False, "bfloat16"), config, randomize_lora=False)
     return config, to_jax(module, placement, shapes_only=True)
 
 
