@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 from pathlib import Path
-
-# A test process holds millions of long-lived objects (torch, transformers, JAX, Prefect, and
-# every traced program), and CPython's default thresholds (700, 10, 10) walk all of them in a
-# full collection 0.4-0.7 s long, every few toy flows: in tests/flows/test_invalidation.py,
-# 16 full collections and 9.6 s of its 114 s of CPU went to the collector. Collecting less
-# often frees the same garbage later: 2.8 s there, and the workers' peak memory is unchanged.
-gc.set_threshold(10_000, 50, 1_000)
 
 # Before Prefect loads: no telemetry, and its home (database, logs) in a throwaway folder.
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
