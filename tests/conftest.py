@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
-# Before Prefect loads: no telemetry, and its home (database, logs) in a throwaway folder.
+# Before Prefect loads: no telemetry, and its home (database, logs) in a throwaway folder, removed
+# when this process ends (the processes a test starts inherit it and end before).
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="jaxtune-prefect-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # XLA:CPU without LLVM's optimisation passes, in this process and every process it starts: the
 # suite compiles hundreds of distinct programs for models that run in milliseconds, and at level 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -21,6 +22,7 @@ STARTUP_SECONDS = 300  # the suite's two workers import and collect beside it on
 
 class SessionServer:
     def __init__(self, folder: Path):
+        self.folder = folder
         self.url_file = folder / "server.json"
         self.database = f"sqlite+aiosqlite:///{folder / 'prefect.db'}"
         self._server = None
@@ -51,6 +53,7 @@ class SessionServer:
         self._thread.join(timeout=STARTUP_SECONDS)
         if self._server is not None:
             self._server.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def wait_for_server(url_file: Path) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ def free_port() -> int:
 
 class PrefectServer:
     def __init__(self, home: Path | None = None, port: int | None = None):
+        self._own_home = home is None  # a folder of its own is removed when the server stops
         self.home = Path(home or tempfile.mkdtemp(prefix="jaxtune-server-"))
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -122,6 +124,8 @@ class PrefectServer:
     def __exit__(self, *exc) -> None:
         for process in reversed(self._processes):
             self.stop(process)
+        if self._own_home:
+            shutil.rmtree(self.home, ignore_errors=True)
 
     # -- deployments -------------------------------------------------------------------------
     def deploy(self, pool: str = "jaxtune") -> None:
