@@ -10,6 +10,7 @@ import argparse
 import difflib
 import logging
 import os
+import signal
 import sys
 
 from jaxtune.tasks import BUILD_STAGES, STAGES
@@ -145,11 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def _chain(error: BaseException):
+    """`error` and the errors it was raised from or while handling."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def _run(args, config) -> int:
     """`jaxtune run` once its config is loaded (and its job joined)."""
     from jaxtune import preflight
     from jaxtune.config import OFFLINE
-    from jaxtune.errors import ConfigError
+    from jaxtune.errors import ConfigError, TrainingStopped
 
     try:
         preflight.check(config)
@@ -168,6 +178,13 @@ def _run(args, config) -> int:
     try:
         result = finetune(recipe=args.config or OFFLINE, overrides=args.overrides, refresh=args.refresh, until=args.until)
     except Exception as error:
+        # A stop is no failure: the run saved its place and goes on when started again. Prefect
+        # may have raised another error while recording it, its server stopped by the same signal.
+        stopped = next((e for e in _chain(error) if isinstance(e, TrainingStopped)), None)
+        if stopped is not None:
+            logging.getLogger("prefect").setLevel(logging.WARNING)
+            print(f"jaxtune: train: {stopped}", file=sys.stderr)
+            return 128 + (signal.SIGINT if stopped.signal == "SIGINT" else signal.SIGTERM)  # as the signal's own exit
         if args.debug:
             raise
         # The temporary Prefect server logs its shutdown at exit; keep the error the last line.

@@ -195,6 +195,9 @@ class TrainConfig(Section):
     )
     eval_every: int | None = Field(None, gt=0, description="steps between eval-loss measurements during training (null: none)")
     checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints a crashed run resumes from")
+    checkpoint_minutes: float | None = Field(
+        15.0, gt=0.0, description="minutes of training after which a checkpoint is also written, whatever the step: "
+        "the most a hard kill loses (null: by steps alone)")
     seed: int = Field(0, description="data order and dropout")
     log_every: int = Field(10, gt=0, description="steps between host syncs (log lines, progress)")
 

@@ -49,6 +49,15 @@ class NonFiniteLoss(FloatingPointError):
     """A step produced a NaN or infinite loss or gradient norm."""
 
 
+class TrainingStopped(RuntimeError):
+    """Training stopped on SIGTERM or SIGINT after checkpointing the step it had reached; the same
+    run started again resumes there. `signal` names the signal, `step` the step saved."""
+
+    def __init__(self, message: str, signal: str | None = None, step: int | None = None):
+        super().__init__(message)
+        self.signal, self.step = signal, step
+
+
 class TargetError(ValueError):
     """An accelerator target that is unknown, or that this machine cannot compile for (the message names the extra to install)."""
 

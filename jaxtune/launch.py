@@ -41,7 +41,9 @@ from jaxtune.errors import LaunchError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-GRACE_SECONDS = 10.0  # between asking the other processes to stop and killing them
+# Between asking the other processes to stop and killing them: a process stopped by SIGTERM in
+# training first writes a checkpoint of its step (as on a spot VM's notice, which gives 30 s).
+GRACE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)

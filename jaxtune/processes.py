@@ -23,6 +23,7 @@ WAIT_MS = 7 * 24 * 3600 * 1000
 index, count = 0, 1
 _barrier: Callable[[str], None] = lambda name: None  # noqa: E731
 _agree: Callable[[bool], bool] = lambda value: value  # noqa: E731
+_any_of: Callable[[tuple[bool, ...]], tuple[bool, ...]] = lambda values: values  # noqa: E731
 _calls = 0  # barriers and agreements so far: every process makes the same ones, in the same order
 
 
@@ -57,13 +58,14 @@ def join(cfg: MeshConfig) -> bool:
     if not jax.distributed.is_initialized():
         jax.distributed.initialize(coordinator_address=arguments["coordinator"], num_processes=arguments["num_processes"],
                                    process_id=arguments["process_id"])
-    joined(jax.process_index(), jax.process_count(), _service_barrier, _service_agree)
+    joined(jax.process_index(), jax.process_count(), _service_barrier, _service_agree, _service_any_of)
     return True
 
 
-def joined(process_index: int, process_count: int, barrier: Callable[[str], None], agree: Callable[[bool], bool]) -> None:
-    global index, count, _barrier, _agree
-    index, count, _barrier, _agree = process_index, process_count, barrier, agree
+def joined(process_index: int, process_count: int, barrier: Callable[[str], None], agree: Callable[[bool], bool],
+           any_of: Callable[[tuple[bool, ...]], tuple[bool, ...]] = lambda values: values) -> None:
+    global index, count, _barrier, _agree, _any_of
+    index, count, _barrier, _agree, _any_of = process_index, process_count, barrier, agree, any_of
 
 
 def writes() -> bool:
@@ -79,6 +81,11 @@ def barrier(name: str) -> None:
 def agree(value: bool) -> bool:
     """Process 0's `value`, on every process (what it decided, e.g. that a stage is cached)."""
     return _agree(value)
+
+
+def any_of(*values: bool) -> tuple[bool, ...]:
+    """For each of `values`, whether it is true on any process (every process calls this together)."""
+    return _any_of(tuple(values))
 
 
 def _client():
@@ -107,3 +114,15 @@ def _service_agree(value: bool) -> bool:
         _client().key_value_set(key, "1" if value else "0")
         return bool(value)
     return _client().blocking_key_value_get(key, WAIT_MS) == "1"
+
+
+def _service_any_of(values: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Each process whose values are not all false writes them under this call's prefix before a
+    barrier, and every process reads the prefix after it: all read the same writes, whichever
+    process is slower, since none writes under a prefix once it has passed that prefix's barrier."""
+    prefix = _next_id("any_of")
+    if any(values):
+        _client().key_value_set(f"{prefix}/{index}", "".join("1" if v else "0" for v in values))
+    _client().wait_at_barrier(f"{prefix}/written", WAIT_MS)
+    written = [found for _, found in _client().key_value_dir_get(f"{prefix}/")]
+    return tuple(any(found[i] == "1" for found in written) for i in range(len(values)))

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxtune import processes
+from jaxtune import processes, stopping
 from jaxtune.config import TrainConfig
 from jaxtune.errors import NonFiniteLoss
 from jaxtune.runtime import attention, checkpoint, memory, steps
@@ -97,44 +97,45 @@ def train(
     pending, window_tokens, slots = [], 0, [0, 0]
     started = window_start = time.perf_counter()
     compile_seconds = 0.0
-    for step in tqdm(range(start + 1, total + 1), desc="train", unit="step", initial=start, total=total):
-        parts = [next(micro_batches) for _ in range(k)]
-        batch = {name: np.stack([part[name] for part in parts]) for name in parts[0]}
-        tokens = int(batch["attention_mask"].sum())
-        window_tokens += tokens
-        slots[0], slots[1] = slots[0] + tokens, slots[1] + batch["attention_mask"].size
-        batch = model.placement.shard_micro_batches(batch)
-        batch_labels = batch.pop("labels")
-        loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, batch, batch_labels,
-                                           steps.step_key(cfg.seed, step), schedule(step - 1))
-        pending.append((step, tokens, loss, steps.grad_norm_of(opt_state)))
+    with stopping.stop_on_signals(cfg.checkpoint_minutes) as stops:
+        for step in tqdm(range(start + 1, total + 1), desc="train", unit="step", initial=start, total=total):
+            parts = [next(micro_batches) for _ in range(k)]
+            batch = {name: np.stack([part[name] for part in parts]) for name in parts[0]}
+            tokens = int(batch["attention_mask"].sum())
+            window_tokens += tokens
+            slots[0], slots[1] = slots[0] + tokens, slots[1] + batch["attention_mask"].size
+            batch = model.placement.shard_micro_batches(batch)
+            batch_labels = batch.pop("labels")
+            loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, batch, batch_labels,
+                                               steps.step_key(cfg.seed, step), schedule(step - 1))
+            pending.append((step, tokens, loss, steps.grad_norm_of(opt_state)))
 
-        saving = step % cfg.checkpoint_every == 0 and step < total and checkpoint_dir is not None
-        evaluating = evaluate is not None and (step % cfg.eval_every == 0 or step == total)
-        if step == start + 1 or step % cfg.log_every == 0 or step == total or saving or evaluating:
-            fetched = fetch(pending)  # the host sync
-            elapsed = time.perf_counter() - window_start
-            if step == start + 1:  # the first call compiles: no tokens/s for it
-                compile_seconds, window_tokens = elapsed, 0
-            records = [_record(s, float(l), float(g), t, schedule, window_tokens / elapsed if window_tokens else 0.0,
-                               last_checkpoint, flops) for s, t, l, g in fetched]
-            log += records
-            on_log(records)
-            pending, window_tokens, window_start = [], 0, time.perf_counter()
-            if evaluating:
-                record = {"step": step, "eval_loss": evaluate(weights)}
-                log.append(record)
-                on_log([record])
-                window_start = time.perf_counter()
-            if saving:
-                state = {"micro_batches": step * k, "rng": {"seed": cfg.seed, "step": step}, "log": log}
-                host_weights, host_state = fetch((weights, opt_state))  # every process gathers; process 0 writes
-                path = checkpoint_dir / f"{checkpoint.PREFIX}{step:08d}"
-                if processes.writes():
-                    path = checkpoint.save(checkpoint_dir, step, host_weights, host_state, state)
-                processes.barrier(f"checkpoint {step}")
-                last_checkpoint = str(path)
-                window_start = time.perf_counter()
+            # On a stop signal this step is the last: saved whatever its number, and not evaluated
+            # (the notice's seconds go to the checkpoint; a resumed run starts after this step).
+            stop, due = stops.after_step()
+            saving = checkpoint_dir is not None and (stop or (step < total and (step % cfg.checkpoint_every == 0 or due)))
+            evaluating = not stop and evaluate is not None and (step % cfg.eval_every == 0 or step == total)
+            if step == start + 1 or step % cfg.log_every == 0 or step == total or saving or evaluating or stop:
+                fetched = fetch(pending)  # the host sync
+                elapsed = time.perf_counter() - window_start
+                if step == start + 1:  # the first call compiles: no tokens/s for it
+                    compile_seconds, window_tokens = elapsed, 0
+                records = [_record(s, float(l), float(g), t, schedule, window_tokens / elapsed if window_tokens else 0.0,
+                                   last_checkpoint, flops) for s, t, l, g in fetched]
+                log += records
+                on_log(records)
+                pending, window_tokens, window_start = [], 0, time.perf_counter()
+                if evaluating:
+                    record = {"step": step, "eval_loss": evaluate(weights)}
+                    log.append(record)
+                    on_log([record])
+                    window_start = time.perf_counter()
+                if saving:
+                    last_checkpoint = _save(checkpoint_dir, step, weights, opt_state, log, cfg)
+                    stops.saved()
+                    window_start = time.perf_counter()
+                if stop:
+                    raise stops.stopped(step, last_checkpoint if saving else None)
 
     train_records = [r for r in log if "loss" in r]
     window = [r for r in train_records if r["step"] > total - cfg.log_every] or train_records[-1:]
@@ -159,6 +160,17 @@ def train(
     }
     weights, opt_state = fetch((weights, opt_state))
     return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
+
+
+def _save(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig) -> str:
+    """Checkpoint `step` (every process gathers the state, process 0 writes it); its path."""
+    state = {"micro_batches": step * cfg.grad_accumulation, "rng": {"seed": cfg.seed, "step": step}, "log": log}
+    host_weights, host_state = fetch((weights, opt_state))
+    path = folder / f"{checkpoint.PREFIX}{step:08d}"
+    if processes.writes():
+        path = checkpoint.save(folder, step, host_weights, host_state, state)
+    processes.barrier(f"checkpoint {step}")
+    return str(path)
 
 
 def flops_per_token(model: JaxModel, feed: Feed) -> dict:

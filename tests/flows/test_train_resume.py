@@ -1,5 +1,5 @@
-"""Crash-safe training: SIGKILL the training process twice at different steps, re-run the flow,
-and the final weights equal an uninterrupted run's."""
+"""Crash-safe training: SIGKILL the training process twice at different steps, stop it once with
+SIGTERM, re-run the flow, and the final weights equal an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ def newest_logged(store: Path) -> int:
     return max(steps)
 
 
-def run_and_kill(store: Path, after_step: int) -> tuple[int, int]:
-    """Start `jaxtune run --until train` in a new process; SIGKILL it once it has logged `after_step`.
+def run_and_kill(store: Path, after_step: int, sig: int = signal.SIGKILL) -> tuple[int, int]:
+    """Start `jaxtune run --until train` in a new process; send it `sig` once it has logged `after_step`.
 
-    Returns (the last step it logged, its newest checkpoint)."""
+    Returns (the last step it logged, its newest checkpoint); a SIGTERM must end it as a stop."""
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
@@ -58,9 +58,17 @@ def run_and_kill(store: Path, after_step: int) -> tuple[int, int]:
             pytest.fail(f"training ended before checkpoint {after_step}: {proc.stderr.read()[-2000:]}")
         assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    proc.send_signal(sig)
+    signalled = time.monotonic()
+    err = proc.communicate()[1]
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+    else:  # finishes its step, saves it, and says so on its last line, with the signal's own exit status
+        print(f"SIGTERM to exit: {time.monotonic() - signalled:.1f} s")
+        step = newest_checkpoint(store)
+        assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+        assert err.strip().splitlines()[-1] == (f"jaxtune: train: stopped by SIGTERM at step {step}; checkpoint saved "
+                                                f"({next(store.glob(f'.scratch/train/*/step-{step:08d}'))}); run again to resume")
     return newest_logged(store), newest_checkpoint(store)
 
 
@@ -80,10 +88,14 @@ def test_training_killed_twice_resumes_to_the_uninterrupted_weights(tmp_path):
     killed_again, second = run_and_kill(store, after_step=36)
     assert 10 <= first < second < 60 and killed > first and killed_again > second
     assert not list(store.glob("train/*/manifest.json")), "a killed run leaves no train artifact"
+    # Then a stop signal, as a spot VM's notice: the step it reached is saved, whether or not it
+    # is a multiple of checkpoint_every, and the next run resumes at that step exactly.
+    _, third = run_and_kill(store, after_step=46, sig=signal.SIGTERM)
+    assert 46 <= third < 60
 
     resumed = train_in_process(store)
     summary = json.loads((resumed / "summary.json").read_text())
-    assert summary["resumed_from"] >= second
+    assert summary["resumed_from"] == third
     log = [json.loads(line) for line in (resumed / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == list(range(1, 61))
     expected, got = load_file(str(reference / "params.safetensors")), load_file(str(resumed / "params.safetensors"))

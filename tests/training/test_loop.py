@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
+from jaxtune.errors import TrainingStopped
 from jaxtune.runtime import checkpoint, memory, steps, training
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime.mesh import make_placement
@@ -170,3 +174,80 @@ def test_memory_plan_counts_each_part_and_refuses_what_cannot_fit():
     message = str(refused.value)
     for knob in ("train.method=lora", "train.optimizer=adafactor", "train.remat=layer", "train.grad_accumulation"):
         assert knob in message
+
+
+def signalled_at(call: int, *signums: int):
+    """`steps.make_train_step` whose `call`-th step, once run, sends this process `signums` in turn."""
+    real_step = steps.make_train_step
+
+    def make(*args, **kwargs):
+        step, calls = real_step(*args, **kwargs), []
+
+        def run_step(*a):
+            calls.append(1)
+            out = step(*a)
+            if len(calls) == call:
+                for signum in signums:
+                    os.kill(os.getpid(), signum)
+            return out
+
+        return run_step
+
+    return make
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_checkpoints_the_step_it_reached_and_the_rerun_resumes_there(reference, tmp_path, monkeypatch, signum):
+    """Step 5 is no checkpoint step (every 2): without the handler SIGTERM would end the process
+    and SIGINT raise KeyboardInterrupt, with step 4 the newest checkpoint."""
+    uninterrupted, _ = reference
+    real_step, before = steps.make_train_step, signal.getsignal(signum)
+    monkeypatch.setattr(steps, "make_train_step", signalled_at(5, signum))
+    name = signal.Signals(signum).name
+    with pytest.raises(TrainingStopped) as stopped:
+        run(checkpoint_dir=tmp_path)
+    assert str(stopped.value) == f"stopped by {name} at step 5; checkpoint saved ({tmp_path / 'step-00000005'}); run again to resume"
+    assert (stopped.value.signal, stopped.value.step) == (name, 5)
+    assert signal.getsignal(signum) is before, "the loop's handler outlived the loop"
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000004", "step-00000005"]
+
+    monkeypatch.setattr(steps, "make_train_step", real_step)
+    resumed, _ = run(checkpoint_dir=tmp_path)
+    assert resumed.summary["resumed_from"] == 5
+    assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
+    for name, value in uninterrupted.weights.items():
+        np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
+
+
+def test_a_second_signal_while_stopping_goes_to_the_handler_there_before(tmp_path, monkeypatch):
+    """The first SIGTERM only asks for a stop; the second is handled as it would have been
+    without the loop, at once, so the step-3 checkpoint is never written."""
+    class Escalated(Exception):
+        pass
+
+    calls = []
+
+    def before(signum, frame):
+        calls.append(signum)
+        raise Escalated
+
+    monkeypatch.setattr(steps, "make_train_step", signalled_at(3, signal.SIGTERM, signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        with pytest.raises(Escalated):
+            run(checkpoint_dir=tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert calls == [signal.SIGTERM]  # once, for two signals
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002"]
+
+
+def test_checkpoint_minutes_saves_by_time_whatever_the_step(reference, tmp_path):
+    """checkpoint_every past the run and a minutes bound already passed at every step: each step
+    but the last is saved (the newest KEEP=2 stay), and saving changes nothing trained."""
+    uninterrupted, _ = reference
+    timed, _ = run(CFG.model_copy(update={"checkpoint_every": 100, "checkpoint_minutes": 1e-9}), checkpoint_dir=tmp_path)
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000006", "step-00000007"]
+    assert [(r["step"], r["loss"]) for r in timed.log if "loss" in r] == [(r["step"], r["loss"]) for r in uninterrupted.log if "loss" in r]
+    for name, value in uninterrupted.weights.items():
+        np.testing.assert_array_equal(timed.weights[name], value, err_msg=name)
