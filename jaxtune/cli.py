@@ -172,10 +172,12 @@ def _run(args, config) -> int:
         print(f"jaxtune: {_one_line(e)}", file=sys.stderr)
         return 1
     from jaxtune.flows.finetune import STAGE_NOTE, finetune
+    from jaxtune.temporary_server import start_guarded
 
     if not args.debug:
         _console_without_tracebacks()
     try:
+        start_guarded()
         result = finetune(recipe=args.config or OFFLINE, overrides=args.overrides, refresh=args.refresh, until=args.until)
     except Exception as error:
         # A stop is no failure: the run saved its place and goes on when started again. Prefect
