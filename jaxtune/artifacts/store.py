@@ -212,6 +212,7 @@ class ArtifactStore:
         """Yield an empty temp folder to fill; on clean exit publish it as `stage/key`, on error delete it."""
         target = self.folder(stage, key)
         target.parent.mkdir(parents=True, exist_ok=True)
+        self._clean_dead_temps(target.parent, key)
         temp = target.parent / _temp_name(key)
         temp.mkdir()
         try:
@@ -280,6 +281,16 @@ class ArtifactStore:
         os.rename(target, aside)
         shutil.rmtree(aside, ignore_errors=True)
         return True
+
+    @staticmethod
+    def _clean_dead_temps(folder: Path, key: str) -> None:
+        """Remove the temp folders of `key` whose writers are dead (a killed run's half-built
+        artifact, up to its whole size). The caller writes `key` under the stage's lock, so no
+        other live writer of it can be mid-write; one whose pid is alive is kept all the same."""
+        for temp in folder.glob(f"{TEMP_PREFIX}{key}-*"):
+            owner = _temp_owner(temp.name)
+            if temp.is_dir() and owner is not None and not _pid_alive(owner):
+                shutil.rmtree(temp, ignore_errors=True)
 
     def clean_temp(self, *, include_live: bool = False) -> list[Path]:
         """Delete leftover temp folders of dead writers (or all of them with include_live); returns them."""
