@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -25,20 +26,36 @@ def command(process) -> list[str]:
         return []
 
 
+def answering_server(pid: int):
+    """The Prefect server process among `pid`'s children, once it answers its health check."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        argv = command(child)
+        if "prefect.server.api.server:create_app" in argv:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}/api/health", timeout=1):
+                    return child
+            except OSError:
+                return None
+    return None
+
+
 def test_a_killed_jaxtune_run_leaves_no_process_within_5_seconds(tmp_path):
     import psutil
 
-    store = tmp_path / "store"
-    sets = [a for s in [*TOY, f"store.root={store}"] for a in ("--set", s)]
+    sets = [a for s in [*TOY, f"store.root={tmp_path / 'store'}"] for a in ("--set", s)]
     run = subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "run", *sets], cwd=ROOT, env=_clean_env(tmp_path / "home"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not (store / "build_tokenizer").exists():  # the flow runs its first stage: the server is up
-        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:] if run.poll() is not None else "no stage"
+    while True:
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:] if run.poll() is not None else "no server"
+        if server := answering_server(run.pid):
+            break
         time.sleep(0.05)
+    time.sleep(0.5)  # jaxtune starts the guard as soon as its server answers
     children = psutil.Process(run.pid).children(recursive=True)
-    commands = [" ".join(command(child)) for child in children]
-    assert any("uvicorn" in c and "prefect.server.api.server:create_app" in c for c in commands), commands
+    assert server in children
     run.kill()
     run.wait()
     _, alive = psutil.wait_procs(children, timeout=5)
