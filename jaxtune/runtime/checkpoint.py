@@ -76,6 +76,26 @@ def save(folder: Path, step: int, weights: dict, opt_state: Any, state: dict) ->
     return final
 
 
+PROGRESS = "progress.json"  # the step the newest attempt last started, beside the checkpoints
+
+
+def note_progress(folder: Path, step: int, stopped_by: str | None = None) -> None:
+    """Record that training started `step` (and, on a stop signal, that it stopped there), so a
+    resumed run can count what an interruption lost. Written whole, then renamed into place."""
+    folder.mkdir(parents=True, exist_ok=True)
+    temp = folder / f".{PROGRESS}.{os.getpid()}"
+    temp.write_text(json.dumps({"step": step, "stopped_by": stopped_by}))
+    os.replace(temp, folder / PROGRESS)
+
+
+def read_progress(folder: Path) -> dict | None:
+    """What `note_progress` last wrote in `folder`, or None."""
+    try:
+        return json.loads((folder / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def complete(folder: Path) -> list[Path]:
     """Finished checkpoints in `folder`, oldest first (temporary folders of killed runs are ignored)."""
     if not folder.is_dir():

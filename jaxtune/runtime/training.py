@@ -89,6 +89,7 @@ def train(
         start, log = resumed.step, resumed.state["log"]
         on_log(log)  # the records before the checkpoint, so the resumed run's log is whole
     last_checkpoint = str(resumed.path) if resumed else None
+    interruptions = _interruptions(checkpoint_dir, resumed, start) if checkpoint_dir else []
 
     k = cfg.grad_accumulation
     micro_batches = feed.micro_batches(input_ids, labels, pad_id)
@@ -109,6 +110,8 @@ def train(
             loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, batch, batch_labels,
                                                steps.step_key(cfg.seed, step), schedule(step - 1))
             pending.append((step, tokens, loss, steps.grad_norm_of(opt_state)))
+            if checkpoint_dir is not None and processes.writes():
+                checkpoint.note_progress(checkpoint_dir, step)
 
             # On a stop signal this step is the last: saved whatever its number, and not evaluated
             # (the notice's seconds go to the checkpoint; a resumed run starts after this step).
@@ -131,10 +134,12 @@ def train(
                     on_log([record])
                     window_start = time.perf_counter()
                 if saving:
-                    last_checkpoint = _save(checkpoint_dir, step, weights, opt_state, log, cfg)
+                    last_checkpoint = _save(checkpoint_dir, step, weights, opt_state, log, cfg, interruptions)
                     stops.saved()
                     window_start = time.perf_counter()
                 if stop:
+                    if saving and processes.writes():
+                        checkpoint.note_progress(checkpoint_dir, step, stopped_by=stops.signal)
                     raise stops.stopped(step, last_checkpoint if saving else None)
 
     train_records = [r for r in log if "loss" in r]
@@ -144,6 +149,7 @@ def train(
     summary = {
         "steps": total,
         "resumed_from": start,
+        "interruptions": interruptions,
         "seconds": round(time.perf_counter() - started, 3),
         "compile_seconds": round(compile_seconds, 3),
         "tokens_per_second": round(tokens_per_second, 1),
@@ -162,9 +168,22 @@ def train(
     return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
 
 
-def _save(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig) -> str:
+def _interruptions(folder: Path, resumed, start: int) -> list[dict]:
+    """The interruptions of this training so far: the resumed checkpoint's, and the one that ended
+    the attempt before this one (if one ran): the step it had started, how it stopped, and the
+    steps it started that this run must train again."""
+    earlier = list(resumed.state.get("interruptions", [])) if resumed else []
+    progress = checkpoint.read_progress(folder)
+    if progress is None or progress["step"] < start:  # no attempt before, or one already counted
+        return earlier
+    return earlier + [{"reached": progress["step"], "resumed_from": start, "lost_steps": progress["step"] - start,
+                       "stopped_by": progress.get("stopped_by") or "killed"}]
+
+
+def _save(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig, interruptions: list[dict]) -> str:
     """Checkpoint `step` (every process gathers the state, process 0 writes it); its path."""
-    state = {"micro_batches": step * cfg.grad_accumulation, "rng": {"seed": cfg.seed, "step": step}, "log": log}
+    state = {"micro_batches": step * cfg.grad_accumulation, "rng": {"seed": cfg.seed, "step": step}, "log": log,
+             "interruptions": interruptions}
     host_weights, host_state = fetch((weights, opt_state))
     path = folder / f"{checkpoint.PREFIX}{step:08d}"
     if processes.writes():

@@ -31,7 +31,7 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
         "train": {k: train.get(k) for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "mfu",
                                              "mfu_derivation", "nonpad_fraction", "packed", "batch_shape",
-                                             "trainable_parameters", "rows_per_step", "resumed_from", "mesh")},
+                                             "trainable_parameters", "rows_per_step", "resumed_from", "interruptions", "mesh")},
         "eval_during_training": [r for r in _log(inputs["train"]) if "eval_loss" in r],
         "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
         "data": inputs["tokenize"].read_json("stats.json"),
@@ -80,6 +80,15 @@ def _speed_lines(t: dict) -> list[str]:
     return [f"Batches: {k} x {rows} {kind} of {length} tokens, {100 * t['nonpad_fraction']:.1f}% of them real tokens; {mfu}.", ""]
 
 
+def _interruption_lines(interruptions: list[dict]) -> list[str]:
+    if not interruptions:
+        return []
+    each = "; ".join(f"at step {i['reached']} ({i['stopped_by']}), resumed from {i['resumed_from']}, "
+                     f"{i['lost_steps']} step{'s' * (i['lost_steps'] != 1)} trained again" for i in interruptions)
+    lost = sum(i["lost_steps"] for i in interruptions)
+    return [f"Interrupted {len(interruptions)} time{'s' * (len(interruptions) != 1)}, {lost} steps trained again in all: {each}.", ""]
+
+
 def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
     b, f, em, t = summary["baseline"], summary["final"], summary["exact_match"], summary["train"]
     lines = [
@@ -94,6 +103,7 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         f"Training: {t['steps']} steps in {t['seconds']:.1f} s ({t['compile_seconds']:.1f} s compiling), "
         f"{t['tokens_per_second']:.0f} tokens/s, {t['trainable_parameters']:,} trainable parameters.", "",
         f"Mesh: {t.get('mesh') or 'not recorded'}.", "",
+        *_interruption_lines(t.get("interruptions") or []),
         *_speed_lines(t),
         f"![loss curve]({image})", "",
         *(_data_section(summary["data"]) if "data" in summary else []),

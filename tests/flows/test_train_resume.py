@@ -96,6 +96,12 @@ def test_training_killed_twice_resumes_to_the_uninterrupted_weights(tmp_path):
     resumed = train_in_process(store)
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["resumed_from"] == third
+    interruptions = summary["interruptions"]  # what the report counts
+    assert [(i["stopped_by"], i["resumed_from"]) for i in interruptions] == [("killed", first), ("killed", second),
+                                                                             ("SIGTERM", third)]
+    assert interruptions[0]["reached"] >= killed and interruptions[1]["reached"] >= killed_again
+    assert [i["lost_steps"] for i in interruptions] == [i["reached"] - i["resumed_from"] for i in interruptions]
+    assert interruptions[2]["lost_steps"] == 0
     log = [json.loads(line) for line in (resumed / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "loss" in r] == list(range(1, 61))
     expected, got = load_file(str(reference / "params.safetensors")), load_file(str(resumed / "params.safetensors"))

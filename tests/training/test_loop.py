@@ -93,6 +93,8 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(reference, tmp_pat
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
     assert resumed.summary["resumed_from"] == 4
+    # Step 5 had started when the run died, and is trained again.
+    assert resumed.summary["interruptions"] == [{"reached": 5, "resumed_from": 4, "lost_steps": 1, "stopped_by": "killed"}]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
@@ -214,6 +216,7 @@ def test_a_stop_signal_checkpoints_the_step_it_reached_and_the_rerun_resumes_the
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
     assert resumed.summary["resumed_from"] == 5
+    assert resumed.summary["interruptions"] == [{"reached": 5, "resumed_from": 5, "lost_steps": 0, "stopped_by": name}]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
