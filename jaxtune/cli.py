@@ -146,20 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def _chain(error: BaseException):
-    """`error` and the errors it was raised from or while handling."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
-
-
 def _run(args, config) -> int:
     """`jaxtune run` once its config is loaded (and its job joined)."""
     from jaxtune import preflight
     from jaxtune.config import OFFLINE
-    from jaxtune.errors import ConfigError, TrainingStopped
+    from jaxtune.errors import ConfigError, TrainingStopped, chain
 
     try:
         preflight.check(config)
@@ -182,7 +173,7 @@ def _run(args, config) -> int:
     except Exception as error:
         # A stop is no failure: the run saved its place and goes on when started again. Prefect
         # may have raised another error while recording it, its server stopped by the same signal.
-        stopped = next((e for e in _chain(error) if isinstance(e, TrainingStopped)), None)
+        stopped = next((e for e in chain(error) if isinstance(e, TrainingStopped)), None)
         if stopped is not None:
             logging.getLogger("prefect").setLevel(logging.WARNING)
             print(f"jaxtune: train: {stopped}", file=sys.stderr)

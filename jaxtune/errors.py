@@ -7,6 +7,8 @@ prints: the file, row or key at fault, what is wrong, and what is accepted.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class ConfigError(ValueError):
     """A config file or override that does not validate; the message names the key."""
@@ -78,3 +80,12 @@ def first_line(error: BaseException) -> str:
     """What a one-line message shows of `error`: its first line, or its type's name when it has no text."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then each error it was raised from or while handling, each once."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__

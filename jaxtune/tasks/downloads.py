@@ -7,8 +7,9 @@ train stage resumes from its checkpoint when the flow runs again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
+
+from jaxtune.errors import chain
 
 RETRIES = 3
 BACKOFF_SECONDS = 10.0  # first delay; then 20, 40
@@ -32,7 +33,7 @@ def retry_options(stage: str, inputs: dict[str, Any]) -> dict[str, Any]:
 
 def is_transient(error: BaseException) -> bool:
     """True when `error`, or an error it was raised from, is a network failure worth another try."""
-    for link in _chain(error):
+    for link in chain(error):
         if _permanent(link):
             return False
         if _network(link):
@@ -43,14 +44,6 @@ def is_transient(error: BaseException) -> bool:
 def _transient_failure(task, task_run, state) -> bool:
     error = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
     return isinstance(error, BaseException) and is_transient(error)
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
 
 
 def _permanent(error: BaseException) -> bool:
