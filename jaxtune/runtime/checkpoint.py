@@ -76,11 +76,11 @@ def save(folder: Path, step: int, weights: dict, opt_state: Any, state: dict) ->
     return final
 
 
-PROGRESS = "progress.json"  # the step the newest attempt last started, beside the checkpoints
+PROGRESS = "progress.json"  # the step the newest attempt last logged, beside the checkpoints
 
 
 def note_progress(folder: Path, step: int, stopped_by: str | None = None) -> None:
-    """Record that training started `step` (and, on a stop signal, that it stopped there), so a
+    """Record that training logged `step` (and, on a stop signal, that it stopped there), so a
     resumed run can count what an interruption lost. Written whole, then renamed into place."""
     folder.mkdir(parents=True, exist_ok=True)
     temp = folder / f".{PROGRESS}.{os.getpid()}"

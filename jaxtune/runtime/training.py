@@ -110,8 +110,6 @@ def train(
             loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, batch, batch_labels,
                                                steps.step_key(cfg.seed, step), schedule(step - 1))
             pending.append((step, tokens, loss, steps.grad_norm_of(opt_state)))
-            if checkpoint_dir is not None and processes.writes():
-                checkpoint.note_progress(checkpoint_dir, step)
 
             # On a stop signal this step is the last: saved whatever its number, and not evaluated
             # (the notice's seconds go to the checkpoint; a resumed run starts after this step).
@@ -125,6 +123,8 @@ def train(
                     compile_seconds, window_tokens = elapsed, 0
                 records = [_record(s, float(l), float(g), t, schedule, window_tokens / elapsed if window_tokens else 0.0,
                                    last_checkpoint, flops) for s, t, l, g in fetched]
+                if checkpoint_dir is not None and processes.writes():  # at the syncs only, a file write; before
+                    checkpoint.note_progress(checkpoint_dir, step)  # the log, so it never says less than the log
                 log += records
                 on_log(records)
                 pending, window_tokens, window_start = [], 0, time.perf_counter()
@@ -170,8 +170,8 @@ def train(
 
 def _interruptions(folder: Path, resumed, start: int) -> list[dict]:
     """The interruptions of this training so far: the resumed checkpoint's, and the one that ended
-    the attempt before this one (if one ran): the step it had started, how it stopped, and the
-    steps it started that this run must train again."""
+    the attempt before this one (if one ran): the last step it logged, how it stopped, and the
+    logged steps this run trains again (a killed run may have trained a few more, unlogged)."""
     earlier = list(resumed.state.get("interruptions", [])) if resumed else []
     progress = checkpoint.read_progress(folder)
     if progress is None or progress["step"] < start:  # no attempt before, or one already counted

@@ -93,8 +93,8 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(reference, tmp_pat
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
     assert resumed.summary["resumed_from"] == 4
-    # Step 5 had started when the run died, and is trained again.
-    assert resumed.summary["interruptions"] == [{"reached": 5, "resumed_from": 4, "lost_steps": 1, "stopped_by": "killed"}]
+    # Step 4 was the last logged (a checkpoint step, so synced); step 5's loss never was.
+    assert resumed.summary["interruptions"] == [{"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed"}]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
