@@ -169,7 +169,8 @@ def test_remove_deletes_the_folder(tmp_path):
 
 def test_clean_temp_spares_live_writers_unless_told(tmp_path):
     store = ArtifactStore(tmp_path)
-    dead = store.root / STAGE / f".tmp-{KEY}-999999999-deadbeef"
+    # Another key's: a dead writer's folder of KEY itself is removed by the next writer of KEY.
+    dead = store.root / STAGE / f".tmp-{'f' * len(KEY)}-999999999-deadbeef"
     dead.mkdir(parents=True)
     with store.writing(STAGE, KEY, **META) as live:
         assert store.clean_temp() == [dead]
