@@ -5,12 +5,13 @@ would leave the others waiting in the step's collectives."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from jaxtune.launch import free_port
 
 pytestmark = pytest.mark.mesh
 
@@ -18,9 +19,7 @@ ROOT = Path(__file__).parents[2]
 
 
 def test_sigterm_to_one_process_stops_both_at_its_step():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     jobs = [subprocess.Popen([sys.executable, "-m", "tests.mesh.stop_job", str(index), str(port)], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for index in (0, 1)]
