@@ -38,6 +38,17 @@ class StopRequests:
         self.last_save = time.monotonic()
         self._previous: dict[int, object] = {}
 
+    def install(self) -> None:
+        try:
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self.handle)
+        except ValueError:  # not the main thread
+            pass
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+
     def handle(self, signum: int, frame) -> None:
         if self.signal is None:
             self.signal = signal.Signals(signum).name
@@ -73,13 +84,8 @@ def stop_on_signals(checkpoint_minutes: float | None) -> Iterator[StopRequests]:
     """`StopRequests` whose handlers take SIGTERM and SIGINT for the block (in the main thread;
     elsewhere Python cannot install handlers, and the signals keep theirs)."""
     requests = StopRequests(checkpoint_minutes)
-    try:
-        for signum in SIGNALS:
-            requests._previous[signum] = signal.signal(signum, requests.handle)
-    except ValueError:  # not the main thread
-        pass
+    requests.install()
     try:
         yield requests
     finally:
-        for signum, previous in requests._previous.items():
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        requests.restore()
