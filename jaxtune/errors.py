@@ -60,6 +60,11 @@ class TrainingStopped(RuntimeError):
         self.signal, self.step = signal, step
 
 
+class TrainingGaveUp(RuntimeError):
+    """An automatic restart found training stuck: the restarts before it all came back to the
+    same checkpoint and none saved a later one, so it stops instead of crashing again."""
+
+
 class TargetError(ValueError):
     """An accelerator target that is unknown, or that this machine cannot compile for (the message names the extra to install)."""
 

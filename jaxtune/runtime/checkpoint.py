@@ -77,21 +77,41 @@ def save(folder: Path, step: int, weights: dict, opt_state: Any, state: dict) ->
 
 
 PROGRESS = "progress.json"  # the step the newest attempt last logged, beside the checkpoints
+INTERRUPTIONS = "interruptions.json"  # every interruption of this training so far, beside the checkpoints
 
 
 def note_progress(folder: Path, step: int, stopped_by: str | None = None) -> None:
     """Record that training logged `step` (and, on a stop signal, that it stopped there), so a
-    resumed run can count what an interruption lost. Written whole, then renamed into place."""
-    folder.mkdir(parents=True, exist_ok=True)
-    temp = folder / f".{PROGRESS}.{os.getpid()}"
-    temp.write_text(json.dumps({"step": step, "stopped_by": stopped_by}))
-    os.replace(temp, folder / PROGRESS)
+    resumed run can count what an interruption lost."""
+    _write_json(folder / PROGRESS, {"step": step, "stopped_by": stopped_by})
 
 
 def read_progress(folder: Path) -> dict | None:
     """What `note_progress` last wrote in `folder`, or None."""
+    return _read_json(folder / PROGRESS)
+
+
+def note_interruptions(folder: Path, interruptions: list[dict]) -> None:
+    """Record the interruptions so far. Kept beside the checkpoints, not in them: runs killed
+    before they save a newer checkpoint still add up, which is how a restart sees it is stuck."""
+    _write_json(folder / INTERRUPTIONS, interruptions)
+
+
+def read_interruptions(folder: Path) -> list[dict]:
+    return _read_json(folder / INTERRUPTIONS) or []
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """Written whole, then renamed into place: a kill mid-write leaves the old file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}")
+    temp.write_text(json.dumps(value))
+    os.replace(temp, path)
+
+
+def _read_json(path: Path) -> Any:
     try:
-        return json.loads((folder / PROGRESS).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
@@ -101,6 +121,12 @@ def complete(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     return sorted(p for p in folder.iterdir() if p.name.startswith(PREFIX) and (p / "state.json").is_file())
+
+
+def newest_step(folder: Path) -> int:
+    """The step of the newest complete checkpoint in `folder` (the one `latest` loads), or 0."""
+    found = complete(folder)
+    return int(json.loads((found[-1] / "state.json").read_text())["step"]) if found else 0
 
 
 def latest(folder: Path, opt_template: Any) -> Checkpoint | None:

@@ -7,6 +7,7 @@ last good checkpoint), and reports one record per step.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from jaxtune import processes, stopping
 from jaxtune.config import TrainConfig
-from jaxtune.errors import NonFiniteLoss
+from jaxtune.errors import NonFiniteLoss, TrainingGaveUp
 from jaxtune.runtime import attention, checkpoint, memory, steps
 from jaxtune.runtime.batches import row_lengths
 from jaxtune.runtime.feed import Feed, make_feed
@@ -61,9 +62,14 @@ def train(
     check_memory: bool = True,
     packing: bool = True,
     feed: Feed | None = None,
+    restart: bool = False,
 ) -> TrainResult:
     """Train for `total_steps`; resume from the newest checkpoint in `checkpoint_dir` if there is one.
-    `feed`: the caller's `feed_for` of these rows, if it has one (planning it is a pass over every row)."""
+    `feed`: the caller's `feed_for` of these rows, if it has one (planning it is a pass over every row).
+    `restart`: this run was started automatically after a crash; it gives up (`TrainingGaveUp`)
+    rather than train when the restarts before it are stuck (`GIVE_UP_AFTER`)."""
+    # Counted first, before any compile: a stuck restart gives up in seconds.
+    interruptions = _interruptions(checkpoint_dir, restart) if checkpoint_dir else []
     feed = feed or feed_for(model, row_lengths(input_ids), cfg, max_length, packing)
     fused = attention.supported(model.module)
     total = total_steps(cfg, feed)
@@ -89,7 +95,6 @@ def train(
         start, log = resumed.step, resumed.state["log"]
         on_log(log)  # the records before the checkpoint, so the resumed run's log is whole
     last_checkpoint = str(resumed.path) if resumed else None
-    interruptions = _interruptions(checkpoint_dir, resumed, start) if checkpoint_dir else []
 
     k = cfg.grad_accumulation
     micro_batches = feed.micro_batches(input_ids, labels, pad_id)
@@ -134,7 +139,7 @@ def train(
                     on_log([record])
                     window_start = time.perf_counter()
                 if saving:
-                    last_checkpoint = _save(checkpoint_dir, step, weights, opt_state, log, cfg, interruptions)
+                    last_checkpoint = _save(checkpoint_dir, step, weights, opt_state, log, cfg)
                     stops.saved()
                     window_start = time.perf_counter()
                 if stop:
@@ -168,22 +173,39 @@ def train(
     return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
 
 
-def _interruptions(folder: Path, resumed, start: int) -> list[dict]:
-    """The interruptions of this training so far: the resumed checkpoint's, and the one that ended
-    the attempt before this one (if one ran): the last step it logged, how it stopped, and the
-    logged steps this run trains again (a killed run may have trained a few more, unlogged)."""
-    earlier = list(resumed.state.get("interruptions", [])) if resumed else []
+GIVE_UP_AFTER = 3  # automatic restarts in a row that came back to one checkpoint before the next gives up
+
+
+def _interruptions(folder: Path, restart: bool) -> list[dict]:
+    """The interruptions of this training so far, the one that ended the attempt before this one
+    (if one ran) added: the last step it logged, how it stopped, the logged steps this run trains
+    again (a killed run may have trained a few more, unlogged), and whether this run is an
+    automatic restart. Recorded at once, so an attempt killed before its first checkpoint counts."""
+    start = checkpoint.newest_step(folder)
+    found = checkpoint.read_interruptions(folder)
     progress = checkpoint.read_progress(folder)
-    if progress is None or progress["step"] < start:  # no attempt before, or one already counted
-        return earlier
-    return earlier + [{"reached": progress["step"], "resumed_from": start, "lost_steps": progress["step"] - start,
-                       "stopped_by": progress.get("stopped_by") or "killed"}]
+    if progress is not None:  # an attempt before this one began, and did not finish
+        found.append({"reached": progress["step"], "resumed_from": start, "lost_steps": max(progress["step"] - start, 0),
+                      "stopped_by": progress.get("stopped_by") or "killed", "restart": restart})
+    processes.barrier("interruptions read")  # by every process, before process 0 writes them
+    if processes.writes():
+        checkpoint.note_interruptions(folder, found)
+        checkpoint.note_progress(folder, start)  # this attempt began: dying before its first log counts too
+    stuck = list(itertools.takewhile(lambda i: i["restart"] and i["resumed_from"] == start, reversed(found)))
+    if restart and len(stuck) > GIVE_UP_AFTER:
+        if processes.writes():
+            checkpoint.note_progress(folder, start, stopped_by="gave up")
+        last = stuck[0]  # how the newest of those restarts ended
+        raise TrainingGaveUp(
+            f"gave up: {len(stuck) - 1} automatic restarts in a row resumed from step {start} and none saved a later "
+            f"checkpoint (the last reached step {last['reached']}, {last['stopped_by']}); not restarting again. Find "
+            f"the cause in those runs' logs, then run it again by hand: it resumes from step {start}")
+    return found
 
 
-def _save(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig, interruptions: list[dict]) -> str:
+def _save(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig) -> str:
     """Checkpoint `step` (every process gathers the state, process 0 writes it); its path."""
-    state = {"micro_batches": step * cfg.grad_accumulation, "rng": {"seed": cfg.seed, "step": step}, "log": log,
-             "interruptions": interruptions}
+    state = {"micro_batches": step * cfg.grad_accumulation, "rng": {"seed": cfg.seed, "step": step}, "log": log}
     host_weights, host_state = fetch((weights, opt_state))
     path = folder / f"{checkpoint.PREFIX}{step:08d}"
     if processes.writes():

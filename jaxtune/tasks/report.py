@@ -83,7 +83,8 @@ def _speed_lines(t: dict) -> list[str]:
 def _interruption_lines(interruptions: list[dict]) -> list[str]:
     if not interruptions:
         return []
-    each = "; ".join(f"at step {i['reached']} ({i['stopped_by']}), resumed from {i['resumed_from']}, "
+    each = "; ".join(f"at step {i['reached']} ({i['stopped_by']}), resumed from {i['resumed_from']}"
+                     f"{' by an automatic restart' * bool(i.get('restart'))}, "
                      f"{i['lost_steps']} step{'s' * (i['lost_steps'] != 1)} trained again" for i in interruptions)
     lost = sum(i["lost_steps"] for i in interruptions)
     return [f"Interrupted {len(interruptions)} time{'s' * (len(interruptions) != 1)}, {lost} steps trained again in all: {each}.", ""]

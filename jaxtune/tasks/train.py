@@ -26,11 +26,14 @@ class TrainSection(Section):
 
 
 @task(name=STAGE, result_serializer="json")
-def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
+def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig,
+          restart: bool = False) -> ArtifactRef:
     """inputs: `model` (base weights and tokenizer) and `data` (the tokenize artifact).
 
     Checkpoints go to the store's scratch folder for this key, so re-running the flow after a
     crash resumes from the newest one; they are removed once the artifact is complete.
+    `restart`: the flow run is an automatic restart of a crashed one (it may give up, see
+    `jaxtune.runtime.training.GIVE_UP_AFTER`).
     """
     checkpoints = ArtifactStore(store_root).scratch(STAGE, stage_key(STAGE, __name__, section, input_keys(inputs)))
 
@@ -55,7 +58,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         try:
             result = training.train(model, rows.input_ids, rows.labels, section.train, pad_id,
                                     rows.longest, log, eval_data=(evals.input_ids, evals.labels),
-                                    checkpoint_dir=checkpoints, packing=section.packing, feed=feed)
+                                    checkpoint_dir=checkpoints, packing=section.packing, feed=feed, restart=restart)
         finally:
             log.close()
         rt_model.save_weights(result.weights, folder / "params.safetensors")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.errors import TrainingStopped
+from jaxtune.errors import TrainingGaveUp, TrainingStopped
 from jaxtune.runtime import checkpoint, memory, steps, training
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime.mesh import make_placement
@@ -67,24 +67,29 @@ def test_log_has_every_step_and_the_periodic_eval(reference):
     assert result.summary["rows_per_step"] == 8 and result.summary["resumed_from"] == 0
 
 
+def stops_after(limit: int):
+    """`steps.make_train_step` whose steps after the `limit`-th raise KeyboardInterrupt (a kill, as
+    the loop sees it: nothing saved, nothing noted)."""
+    real_step = steps.make_train_step
+
+    def make(*args, **kwargs):
+        step, calls = real_step(*args, **kwargs), []
+
+        def counted(*a):
+            calls.append(1)
+            if len(calls) > limit:
+                raise KeyboardInterrupt("stopped")
+            return step(*a)
+
+        return counted
+
+    return make
+
+
 def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(reference, tmp_path, monkeypatch):
     """Stop after step 5 (the newest checkpoint is step 4), run again: same final weights."""
     uninterrupted, _ = reference
     real_step = steps.make_train_step
-
-    def stops_after(limit):
-        def make(*args, **kwargs):
-            step, calls = real_step(*args, **kwargs), []
-
-            def counted(*a):
-                calls.append(1)
-                if len(calls) > limit:
-                    raise KeyboardInterrupt("stopped")
-                return step(*a)
-
-            return counted
-
-        return make
 
     monkeypatch.setattr(steps, "make_train_step", stops_after(5))
     with pytest.raises(KeyboardInterrupt):
@@ -94,10 +99,52 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(reference, tmp_pat
     resumed, _ = run(checkpoint_dir=tmp_path)
     assert resumed.summary["resumed_from"] == 4
     # Step 4 was the last logged (a checkpoint step, so synced); step 5's loss never was.
-    assert resumed.summary["interruptions"] == [{"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed"}]
+    assert resumed.summary["interruptions"] == [{"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed",
+                                                  "restart": False}]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
+
+
+def test_automatic_restarts_stuck_at_one_checkpoint_give_up_and_a_run_by_hand_goes_on(reference, tmp_path, monkeypatch):
+    """Killed after step 5 (checkpoint 4), then three automatic restarts each killed before a step:
+    the fourth gives up before it trains. Started by hand, it resumes from step 4 and finishes."""
+    uninterrupted, _ = reference
+    real_step = steps.make_train_step
+    monkeypatch.setattr(steps, "make_train_step", stops_after(5))
+    with pytest.raises(KeyboardInterrupt):
+        run(checkpoint_dir=tmp_path)
+    monkeypatch.setattr(steps, "make_train_step", stops_after(0))
+    for _ in range(training.GIVE_UP_AFTER):
+        with pytest.raises(KeyboardInterrupt):
+            run(checkpoint_dir=tmp_path, restart=True)
+    with pytest.raises(TrainingGaveUp) as gave_up:
+        run(checkpoint_dir=tmp_path, restart=True)
+    assert str(gave_up.value) == (
+        "gave up: 3 automatic restarts in a row resumed from step 4 and none saved a later checkpoint (the last reached "
+        "step 4, killed); not restarting again. Find the cause in those runs' logs, then run it again by hand: it "
+        "resumes from step 4")
+
+    monkeypatch.setattr(steps, "make_train_step", real_step)
+    resumed, _ = run(checkpoint_dir=tmp_path)
+    # Each entry is one attempt's end, and whether the attempt after it was an automatic restart.
+    stuck = {"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed", "restart": True}
+    by_hand = {**stuck, "stopped_by": "gave up", "restart": False}
+    assert resumed.summary["interruptions"] == [stuck] * 4 + [by_hand]
+    for name, value in uninterrupted.weights.items():
+        np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
+
+
+def test_a_restart_after_a_run_by_hand_counts_afresh(tmp_path, monkeypatch):
+    """The count of stuck restarts is of restarts in a row: a run started by hand in between resets it."""
+    monkeypatch.setattr(steps, "make_train_step", stops_after(3))
+    with pytest.raises(KeyboardInterrupt):
+        run(checkpoint_dir=tmp_path)
+    monkeypatch.setattr(steps, "make_train_step", stops_after(0))
+    for restart in [True] * training.GIVE_UP_AFTER + [False, True]:
+        with pytest.raises(KeyboardInterrupt):
+            run(checkpoint_dir=tmp_path, restart=restart)
+    assert [i["restart"] for i in checkpoint.read_interruptions(tmp_path)] == [True, True, True, False, True]
 
 
 def test_non_finite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path, monkeypatch):
@@ -216,7 +263,8 @@ def test_a_stop_signal_checkpoints_the_step_it_reached_and_the_rerun_resumes_the
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
     assert resumed.summary["resumed_from"] == 5
-    assert resumed.summary["interruptions"] == [{"reached": 5, "resumed_from": 5, "lost_steps": 0, "stopped_by": name}]
+    assert resumed.summary["interruptions"] == [{"reached": 5, "resumed_from": 5, "lost_steps": 0, "stopped_by": name,
+                                                  "restart": False}]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)

@@ -174,11 +174,12 @@ def test_the_report_counts_the_interruptions_and_the_steps_each_trained_again(tm
 
     train = {"steps": 60, "seconds": 1.0, "compile_seconds": 0.5, "tokens_per_second": 100.0, "trainable_parameters": 10,
              "interruptions": [{"reached": 13, "resumed_from": 10, "lost_steps": 3, "stopped_by": "killed"},
-                               {"reached": 49, "resumed_from": 49, "lost_steps": 0, "stopped_by": "SIGTERM"}]}
+                               {"reached": 49, "resumed_from": 49, "lost_steps": 0, "stopped_by": "SIGTERM",
+                                "restart": True}]}
     (tmp_path / "run").mkdir(), (tmp_path / "whole").mkdir()
     lines = render_markdown(summarize(_artifacts(tmp_path / "run", train)), [], "loss.png").splitlines()
     assert ("Interrupted 2 times, 3 steps trained again in all: at step 13 (killed), resumed from 10, 3 steps trained "
-            "again; at step 49 (SIGTERM), resumed from 49, 0 steps trained again.") in lines
+            "again; at step 49 (SIGTERM), resumed from 49 by an automatic restart, 0 steps trained again.") in lines
     whole = {k: v for k, v in train.items() if k != "interruptions"}
     assert not any(line.startswith("Interrupted") for line in render_markdown(summarize(_artifacts(tmp_path / "whole", whole)),
                                                                               [], "loss.png").splitlines())
