@@ -80,3 +80,6 @@ def test_serve_builds_each_declared_deployment_with_its_schedule_and_recipe():
     assert nightly.name == "offline-nightly" and nightly.parameters == {"recipe": "offline"}
     assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
     assert nightly.entrypoint == "jaxtune/flows/finetune.py:finetune"
+    [restart] = nightly.triggers  # served, a crashed run is started again as with a work pool
+    assert restart.name == "restart offline-nightly after a crash" and restart.expect == {"prefect.flow-run.Crashed"}
+    assert restart.parameters["restart_of"] == "{{ flow_run.id | string }}"

@@ -34,11 +34,14 @@ from typing import Any, Literal
 
 from prefect import Task, flow, get_run_logger
 from prefect.cache_policies import CachePolicy
+from prefect.client.schemas.objects import StateType
+from prefect.states import Cancelled, Crashed, State
 
 from jaxtune import processes, ui
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.config import OFFLINE, JaxtuneConfig, MeshConfig, load_config
+from jaxtune.errors import TrainingStopped
 from jaxtune.flows import browse
 from jaxtune.tasks import BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf, report, tokenize, train
 from jaxtune.tasks.downloads import retry_options
@@ -76,8 +79,9 @@ class Step:
         return any(isinstance(argument, MeshConfig) for argument in self.extra)
 
 
-def pipeline(config: JaxtuneConfig) -> list[Step]:
-    """Every stage `config` asks for, each after the stages it reads."""
+def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
+    """Every stage `config` asks for, each after the stages it reads (`restart`: the run is an
+    automatic restart of a crashed one, which `train` may give up)."""
     data, mesh = dataset_refs(config.data), (config.mesh,)
     steps = []
     if config.model.name == OFFLINE:
@@ -97,7 +101,7 @@ def pipeline(config: JaxtuneConfig) -> list[Step]:
         Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model), {**data, "model": model},
              (config.data.num_proc,)),
         Step("baseline_eval", evaluate.baseline_eval, evaluation, {"model": model, "data": "tokenize"}, mesh),
-        Step("train", train.train, _train_section(config), {"model": model, "data": "tokenize"}, mesh),
+        Step("train", train.train, _train_section(config), {"model": model, "data": "tokenize"}, (config.mesh, restart)),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
         Step("export", export.export, export.ExportSection(model=model_section, export=config.export),
              {"model": model, "train": "train"}),
@@ -207,7 +211,8 @@ def _run_name() -> str:
         config = JaxtuneConfig.model_validate(config)
     except ValueError:
         return f"{ui.recipe_label(recipe)}{ui.SEPARATOR}invalid config"
-    return ui.flow_run_name(recipe, config, list(parameters.get("refresh") or []), parameters.get("until") or "report")
+    name = ui.flow_run_name(recipe, config, list(parameters.get("refresh") or []), parameters.get("until") or "report")
+    return f"{name}{ui.SEPARATOR}restart" if parameters.get("restart_of") else name
 
 
 @flow(name="finetune", flow_run_name=_run_name, persist_result=False)  # its dict is read where it runs
@@ -217,6 +222,7 @@ def finetune(
     refresh: list[AnyStage] = [],  # noqa: B006
     until: Stage = "report",
     config: JaxtuneConfig | None = None,
+    restart_of: str | None = None,
 ) -> dict:
     """Fine-tune a model as the recipe says: every stage up to `until`, cached stages skipped.
 
@@ -227,8 +233,13 @@ def finetune(
         refresh: stages to recompute even if their artifact is cached.
         until: the last stage to run.
         config: a whole config instead of recipe and overrides (for Python callers).
+        restart_of: the crashed flow run this one starts again (set by prefect.yaml's restart
+            automation; `train` resumes from its checkpoint, and gives up if restarts are stuck).
 
     Returns {"path": the last stage's artifact folder, "stages": {stage: "Completed" | "Cached"}}.
+    A run that a stop signal ended during `train` (checkpointed) ends Crashed, as Prefect marks
+    any run a termination signal ends, so the restart automation starts it again; or Cancelled,
+    if it was being cancelled.
     """
     if config is None:
         config = load_recipe(recipe, overrides)
@@ -243,16 +254,42 @@ def finetune(
 
         compile_cache.enable(compile_cache.folder_of(run.store.root))
     done: dict[str, ArtifactRef] = {}
-    for step in pipeline(config):
-        if step.stage in STAGES and STAGES.index(step.stage) > STAGES.index(until):
-            break
-        done[step.stage] = run(step, {name: done[v] if isinstance(v, str) else v for name, v in step.inputs.items()})
+    try:
+        for step in pipeline(config, restart=restart_of is not None):
+            if step.stage in STAGES and STAGES.index(step.stage) > STAGES.index(until):
+                break
+            done[step.stage] = run(step, {name: done[v] if isinstance(v, str) else v for name, v in step.inputs.items()})
+    except TrainingStopped as stopped:
+        return _stopped_state(stopped)
     if processes.writes():  # in a multi-process job, process 0 alone shows the run in Prefect
         if "report" in done:
             report.publish_report(done["report"])
         browse.publish_stages(done, run.states)
     get_run_logger().info("stages: %s", ", ".join(f"{k}={v}" for k, v in run.states.items()))
     return {"path": done[until].path, "stages": run.states}
+
+
+def _stopped_state(stopped: TrainingStopped) -> State:
+    """The final state of a run a stop signal ended: Crashed, or Cancelled if the run was being
+    cancelled (a worker cancels a run by sending SIGTERM, which must not start it again). Its data
+    is the error, so a caller of the flow (`jaxtune run`) gets it raised."""
+    message = f"train: {stopped}"
+    if _cancelling():
+        return Cancelled(message=message, data=stopped)
+    return Crashed(message=message, data=stopped)
+
+
+def _cancelling() -> bool:
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.runtime import flow_run
+
+    try:
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(flow_run.id).state.type == StateType.CANCELLING
+    except (httpx.HTTPError, ObjectNotFound):  # no server to ask, or it lost the run: nobody cancelled it
+        return False
 
 
 def _note_stage(error: Exception, stage: str) -> None:

@@ -33,7 +33,7 @@ def read_deployments(path: Path = PREFECT_YAML, only: list[str] = ()) -> list[di
 
 
 def runner_deployments(declared: list[dict[str, Any]]) -> list:
-    """Prefect `RunnerDeployment`s of the finetune flow, one per declared deployment."""
+    """Prefect `RunnerDeployment`s of the finetune flow, one per declared deployment, with its triggers."""
     from prefect.schedules import Cron
 
     from jaxtune.flows.finetune import finetune
@@ -45,6 +45,7 @@ def runner_deployments(declared: list[dict[str, Any]]) -> list:
             parameters=d.get("parameters") or {},
             schedules=[Cron(s["cron"], timezone=s.get("timezone")) for s in d.get("schedules") or []],
             tags=d.get("tags") or [],
+            triggers=d.get("triggers") or [],  # the restart automation, as `prefect deploy` creates it
         )
         for d in declared
     ]

@@ -1,6 +1,8 @@
 """prefect.yaml's deployments on a real Prefect server, run by a real worker, as the README says:
 create the pool, deploy from the clone, `prefect deployment run`, `prefect worker start`; then
-the same run refreshing one stage; then `jaxtune serve` in place of the pool and worker.
+the same run refreshing one stage; a run killed mid-train, which prefect.yaml's automation
+starts again, and a run cancelled mid-train, which it leaves; then `jaxtune serve` in place of
+the pool and worker (it takes the deployments over, so it comes after every pool test).
 
 Last, on the same server, two runs of one config at once (a nightly and a manual run) build each
 stage once: the second waits on the stage's lock in the store, then finds it Cached
@@ -18,6 +20,7 @@ import yaml
 
 from jaxtune.artifacts import ArtifactStore
 from tests.deployment.server import BIN, ROOT
+from tests.flows.test_train_resume import newest_checkpoint, newest_logged
 from tests.flows.toy import ALL_STAGES, TOY
 from tests.prefect_runs import flow_runs_of_store
 
@@ -89,6 +92,17 @@ def test_every_declared_deployment_is_deployed_with_its_recipe_and_schedule(depl
         form = deployment.parameter_openapi_schema["properties"]
         assert form["until"]["enum"][-1] == "report" and "final_eval" in form["refresh"]["items"]["enum"]
         assert form["recipe"]["default"] == "offline" and form["overrides"]["type"] == "array"
+    # One restart automation each, running that deployment on a crash of that deployment's runs only.
+    with deployed.client_settings(), get_client(sync_client=True) as client:
+        automations = {a.name: a for a in client.read_automations()}
+    for name, deployment in found.items():
+        automation = automations[f"restart {name} after a crash"]
+        [action] = automation.actions
+        assert (action.type, action.deployment_id) == ("run-deployment", deployment.id)
+        assert automation.trigger.expect == {"prefect.flow-run.Crashed"}
+        assert {"prefect.resource.role": "deployment", "prefect.resource.name": name} in [
+            spec.root for spec in automation.trigger.match_related]
+    assert len(automations) == len(found)
 
 
 def test_a_deployment_run_executed_by_a_worker_runs_every_stage(deployed, first):
@@ -126,6 +140,107 @@ def test_refreshing_one_stage_reruns_it_and_takes_everything_else_from_the_cache
     assert ran == {"final_eval", "publish report"}
     # The UI keeps one history per key: both runs' reports, newest first.
     assert [a.flow_run_id for a in artifacts(deployed, "offline-nightly-report")] == [again, first]
+
+
+RESUMED = [*TOY, "train.max_steps=150", "train.checkpoint_every=10", "train.log_every=1"]
+
+
+def flow_run_process(run_id, deadline: float):
+    """The process a worker started for flow run `run_id` (it carries the run's id in its environment)."""
+    import psutil
+
+    while time.monotonic() < deadline:
+        for process in psutil.process_iter():
+            try:
+                if process.environ().get("PREFECT__FLOW_RUN_ID") == str(run_id):
+                    return process
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+        time.sleep(0.2)
+    pytest.fail(f"no process for flow run {run_id}")
+
+
+def restarts_of(server, run_id) -> list:
+    from prefect.client.orchestration import get_client
+
+    with server.client_settings(), get_client(sync_client=True) as client:
+        return [r for r in client.read_flow_runs(limit=200) if r.parameters.get("restart_of") == str(run_id)]
+
+
+def test_a_run_killed_mid_train_is_started_again_by_prefect_and_resumes_to_the_uninterrupted_weights(deployed, tmp_path):
+    """SIGKILL of a deployment run's process mid-train, the worker alive: the run ends Crashed, and
+    the automation prefect.yaml declares (no person) starts it again with its parameters. The new
+    run resumes from the checkpoint and ends with the weights and metrics of a run never killed."""
+    whole_store, killed_store = tmp_path / "whole", tmp_path / "killed"
+    whole = deployed.run_deployment("offline-nightly", overrides=[*RESUMED, f"store.root={whole_store}"], until="final_eval")
+    killed = deployed.run_deployment("offline-nightly", overrides=[*RESUMED, f"store.root={killed_store}"], until="final_eval")
+    worker = deployed.start("worker-restart", str(BIN / "prefect"), "worker", "start", "--pool", "jaxtune", "--run-once")
+    deadline = time.monotonic() + 600
+    process = flow_run_process(killed, deadline)
+    while not (newest_checkpoint(killed_store) >= 20 and newest_logged(killed_store) > newest_checkpoint(killed_store)):
+        assert process.is_running() and time.monotonic() < deadline, deployed.log("worker-restart")[-3000:]
+        time.sleep(0.005)
+    process.kill()
+    killed_at = time.time()
+    process.wait(30)
+    saved, reached = newest_checkpoint(killed_store), newest_logged(killed_store)
+    worker.wait(max(deadline - time.monotonic(), 1))  # it ends once the uninterrupted run has finished
+    crashed = flow_run(deployed, killed)
+    assert crashed.state.is_crashed(), (crashed.state, deployed.log("worker-restart")[-3000:])
+    assert flow_run(deployed, whole).state.is_completed()
+
+    while not (restarted := restarts_of(deployed, killed)):
+        assert time.monotonic() < deadline, "no run was started after the crash"
+        time.sleep(0.5)
+    [restart] = restarted
+    assert restart.deployment_id == crashed.deployment_id
+    assert {k: restart.parameters[k] for k in ("recipe", "overrides", "until", "refresh")} == {
+        "recipe": "offline", "overrides": crashed.parameters["overrides"], "until": "final_eval", "refresh": []}
+    deployed.work_once()
+    restart = flow_run(deployed, restart.id)
+    assert restart.state.is_completed() and restart.name == f"{crashed.name} · restart", restart.state
+    assert not restarts_of(deployed, restart.id), "a run that completed is not started again"
+
+    [resumed] = killed_store.glob("train/*/summary.json")
+    summary = json.loads(resumed.read_text())
+    assert summary["resumed_from"] == saved
+    [interruption] = summary["interruptions"]
+    assert interruption["reached"] >= reached and interruption["resumed_from"] == saved
+    assert (interruption["stopped_by"], interruption["restart"]) == ("killed", True)
+    for stage, name in (("train", "params.safetensors"), ("final_eval", "metrics.json")):
+        [got], [expected] = (list(store.glob(f"{stage}/*/{name}")) for store in (killed_store, whole_store))
+        assert got.read_bytes() == expected.read_bytes(), f"{stage}/{name}"
+    print(f"killed after step {reached} (checkpoint {saved}); the restart was created "
+          f"{restart.created.timestamp() - killed_at:.1f} s after the kill; it resumed from {saved}")
+
+
+def test_a_run_cancelled_mid_train_ends_cancelled_and_is_not_started_again(deployed, tmp_path):
+    """A worker cancels a run by sending its process SIGTERM: train checkpoints and stops as on a
+    spot VM's notice, but the run ends Cancelled, not Crashed, so the restart automation leaves it."""
+    store = tmp_path / "cancelled"
+    run_id = deployed.run_deployment("offline-nightly", overrides=[*RESUMED, f"store.root={store}"], until="train")
+    worker = deployed.start("worker-cancel", str(BIN / "prefect"), "worker", "start", "--pool", "jaxtune", "--run-once")
+    deadline = time.monotonic() + 300
+    while newest_logged(store) < 5:
+        assert worker.poll() is None and time.monotonic() < deadline, deployed.log("worker-cancel")[-3000:]
+        time.sleep(0.01)
+    logged = newest_logged(store)
+    deployed.prefect("flow-run", "cancel", str(run_id))
+    worker.wait(max(deadline - time.monotonic(), 1))
+    run = flow_run(deployed, run_id)
+    assert run.state.is_cancelled(), (run.state, deployed.log("worker-cancel")[-3000:])
+    step = newest_checkpoint(store)
+    from prefect.client.orchestration import get_client
+
+    with deployed.client_settings(), get_client(sync_client=True) as client:
+        history = [(state.name, state.message or "") for state in client.read_flow_run_states(run_id)]
+    # The run's own final state says where it stopped; the worker then records the cancel as done.
+    [(name, message)] = [(name, message) for name, message in history if message.startswith("train: ")]
+    assert name == "Cancelled" and message.startswith(f"train: stopped by SIGTERM at step {step}; checkpoint saved")
+    assert "Crashed" not in [name for name, _ in history]
+    assert step >= logged, "the step it reached is saved, not the last periodic checkpoint"
+    time.sleep(5)  # what an automation would take to start a run
+    assert not restarts_of(deployed, run_id)
 
 
 def test_jaxtune_serve_serves_the_deployments_with_their_schedules(deployed, first, store):

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 
 from jaxtune.config import load_config
 from tests.flows.shapes import TOY_MODEL
+from tests.prefect_runs import flow_runs_of_store
 
 pytestmark = [pytest.mark.training, pytest.mark.slow]
 
@@ -92,6 +93,13 @@ def test_training_killed_twice_resumes_to_the_uninterrupted_weights(tmp_path):
     # is a multiple of checkpoint_every, and the next run resumes at that step exactly.
     _, third = run_and_kill(store, after_step=46, sig=signal.SIGTERM)
     assert 46 <= third < 60
+    # In Prefect it ends Crashed, as a run a termination signal ends always has (what the
+    # deployments' restart automation starts again), with the same words.
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        stopped = max(flow_runs_of_store(client, store), key=lambda run: run.start_time)
+    assert stopped.state.is_crashed() and stopped.state.message.startswith(f"train: stopped by SIGTERM at step {third}; ")
 
     resumed = train_in_process(store)
     summary = json.loads((resumed / "summary.json").read_text())
