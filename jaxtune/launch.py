@@ -160,6 +160,9 @@ def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: Bi
     lock = threading.Lock()
     children: list[subprocess.Popen] = []
     relays: list[_Prefixer] = []
+    # SIGTERM to the launcher (`kill`, a scheduler, a spot VM's notice) is passed on as Ctrl-C is:
+    # the processes get it and their grace, rather than being left running without it.
+    previous = _take(signal.SIGTERM, _terminated)
     try:
         for process in processes:
             # A session of its own: terminating a process also ends what it started (Prefect's
@@ -174,9 +177,13 @@ def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: Bi
         status = _wait(children, processes, stderr, lock, poll_seconds)
     except KeyboardInterrupt:
         status = 130
+    except _Terminated:
+        status = 128 + signal.SIGTERM
     except BaseException:
         _terminate(children)
         raise
+    finally:
+        _take(signal.SIGTERM, previous)  # a second SIGTERM ends the launcher; the processes have theirs
     _terminate(children)
     for relay in relays:
         relay.join(timeout=5)
@@ -202,6 +209,21 @@ def _wait(children: list[subprocess.Popen], processes: Sequence[Process], stderr
         if not running:
             return 0
         time.sleep(poll_seconds)
+
+
+class _Terminated(Exception):
+    """The launcher got SIGTERM."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
+
+
+def _take(signum: int, handler):
+    """Install `handler` for `signum` where Python can (the main thread); the one there before."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signum, handler)
 
 
 def _signal_group(child: subprocess.Popen, sig: int) -> None:

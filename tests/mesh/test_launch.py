@@ -122,6 +122,21 @@ def test_a_process_killed_by_a_signal_exits_as_a_shell_reports_it():
     assert status == 128 + 9
 
 
+def test_sigterm_to_the_launcher_is_passed_on_to_every_process(tmp_path):
+    """As a spot VM's notice or `kill` would: each process gets SIGTERM and its grace to save, and
+    the job exits 143; the launcher's handler is gone afterwards."""
+    import signal
+
+    scripts = [f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; sleep 60 & wait" for i in (0, 1)]
+    before = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    status, _, _, seconds = _run(scripts)
+    assert status == 143 and seconds < 20
+    assert [(tmp_path / str(i)).read_text() for i in (0, 1)] == ["saved\n", "saved\n"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_host_command_runs_the_command_it_is_given(tmp_path):
     """End to end through a shell template: a stand-in `jaxtune` on PATH reports what it got."""
     fake = tmp_path / "bin" / "jaxtune"
