@@ -124,17 +124,29 @@ def test_a_process_killed_by_a_signal_exits_as_a_shell_reports_it():
 
 def test_sigterm_to_the_launcher_is_passed_on_to_every_process(tmp_path):
     """As a spot VM's notice or `kill` would: each process gets SIGTERM and its grace to save, and
-    the job exits 143; the launcher's handler is gone afterwards."""
+    the job exits 143; the launcher's handler is gone afterwards. The launcher runs in a child
+    process, so a launcher that died of the signal fails this test, not the whole session."""
     import signal
+    import subprocess
 
-    scripts = [f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; sleep 60 & wait" for i in (0, 1)]
-    before = signal.getsignal(signal.SIGTERM)
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    status, _, _, seconds = _run(scripts)
-    assert status == 143 and seconds < 20
+    scripts = [f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; touch {tmp_path}/started-{i}; sleep 60 & wait"
+               for i in (0, 1)]
+    code = ("import os, signal, sys; from jaxtune import launch; "
+            f"scripts = {scripts!r}; "
+            "status = launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]); "
+            "print(status, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[2], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f"started-{i}").exists() for i in (0, 1)):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.02)
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=40)
+    assert (launcher.returncode, out.strip()) == (0, "143 True"), err[-2000:]
+    assert time.monotonic() - started < 20
     assert [(tmp_path / str(i)).read_text() for i in (0, 1)] == ["saved\n", "saved\n"]
-    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_host_command_runs_the_command_it_is_given(tmp_path):
