@@ -96,7 +96,7 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
     generate = decode.make_generate(model, n, ())
     ids, mask = decode.left_pad(prompts, pad)
     start = time.perf_counter()
-    jax.block_until_ready(generate(model.weights, model.buffers, ids, mask))  # compiles
+    jax.block_until_ready(generate(model, model.weights, model.buffers, ids, mask))  # compiles
     b8_compile = time.perf_counter() - start
     got = {}
 
@@ -104,7 +104,7 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
         if case == "b1":
             got[("jaxtune", case)] = [list(decoder.stream(prompts[0], n))]
         else:
-            got[("jaxtune", case)] = np.asarray(jax.block_until_ready(generate(model.weights, model.buffers, ids, mask))).tolist()
+            got[("jaxtune", case)] = np.asarray(jax.block_until_ready(generate(model, model.weights, model.buffers, ids, mask))).tolist()
 
     def theirs(case: str, threads: int) -> None:
         torch_module.set_attn_implementation(attention_of[case])

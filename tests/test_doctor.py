@@ -48,6 +48,18 @@ def test_doctor_passes_and_prints_the_table(family, model_dirs, capsys):
     assert out.rstrip().endswith("parity ok")
 
 
+@pytest.fixture
+def programs_traced_afresh():
+    """No step kept from an earlier test (see `jaxtune.runtime.programs`), and none of this test's
+    kept after it: a step traced with a broken op computes with it for as long as it is kept."""
+    from jaxtune.runtime import programs
+
+    programs.clear()
+    yield
+    programs.clear()
+
+
+@pytest.mark.usefixtures("programs_traced_afresh")
 def test_doctor_exits_nonzero_when_an_op_is_broken(model_dirs, monkeypatch, capsys):
     """Corrupt torchax's rsqrt (used by every RMSNorm) by 1%: every check must notice."""
     import torch

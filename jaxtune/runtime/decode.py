@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from jaxtune.runtime import programs
 from jaxtune.runtime.model import JaxModel
 
 
@@ -50,13 +51,12 @@ def _cache_argument(module: torch.nn.Module) -> str:
 
 def _cached_forward(model: JaxModel) -> Callable:
     """(weights, buffers, kv, ids, mask, cache_position, position_ids) -> (last logits, new kv)."""
-    module = model.module
-    cache_argument = _cache_argument(module)
+    cache_argument = _cache_argument(model.module)
 
     def forward(weights, buffers, kv, ids, mask, cache_position, position_ids):
         cache = _static_cache(kv, cache_position[0])
         out = torch.func.functional_call(
-            module,
+            model.module,
             (model.for_compute(weights), buffers),
             args=(),
             kwargs={
@@ -74,12 +74,18 @@ def _cached_forward(model: JaxModel) -> Callable:
     return forward
 
 
-def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]) -> Callable:
-    """generate(weights, buffers, prompt_ids, prompt_mask) -> (b, max_new_tokens) token ids.
+def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]) -> programs.Program:
+    """generate(model, weights, buffers, prompt_ids, prompt_mask) -> (b, max_new_tokens) token ids,
+    one program every model of this structure shares (see `programs`).
 
     Prompts are left-padded (b, p); a row that emitted any of `eos_ids` keeps emitting the first.
     With no `eos_ids`, every row runs all `max_new_tokens`.
     """
+    return programs.shared("generate", model, (max_new_tokens, tuple(eos_ids)),
+                           lambda ref: _jitted_generate(ref, max_new_tokens, eos_ids))
+
+
+def _jitted_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]) -> Callable:
     from torchax import interop
 
     forward = _cached_forward(model)
@@ -126,7 +132,7 @@ def generate_memory(model: JaxModel, rows: int, prompt_length: int, max_new_toke
     prompts = jax.ShapeDtypeStruct((rows, prompt_length), jnp.int32, sharding=model.placement.prompt_sharding(rows))
     generate = make_generate(model, max_new_tokens, eos_ids=(0,))  # which ids stop decoding changes no buffer
     with model.env:
-        compiled = generate.lower(steps.shapes_of(model.weights), steps.shapes_of(model.buffers), prompts, prompts).compile()
+        compiled = generate.lower(model, steps.shapes_of(model.weights), steps.shapes_of(model.buffers), prompts, prompts).compile()
     return steps.compiled_memory(compiled)
 
 

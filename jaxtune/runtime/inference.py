@@ -83,7 +83,7 @@ def greedy_generate(
         chunk += [chunk[-1]] * (batch_size - len(chunk))  # fixed batch shape: one compile
         ids, mask = decode.left_pad(chunk, pad_id, length)
         ids, mask = model.placement.shard_prompts((ids, mask))
-        tokens = fetch(generate(model.weights, model.buffers, ids, mask))
+        tokens = fetch(generate(model, model.weights, model.buffers, ids, mask))
         outputs += [_until_eos(row.tolist(), eos_ids) for row in tokens[: min(batch_size, len(prompts) - start)]]
     return outputs
 

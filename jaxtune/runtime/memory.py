@@ -21,16 +21,15 @@ def device_bytes(tree) -> int:
 
 
 def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | None = None, fused: bool = True,
-                jitted=None, limit: int | None = None) -> dict:
+                limit: int | None = None) -> dict:
     """Bytes per device for parameters, gradients, optimizer state and one micro-batch's
     activations at `rows` (default `train.batch_size`) sequences of `length`, XLA's peak for the
     whole step, and the device's memory: `limit`, else what JAX reports (accelerators do, the CPU
-    and compile-only devices do not). `jitted`: the jitted step that will train (see `steps.train_step_memory`)."""
+    and compile-only devices do not). The step is the one that will train (see `steps.train_step_memory`)."""
     from jaxtune.runtime import steps
 
     rows = rows or cfg.batch_size
-    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused,
-                                  jitted=jitted)
+    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused)
     gradients = device_bytes(model.weights)
     opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
     return {

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from jaxtune.runtime import decode, steps
+from jaxtune.runtime import decode, programs, steps
 from jaxtune.runtime.model import JaxModel
 
 
@@ -43,10 +43,10 @@ def jax_logits(model: JaxModel, batch: dict[str, np.ndarray]) -> np.ndarray:
     """(b, t, vocab) float32 logits from the compiled JAX forward."""
     from torchax import interop
 
-    forward = interop.jax_jit(steps.forward_logits(model))
+    forward = programs.shared("logits", model, (), lambda ref: jax.jit(interop.jax_view(steps.forward_logits(ref))))
     with model.env:
-        logits = forward(*interop.torch_view((model.weights, model.buffers, dict(batch))))
-    return np.asarray(interop.jax_view(logits), dtype=np.float32)
+        logits = forward(model, model.weights, model.buffers, dict(batch))
+    return np.asarray(logits, dtype=np.float32)
 
 
 def torch_logits(model: JaxModel, batch: dict[str, np.ndarray]) -> np.ndarray:
@@ -84,7 +84,7 @@ def jax_greedy(model: JaxModel, prompts: Sequence[Sequence[int]], max_new_tokens
                eos_ids: tuple[int, ...] = ()) -> list[list[int]]:
     """All prompts decoded together (left-padded) by the compiled decoder; no eos: every row runs to the end."""
     ids, mask = decode.left_pad(prompts, pad_id)
-    tokens = decode.make_generate(model, max_new_tokens, eos_ids)(model.weights, model.buffers, ids, mask)
+    tokens = decode.make_generate(model, max_new_tokens, eos_ids)(model, model.weights, model.buffers, ids, mask)
     return np.asarray(tokens).tolist()
 
 

@@ -8,6 +8,7 @@ backward pass, and draws dropout from a key the caller derives from (seed, step)
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -17,6 +18,7 @@ import optax
 import torch
 
 from jaxtune.config import TrainConfig
+from jaxtune.runtime import programs
 from jaxtune.runtime.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.model import JaxModel
 
@@ -57,22 +59,28 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
     The train step writes each step's rate into the state (`with_learning_rate`), so the
     schedule is evaluated on the host and a new rate or schedule never recompiles the step.
+    Equal settings give the very same optimizer, so that runs with them share one train step
+    (`programs.shared` keys it by the optimizer's identity).
     """
+    return _optimizer(cfg.optimizer, cfg.learning_rate, cfg.weight_decay, cfg.max_grad_norm)
 
+
+@functools.lru_cache(maxsize=16)
+def _optimizer(name: str, learning_rate: float, weight_decay: float, max_grad_norm: float) -> optax.GradientTransformation:
     def chain(learning_rate):
-        if cfg.optimizer == "adafactor":
+        if name == "adafactor":
             # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting.
             update = optax.adafactor(learning_rate, multiply_by_parameter_scale=False,
-                                     weight_decay_rate=cfg.weight_decay or None)
-        elif cfg.optimizer == "sgd":
-            update = optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.sgd(learning_rate, momentum=0.9))
+                                     weight_decay_rate=weight_decay or None)
+        elif name == "sgd":
+            update = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate, momentum=0.9))
         else:
-            update = optax.adamw(learning_rate, weight_decay=cfg.weight_decay)
-        return optax.chain(record_grad_norm(), optax.clip_by_global_norm(cfg.max_grad_norm), update)
+            update = optax.adamw(learning_rate, weight_decay=weight_decay)
+        return optax.chain(record_grad_norm(), optax.clip_by_global_norm(max_grad_norm), update)
 
     # A strongly typed float32: a weak-typed Python float here would make the state the step
     # returns (strong float32) differ in type from the one it was first called with: a recompile.
-    return optax.inject_hyperparams(chain)(learning_rate=jnp.asarray(cfg.learning_rate, jnp.float32))
+    return optax.inject_hyperparams(chain)(learning_rate=jnp.asarray(learning_rate, jnp.float32))
 
 
 def with_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
@@ -174,6 +182,13 @@ def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation,
                    out_shardings=(one, weights, opt_state))
 
 
+def shared_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
+                      fused: bool = True) -> programs.Program:
+    """The jitted train step (`_jitted_train_step`) every model of this structure shares (see `programs`)."""
+    return programs.shared("train_step", model, (id(optimizer), remat, fused),
+                           lambda ref: _jitted_train_step(ref, optimizer, remat, fused))
+
+
 def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
                     fused: bool = True) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr), jitted; weights and optimizer state are donated.
@@ -181,14 +196,14 @@ def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, re
     `fused=False` runs transformers' eager attention and full logits (what PyTorch eager
     computes); it cannot isolate packed rows, so it takes unpacked batches only.
     """
-    jitted = _jitted_train_step(model, optimizer, remat, fused)
+    program = shared_train_step(model, optimizer, remat, fused)
     put = model.placement.put
 
     def run(weights, buffers, opt_state, batch, labels, key, lr):
         with model.env:
-            return jitted(weights, buffers, opt_state, batch, labels, put(key), put(np.asarray(lr, np.float32)))
+            return program(model, weights, buffers, opt_state, batch, labels, put(key), put(np.asarray(lr, np.float32)))
 
-    run.jitted = jitted  # for counting compilations
+    run.program, run.jitted = program, program.jitted  # the program, for the memory plan; jitted, for counting compilations
     return run
 
 
@@ -201,16 +216,16 @@ BATCH_KEYS = ("input_ids", "attention_mask", "segment_ids", "position_ids")
 
 
 def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
-                      length: int, remat: str = "none", fused: bool = True, jitted: Callable | None = None) -> dict:
+                      length: int, remat: str = "none", fused: bool = True) -> dict:
     """XLA's memory plan for one train step of (micro_batches, batch_size, length), compiled from shapes alone.
 
     `batch_size` is the whole micro-batch's rows, split over the mesh as training splits it; the
     bytes are one device's: of arguments (weights, frozen tensors, optimizer state, batch), of
     outputs, of temporaries (activations kept for the backward pass, gradients), and their peak.
-    `jitted`: the step training will call (`make_train_step(...).jitted`), so that its first call at
-    these shapes reuses this trace instead of tracing the model again.
+    The step is the one training calls (`shared_train_step`), so that its first call at these
+    shapes reuses this trace instead of tracing the model again.
     """
-    jitted = jitted or _jitted_train_step(model, optimizer, remat, fused)
+    program = shared_train_step(model, optimizer, remat, fused)
     weights = shapes_of(model.weights)
     opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)
     shape = (micro_batches, batch_size, length)
@@ -220,7 +235,7 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
     with model.env:
-        compiled = jitted.lower(weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr).compile()
+        compiled = program.lower(model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr).compile()
     return compiled_memory(compiled)
 
 
@@ -263,39 +278,50 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def make_loss_and_grad(model: JaxModel, remat: str = "none", fused: bool = True) -> Callable:
     """grad(weights, buffers, batch, labels) -> (mean token loss, gradients of the weights), jitted."""
-    summed = _summed_nll(model, training=False, remat=remat, fused=fused)
+    def build(ref):
+        summed = _summed_nll(ref, training=False, remat=remat, fused=fused)
 
-    def loss(weights, buffers, batch, labels):
-        nll, count = summed(weights, buffers, batch, labels, jnp.zeros((2,), jnp.uint32))
-        return nll / jnp.maximum(count, 1)
+        def loss(weights, buffers, batch, labels):
+            nll, count = summed(weights, buffers, batch, labels, jnp.zeros((2,), jnp.uint32))
+            return nll / jnp.maximum(count, 1)
 
-    jitted = jax.jit(jax.value_and_grad(loss))
+        return jax.jit(jax.value_and_grad(loss))
+
+    program = programs.shared("loss_and_grad", model, (remat, fused), build)
 
     def run(weights, buffers, batch, labels):
         with model.env:
-            return jitted(weights, buffers, batch, labels)
+            return program(model, weights, buffers, batch, labels)
 
     return run
 
 
 def make_eval_step(model: JaxModel, fused: bool = True) -> Callable:
     """eval(weights, buffers, batch, labels) -> (per-row NLL sum, per-row scored tokens)."""
-    from torchax import interop
-
-    forward = forward_token_nll(model, fused=fused)
-
-    def evaluate(weights, buffers, batch, labels):
-        nll, scored = forward(weights, buffers, batch, labels)
-        return nll.sum(-1), scored.sum(-1)
-
-    jitted = jax.jit(interop.jax_view(evaluate))  # on JAX arrays in and out, as torchax's jax_jit
+    program = shared_eval_step(model, fused)
 
     def run(weights, buffers, batch, labels):
         with model.env:
-            return jitted(weights, buffers, batch, labels)
+            return program(model, weights, buffers, batch, labels)
 
-    run.jitted = jitted
+    run.jitted = program.jitted
     return run
+
+
+def shared_eval_step(model: JaxModel, fused: bool = True) -> programs.Program:
+    """The jitted eval step every model of this structure shares (see `programs`)."""
+    from torchax import interop
+
+    def build(ref):
+        forward = forward_token_nll(ref, fused=fused)
+
+        def evaluate(weights, buffers, batch, labels):
+            nll, scored = forward(weights, buffers, batch, labels)
+            return nll.sum(-1), scored.sum(-1)
+
+        return jax.jit(interop.jax_view(evaluate))  # on JAX arrays in and out, as torchax's jax_jit
+
+    return programs.shared("eval_step", model, (fused,), build)
 
 
 def eval_step_memory(model: JaxModel, rows: int, length: int, fused: bool = True) -> dict:
@@ -304,6 +330,6 @@ def eval_step_memory(model: JaxModel, rows: int, length: int, fused: bool = True
     batch = {name: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding) for name in BATCH_KEYS}
     labels = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
     with model.env:
-        compiled = make_eval_step(model, fused).jitted.lower(shapes_of(model.weights), shapes_of(model.buffers),
-                                                             batch, labels).compile()
+        compiled = shared_eval_step(model, fused).lower(model, shapes_of(model.weights), shapes_of(model.buffers),
+                                                        batch, labels).compile()
     return compiled_memory(compiled)

@@ -79,7 +79,7 @@ def train(
     plan = {}
     if check_memory:
         # Planned with the step that trains: its first call finds this trace (the model is traced once, not twice).
-        plan = memory.memory_plan(model, optimizer, cfg, feed.length, rows=feed.rows, fused=fused, jitted=step_fn.jitted)
+        plan = memory.memory_plan(model, optimizer, cfg, feed.length, rows=feed.rows, fused=fused)
         on_log([{"memory_plan": plan, "message": memory.describe(plan)}])
         memory.check_fits(plan, cfg)
     evaluate = _evaluator(model, eval_data, cfg, pad_id) if cfg.eval_every and eval_data else None

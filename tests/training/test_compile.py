@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import compile_cache, steps, training
+from jaxtune.runtime import compile_cache, programs, steps, training
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime.feed import make_feed
 from jaxtune.runtime.mesh import make_placement
@@ -21,6 +21,12 @@ from tests.conftest import PAD, VOCAB, tiny_model
 pytestmark = pytest.mark.training
 
 LENGTHS = [9, 14, 22, 30, 41, 47, 60, 12, 18, 35, 50, 25] * 2  # one to four 16-token buckets per batch of 4
+
+
+@pytest.fixture(autouse=True)
+def fresh_programs():
+    """Each test counts what its own steps compile: no program kept from a test before it (see `programs`)."""
+    programs.clear()
 
 
 def lora_model():
