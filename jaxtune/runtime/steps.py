@@ -203,7 +203,7 @@ def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, re
         with model.env:
             return program(model, weights, buffers, opt_state, batch, labels, put(key), put(np.asarray(lr, np.float32)))
 
-    run.program, run.jitted = program, program.jitted  # the program, for the memory plan; jitted, for counting compilations
+    run.jitted = program.jitted  # for counting compilations
     return run
 
 
