@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from jaxtune.runtime import attention
+
 MAX_KEPT = 32
 
 
@@ -91,8 +93,6 @@ def structure(model) -> str:
     (`repr`), the model's and LoRA's configs, the attention implementation, each tensor's name, shape,
     dtype and sharding (weights and frozen tensors apart), the compute casts, the devices and the
     attention core a step traced now would run (`attention.kernel_for`)."""
-    from jaxtune.runtime import attention
-
     module = model.module
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     lora = {name: config.to_dict() for name, config in getattr(module, "peft_config", {}).items()}
