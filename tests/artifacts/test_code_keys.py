@@ -153,3 +153,21 @@ def test_a_spurious_ast_recursion_error_is_parsed_again(monkeypatch):
     monkeypatch.setattr(code.ast, "parse", broken)
     with pytest.raises(SystemError, match="something else"):
         code._parse(code.module_file("jaxtune.config"))
+
+
+def test_a_file_edited_within_one_process_is_digested_afresh(tmp_path):
+    """Module digests are cached by source text within a process: an edit, or an import dropped,
+    shows at the next call, as a long-lived worker reading an updated checkout would need."""
+    package = tmp_path / "jaxtune"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from jaxtune import b\nX = b.Y + 1\n")
+    (package / "b.py").write_text("Y = 1\n")
+    first = module_digests("jaxtune.a", package)
+    assert set(first) == {"jaxtune", "jaxtune.a", "jaxtune.b"}
+    assert module_digests("jaxtune.a", package) == first
+    (package / "b.py").write_text("Y = 2\n")
+    edited = module_digests("jaxtune.a", package)
+    assert edited["jaxtune.b"] != first["jaxtune.b"] and edited["jaxtune.a"] == first["jaxtune.a"]
+    (package / "a.py").write_text("X = 1\n")
+    assert set(module_digests("jaxtune.a", package)) == {"jaxtune", "jaxtune.a"}
