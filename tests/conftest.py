@@ -24,9 +24,9 @@ CPU_TEST_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_FLAGS}".strip()
 # PyTorch's intra-op work on one thread, in this process and every process it starts: `make test`
 # runs one worker per core, so a second OpenMP thread only contends with the other worker, and
-# waits by spinning. With a second busy process beside it (as the other worker is), the parity
-# module's greedy tests took 29.6 s of CPU against 35.5 s with two threads, and a tiny model's
-# `generate` 0.38 s against 1.49 s. The JAX side, XLA's own threads, is not affected.
+# waits by spinning. tests/parity, test_chat and test_doctor under `-n 2`, alternating runs: 332
+# and 345 s of CPU (186 and 193 s of wall time) on one thread, 352 and 355 s (195 and 199 s) on two.
+# XLA's own threads are not affected.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every compiled program into the shared compile cache, however fast it compiled: at level 0 most
 # of the toy model's compile in under jaxtune's half-second threshold, and the suite builds each
