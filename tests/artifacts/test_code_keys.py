@@ -156,8 +156,9 @@ def test_a_spurious_ast_recursion_error_is_parsed_again(monkeypatch):
 
 
 def test_a_file_edited_within_one_process_is_digested_afresh(tmp_path):
-    """Module digests are cached by source text within a process: an edit, or an import dropped,
-    shows at the next call, as a long-lived worker reading an updated checkout would need."""
+    """Module digests are cached by source text within a process, never by path alone: an edit,
+    or an import dropped, shows at the next `module_digests` call. (`code_identity` keeps what it
+    first read on purpose, one level up.)"""
     package = tmp_path / "jaxtune"
     package.mkdir()
     (package / "__init__.py").write_text("")
