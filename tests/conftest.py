@@ -21,9 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 #   (the toy flows run 10-35% faster in all; the 135M-parameter checkpoints' tests 5% slower).
 # - With XLA:CPU's older elemental emitters in place of its MLIR fusion emitters, the toy LoRA train
 #   step compiles in 0.8 s of CPU instead of 2.1 s. Bigger programs lose: the 1B-shaped memory plan
-#   compiles in 32.5 s instead of 24.0, and the real checkpoints' tests take about 25% longer. Over
-#   the whole suite (`-n 2`, two runs one after the other) JAX's compile events summed 811 s without the flag and
-#   636 s with it, the tests 2,006 and 1,867 s, and the run 1,955 and 1,804 s of CPU; 878 passed both.
+#   compiles in 32.5 s instead of 24.0, and the real checkpoints' tests take about 25% longer.
+#   Over the whole suite (`-n 2`, two runs one after the other) JAX's compile events summed 811 s
+#   without the flag and 636 s with it, the tests 2,006 and 1,867 s, and the run 1,955 and 1,804 s
+#   of CPU; 878 passed both times.
 # The HLO is the same; the arithmetic differs in float32's last digit: five toy LoRA steps give
 # losses 1.4e-7 apart relatively between these flags and XLA's defaults, far inside every tolerance.
 # Only tests run so; jaxtune itself, `make demo` and `make bench` keep XLA's defaults.
