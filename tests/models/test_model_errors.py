@@ -61,6 +61,21 @@ def test_a_missing_gguf_file_is_named_and_still_a_file_not_found_error(tmp_path)
     assert first_line(caught) == f"model.name {name!r}: no such GGUF file"
 
 
+def test_a_missing_offline_checkpoint_names_the_command_that_places_it(tmp_path, monkeypatch):
+    """The offline real-model recipes expect files pip packages ship but a fresh clone lacks."""
+    monkeypatch.chdir(tmp_path)
+    name = ".jaxtune/models/gemma-3-270m-q4_k_m.gguf"  # what configs/gemma3-270m-offline-lora.yaml sets
+    with pytest.raises(ModelNotFoundError) as caught:
+        model_ref(ModelConfig(name=name))
+    assert first_line(caught) == (f"model.name {name!r}: no such GGUF file; place it with "
+                                  "`python -m jaxtune.offline.checkpoints` (or `make demo-real`)")
+    elsewhere = str(tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    with pytest.raises(ModelNotFoundError) as caught:
+        model_ref(ModelConfig(name=elsewhere))
+    assert first_line(caught) == (f"model.name {elsewhere!r}: no such GGUF file; place it with "
+                                  f"`python -m jaxtune.offline.checkpoints {tmp_path / 'models'}`")
+
+
 def test_owner_slash_name_stays_a_hub_id_and_a_bare_word_is_refused():
     assert model_ref(ModelConfig(name="HuggingFaceTB/SmolLM2-135M")).stage == "hub"
     with pytest.raises(ModelError) as caught:
