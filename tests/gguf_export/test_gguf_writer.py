@@ -1,0 +1,111 @@
+"""A tiny Llama and the offline BPE tokenizer written as GGUF, read back by transformers' own GGUF
+reader (an implementation independent of the writer): the same logits, tokenizer and template."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxtune.errors import ModelError
+from jaxtune.gguf_writer import write_gguf
+
+pytestmark = pytest.mark.gguf
+
+TEXT = "the quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny Llama (unscaled RoPE, 300 tokens) saved with the offline tokenizer, as an export writes it."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxtune.architectures import tiny_config
+    from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("llama")
+    train_tokenizer([TEXT, "yes, it is the answer", "a fox and a dog"] * 20, 300, out)
+    shape = TinyModelConfig(architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
+    config = tiny_config("llama", shape, 300, 0, 2, 5)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+def logits_of(folder, gguf_file=None, ids=None, round_to=None) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
+    if round_to is not None:  # the weights as the file stores them, rounded by PyTorch
+        for parameter in model.parameters():
+            if parameter.ndim == 2:
+                parameter.data = parameter.data.to(round_to).float()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def ids(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder).encode(TEXT)
+
+
+# Measured when written: the re-read f32, f16 and bf16 files give exactly the logits of the PyTorch
+# model (f16 and bf16: with its matrices rounded to that type by PyTorch). The file keeps the RMS
+# norm's epsilon as float32 (1e-6 becomes 9.99999997e-07), which may move a logit in its last float32
+# bit on another CPU; the bound allows that and nothing more. Without the rotary reordering of Q and K
+# the logits move by up to 5.3e-3.
+SAME_ARITHMETIC = 1e-6
+# Q8_0 rounds each weight to 1/127 of its 32-block's largest magnitude: measured 7.6e-3 at most
+# over the prompt's 300-token logits, with every top-1 kept; the bound is 4x that.
+Q8_0_BOUND = 3e-2
+
+
+@pytest.mark.parametrize(("qtype", "round_to"), [("f32", None), ("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_reread_by_transformers_the_file_computes_the_models_logits(folder, ids, tmp_path, qtype, round_to):
+    path = write_gguf(folder, tmp_path / f"model-{qtype}.gguf", qtype)
+    got = logits_of(path.parent, path.name, ids)
+    expected = logits_of(folder, None, ids, round_to)
+    print(f"{qtype}: max |logit difference| {np.abs(got - expected).max():.2e}")
+    np.testing.assert_allclose(got, expected, rtol=0, atol=SAME_ARITHMETIC)
+
+
+def test_q8_0_keeps_every_top_token_within_its_bound(folder, ids, tmp_path):
+    path = write_gguf(folder, tmp_path / "model-q8_0.gguf", "q8_0")
+    got, expected = logits_of(path.parent, path.name, ids), logits_of(folder, None, ids)
+    assert np.abs(got - expected).max() <= Q8_0_BOUND
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+    float32_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    print(f"q8_0: max |logit difference| {np.abs(got - expected).max():.2e}; "
+          f"{path.stat().st_size} bytes against {float32_bytes} of float32")
+
+
+def test_the_tokenizer_and_chat_template_come_back(folder, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = write_gguf(folder, tmp_path / "model-f16.gguf", "f16")
+    original = AutoTokenizer.from_pretrained(folder)
+    reread = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    # Every token keeps its id; transformers' reader adds one token of its own past the vocabulary.
+    assert {token: i for token, i in reread.get_vocab().items() if i < len(original)} == original.get_vocab()
+    assert reread.encode(TEXT) == original.encode(TEXT)
+    assert (reread.bos_token_id, reread.eos_token_id, reread.pad_token_id) == (
+        original.bos_token_id, original.eos_token_id, original.pad_token_id)
+    assert reread.chat_template == original.chat_template
+    conversation = [{"role": "user", "content": "a fox?"}, {"role": "assistant", "content": "yes"}]
+    assert reread.apply_chat_template(conversation) == original.apply_chat_template(conversation)
+
+
+def test_an_unsupported_model_is_one_line_naming_what_is_supported(tmp_path):
+    from tests.conftest import tiny_model
+
+    tiny_model("gemma3").save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match=r"^GGUF export: model type 'gemma3_text' is not supported; supported: llama$"):
+        write_gguf(tmp_path, tmp_path / "x.gguf")
+    tiny_model("llama").save_pretrained(tmp_path)  # Llama 3's scaled RoPE
+    with pytest.raises(ModelError, match=r"^GGUF export: RoPE scaling 'llama3' is not supported; only unscaled RoPE$"):
+        write_gguf(tmp_path, tmp_path / "x.gguf")
