@@ -5,7 +5,8 @@ names, the architecture's hyperparameters, the tokenizer (tokens, merges, specia
 add-BOS flag) and the chat template. Tensors are written by the `gguf` package (its writer, name
 maps and numpy quantizers); transformers' GGUF reader, which `import_gguf` uses, reads them back.
 
-Llama-architecture models (SmolLM2, Llama 2/3 without RoPE scaling) only, for now. llama.cpp
+Llama-architecture models with a byte-level BPE tokenizer (SmolLM2, Llama 3 without RoPE scaling)
+only, for now. llama.cpp
 expects Q and K rows in its own rotary layout (`_rotary_rows`); matrices are stored in the chosen
 type and vectors (norms, biases) in float32, as llama.cpp's converter does.
 """
@@ -34,6 +35,7 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
         raise ModelError(f"GGUF type {qtype!r}: not one of {', '.join(TYPES)}")
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
+    check_tokenizer(folder)
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(file))
@@ -74,6 +76,14 @@ def check_supported(config) -> None:
         raise ModelError(f"GGUF export: RoPE scaling {rope['rope_type']!r} is not supported; only unscaled RoPE")
 
 
+def check_tokenizer(folder: Path) -> None:
+    """Raise ModelError unless `folder` holds a byte-level BPE tokenizer, the kind this writer writes."""
+    tokenizer_file = Path(folder) / "tokenizer.json"
+    if not tokenizer_file.is_file() or json.loads(tokenizer_file.read_text())["model"]["type"] != "BPE":
+        raise ModelError(f"{tokenizer_file}: GGUF export writes byte-level BPE tokenizers only "
+                         "(a tokenizer.json whose model type is BPE)")
+
+
 def _write_hyperparameters(writer, config) -> None:
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -93,8 +103,6 @@ def _write_tokenizer(writer, tokenizer, folder: Path, vocab_size: int) -> None:
     tokens, and merges, special ids, add-BOS and the chat template from the folder's files."""
     import gguf
 
-    if json.loads((folder / "tokenizer.json").read_text())["model"]["type"] != "BPE":
-        raise ModelError(f"{folder}: GGUF export writes byte-level BPE tokenizers only")
     by_id = {i: token for token, i in tokenizer.get_vocab().items()}
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
     special = set(tokenizer.all_special_tokens)

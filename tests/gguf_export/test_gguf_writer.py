@@ -109,3 +109,14 @@ def test_an_unsupported_model_is_one_line_naming_what_is_supported(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path)  # Llama 3's scaled RoPE
     with pytest.raises(ModelError, match=r"^GGUF export: RoPE scaling 'llama3' is not supported; only unscaled RoPE$"):
         write_gguf(tmp_path, tmp_path / "x.gguf")
+
+
+def test_a_folder_without_a_bpe_tokenizer_is_refused_before_a_file_is_written(folder, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match=r"tokenizer\.json: GGUF export writes byte-level BPE tokenizers only \("):
+        write_gguf(bare, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
