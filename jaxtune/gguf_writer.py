@@ -6,14 +6,15 @@ add-BOS flag) and the chat template. Tensors are written by the `gguf` package (
 maps and numpy quantizers); transformers' GGUF reader, which `import_gguf` uses, reads them back.
 
 Llama-architecture models with a byte-level BPE tokenizer (SmolLM2, Llama 3 without RoPE scaling)
-only, for now. llama.cpp
-expects Q and K rows in its own rotary layout (`_rotary_rows`); matrices are stored in the chosen
-type and vectors (norms, biases) in float32, as llama.cpp's converter does.
+only, for now. llama.cpp expects Q and K rows in its own rotary layout (`_rotary_rows`); matrices
+are stored in the chosen type and vectors (norms, biases) in float32, as llama.cpp's converter does.
+The file is written under a temporary name and renamed, so a crash never leaves half a file at `path`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +43,13 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
 
-    writer = gguf.GGUFWriter(path, ARCHITECTURES[config.model_type])
+    arch = ARCHITECTURES[config.model_type]
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    writer = gguf.GGUFWriter(partial, arch)
     _write_hyperparameters(writer, config)
     _write_tokenizer(writer, AutoTokenizer.from_pretrained(folder), folder, config.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     matrix_type = gguf.GGMLQuantizationType[qtype.upper()]
     for name, array in tensors.items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -61,6 +65,7 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    os.replace(partial, path)
     return path
 
 
