@@ -8,20 +8,23 @@ maps and numpy quantizers); transformers' GGUF reader, which `import_gguf` uses,
 Llama-architecture models with a byte-level BPE tokenizer (SmolLM2, Llama 3 without RoPE scaling)
 only, for now. llama.cpp expects Q and K rows in its own rotary layout (`_rotary_rows`); matrices
 are stored in the chosen type and vectors (norms, biases) in float32, as llama.cpp's converter does.
-The file is written under a temporary name and renamed, so a crash never leaves half a file at `path`.
+The file is written under a temporary name, read back and compared tensor by tensor with what was
+written (`verify_gguf`), and only then renamed: a crash or a bad write never leaves a file at `path`.
+`ollama_modelfile` gives the Ollama Modelfile that runs it with the chat template's turns and stops.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from jaxtune.errors import ModelError
+from jaxtune.config import GGUF_TYPES as TYPES
+from jaxtune.errors import ModelError, first_line
 
-TYPES = ("f32", "f16", "bf16", "q8_0")  # gguf's numpy quantizers write these; it has no K-quants
 ARCHITECTURES = {"llama": "llama"}  # HF model_type -> GGUF architecture
 
 
@@ -51,6 +54,7 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
     arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     matrix_type = gguf.GGMLQuantizationType[qtype.upper()]
+    written: dict[str, tuple[int, str]] = {}
     for name, array in tensors.items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
@@ -61,12 +65,54 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
             kind = gguf.GGMLQuantizationType.F16  # Q8_0 blocks are 32 values of a row
         data = array if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(array, kind)
         writer.add_tensor(gguf_name, data, raw_dtype=kind)
+        written[gguf_name] = (int(kind), _digest(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    try:
+        verify_gguf(partial, written)
+    except ModelError:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
     return path
+
+
+def verify_gguf(path: str | Path, expected: dict[str, tuple[int, str]]) -> None:
+    """Raise ModelError, naming the file and the first bad tensor, unless `path` reads back as a GGUF
+    file holding exactly `expected`: GGUF tensor name -> (GGML type, sha256 of the tensor's bytes).
+    A truncated file, a flipped byte or a missing tensor all fail here."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        found = {t.name: (int(t.tensor_type), _digest(t.data)) for t in reader.tensors}
+    except Exception as error:  # the reader's own errors on a damaged file are ValueError, IndexError, ...
+        raise ModelError(f"{path}: not a readable GGUF file ({first_line(error)})") from error
+    for name, (kind, digest) in expected.items():
+        if name not in found:
+            raise ModelError(f"{path}: tensor {name!r} is missing")
+        if found[name][0] != kind:
+            raise ModelError(f"{path}: tensor {name!r} is stored as type {found[name][0]}, not {kind}")
+        if found[name][1] != digest:
+            raise ModelError(f"{path}: tensor {name!r} differs from what was written")
+    if set(found) - set(expected):
+        raise ModelError(f"{path}: holds tensors that were not written: {sorted(set(found) - set(expected))[:3]}")
+
+
+def _digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8)).hexdigest()
+
+
+def check_exportable(config, tokenizer) -> None:
+    """Raise ModelError unless a model of transformers `config` with `tokenizer` can be written: what
+    the train stage checks before it starts, so a run never trains for a file it cannot write."""
+    check_supported(config)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or json.loads(backend.to_str())["model"]["type"] != "BPE":
+        raise ModelError(f"GGUF export writes byte-level BPE tokenizers only; {config.model_type}'s tokenizer "
+                         f"is {type(getattr(backend, 'model', tokenizer)).__name__}")
 
 
 def check_supported(config) -> None:
@@ -132,3 +178,68 @@ def _rotary_rows(name: str, array: np.ndarray, config) -> np.ndarray:
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+_ROLES = ("system", "user", "assistant")
+
+
+def ollama_modelfile(gguf_name: str, tokenizer) -> str:
+    """The Ollama Modelfile of GGUF file `gguf_name` (in the same folder): the tokenizer's chat
+    template in Ollama's (Go template) syntax, and its end of turn as the stop token.
+
+    The template is read off the Jinja template's own output: each role's text before and after a
+    message's content, from conversations of placeholder messages, and the text that opens the
+    answer. A template that folds the system message into the first user turn (Gemma's) gets the
+    system message as a user turn of its own, as Ollama's Gemma templates do."""
+    from jaxtune.data.templates import end_of_turn_ids
+
+    stops = [tokenizer.convert_ids_to_tokens(i) for i in end_of_turn_ids(tokenizer)]
+    lines = [f"FROM ./{gguf_name}"]
+    template = _ollama_template(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+    if template is not None:
+        lines.append(f'TEMPLATE """{template}"""')
+    lines += [f'PARAMETER stop "{stop}"' for stop in stops]
+    return "\n".join(lines) + "\n"
+
+
+def _ollama_template(tokenizer) -> str | None:
+    """The Go template, or None where the Jinja template's output does not split into turns."""
+    def render(messages, prompt=False):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+    def strip_bos(text):
+        return text[len(tokenizer.bos_token):] if tokenizer.bos_token and text.startswith(tokenizer.bos_token) else text
+
+    def turn(text, content):
+        """(before, after) `content` in one turn's text; whitespace that opens a turn (a separator the
+        template writes between turns) counts as the end of the turn before it."""
+        before, after = text.split(content)
+        lead = before[: len(before) - len(before.lstrip())]
+        return before.lstrip(), after, lead
+
+    user_1, answer, user_2, system = "\x02U1\x02", "\x02A\x02", "\x02U2\x02", "\x02S\x02"
+    one = [{"role": "user", "content": user_1}]
+    two = [*one, {"role": "assistant", "content": answer}]
+    first, answered, again = render(one), render(two), render([*two, {"role": "user", "content": user_2}])
+    opening = render(one, prompt=True)
+    if not (answered.startswith(first) and again.startswith(answered) and opening.startswith(first)):
+        return None
+    if answered[len(first):].count(answer) != 1 or again[len(answered):].count(user_2) != 1:
+        return None
+    turns = {"assistant": turn(answered[len(first):], answer), "user": turn(again[len(answered):], user_2)}
+    separator = turns["user"][2]
+    if turns["assistant"][2] != separator or not opening[len(first):].startswith(separator):
+        return None  # turns separated by different text: beyond a per-role template
+    opening = opening[len(first) + len(separator):]
+    # What comes before the first user turn: a <bos> the tokenizer adds itself, or a default system turn.
+    header = strip_bos(first[: first.index(user_1) - len(turns["user"][0])])
+    with_system = strip_bos(render([{"role": "system", "content": system}, *one]))
+    first_user = first[first.index(user_1) - len(turns["user"][0]):]
+    if with_system.endswith(first_user) and with_system.count(system) == 1:
+        turns["system"] = turn(with_system[: -len(first_user)], system)
+    else:  # folded into the first user turn: written as a user turn of its own
+        turns["system"] = turns["user"]
+    branches = "".join(f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}'
+                       f"{turns[role][0]}{{{{ .Content }}}}{turns[role][1]}{separator}" for i, role in enumerate(_ROLES))
+    default = f'{{{{ if ne (index .Messages 0).Role "system" }}}}{header}{{{{ end }}}}' if header else ""
+    return f"{default}{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}{opening}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jaxtune.errors import ModelError
-from jaxtune.gguf_writer import write_gguf
+from jaxtune.gguf_writer import check_exportable, ollama_modelfile, verify_gguf, write_gguf
 
 pytestmark = pytest.mark.gguf
 
@@ -120,3 +120,95 @@ def test_a_folder_without_a_bpe_tokenizer_is_refused_before_a_file_is_written(fo
     with pytest.raises(ModelError, match=r"tokenizer\.json: GGUF export writes byte-level BPE tokenizers only \("):
         write_gguf(bare, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_damaged_file_is_found_and_named(folder, tmp_path):
+    import gguf
+
+    path = write_gguf(folder, tmp_path / "model-f16.gguf", "f16")
+    reader = gguf.GGUFReader(path)
+    expected = {t.name: (int(t.tensor_type), _sha(t.data)) for t in reader.tensors}
+    del reader
+    verify_gguf(path, expected)  # the file as written passes
+    flipped = tmp_path / "flipped.gguf"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # inside the last tensor's data
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=rf"^{flipped}: tensor '[\w.]+' differs from what was written$"):
+        verify_gguf(flipped, expected)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ModelError, match=rf"^{truncated}: (not a readable GGUF file|tensor '[\w.]+' differs)"):
+        verify_gguf(truncated, expected)
+
+
+def test_a_write_that_goes_wrong_leaves_no_file(folder, tmp_path, monkeypatch):
+    import os
+
+    import gguf
+
+    close = gguf.GGUFWriter.close
+
+    def close_then_lose_the_tail(writer):  # as a full disk or a killed copy would leave it
+        close(writer)
+        os.truncate(writer.path, os.path.getsize(writer.path) - 64)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "close", close_then_lose_the_tail)
+    with pytest.raises(ModelError, match=r"model-f16\.gguf\.\d+: "):
+        write_gguf(folder, tmp_path / "model-f16.gguf", "f16")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_exportable_check_names_the_tokenizer_and_the_architecture(folder, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tests.conftest import tiny_model
+
+    check_exportable(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))  # passes
+    with pytest.raises(ModelError, match=r"^GGUF export: model type 'gemma3_text' is not supported; supported: llama$"):
+        check_exportable(tiny_model("gemma3").config, AutoTokenizer.from_pretrained(folder))
+
+
+def _sha(array) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8)).hexdigest()
+
+
+CHATML = (  # SmolLM2-135M-Instruct's chat template
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+OLLAMA_CHATML = (
+    'TEMPLATE """{{ if ne (index .Messages 0).Role "system" }}<|im_start|>system\n'
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n{{ end }}"
+    '{{ range .Messages }}{{ if eq .Role "system" }}<|im_start|>system\n{{ .Content }}<|im_end|>\n'
+    '{{ else if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n'
+    '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n'
+    '{{ end }}{{ end }}<|im_start|>assistant\n"""'
+)
+# The offline tokenizer's Gemma-style template: "\n" between turns, <bos> added by the tokenizer,
+# a system message folded into the first user turn (so written as a user turn of its own).
+OLLAMA_GEMMA = (
+    'TEMPLATE """{{ range .Messages }}{{ if eq .Role "system" }}<start_of_turn>user\n{{ .Content }}<end_of_turn>\n'
+    '{{ else if eq .Role "user" }}<start_of_turn>user\n{{ .Content }}<end_of_turn>\n'
+    '{{ else if eq .Role "assistant" }}<start_of_turn>model\n{{ .Content }}<end_of_turn>\n'
+    '{{ end }}{{ end }}<start_of_turn>model\n"""'
+)
+
+
+def test_the_ollama_modelfile_formats_turns_as_the_chat_template_does(folder):
+    from transformers import AutoTokenizer
+
+    gemma_style = AutoTokenizer.from_pretrained(folder)
+    assert ollama_modelfile("llama-f16.gguf", gemma_style) == (
+        f'FROM ./llama-f16.gguf\n{OLLAMA_GEMMA}\nPARAMETER stop "<end_of_turn>"\n')
+    chatml = AutoTokenizer.from_pretrained(folder)
+    chatml.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    chatml.chat_template = CHATML
+    assert ollama_modelfile("llama-q8_0.gguf", chatml) == (
+        f'FROM ./llama-q8_0.gguf\n{OLLAMA_CHATML}\nPARAMETER stop "<|im_end|>"\n')
+    chatml.chat_template = None
+    assert ollama_modelfile("llama-q8_0.gguf", chatml) == "FROM ./llama-q8_0.gguf\n"
