@@ -220,6 +220,10 @@ class GenerateConfig(Section):
     batch_size: int = Field(16, gt=0)
 
 
+# The GGUF types jaxtune writes: what the gguf package's numpy quantizers implement (no K-quants).
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
 class ExportConfig(Section):
     """How the trained weights leave the store: in which dtype, and for LoRA whether also merged into a full model."""
 
@@ -229,6 +233,12 @@ class ExportConfig(Section):
         description="LoRA only: also write merged/, the adapter (and modules_to_save) folded into the base weights "
         "as a plain HF model for serving (vLLM, llama.cpp converters). A full fine-tune's export already is a "
         "full model, so for it this writes nothing more",
+    )
+    gguf: list[Literal[GGUF_TYPES]] = Field(
+        default_factory=list,
+        description="also write the model (LoRA merged in) as GGUF files for llama.cpp and Ollama, one per type "
+        f"listed ({', '.join(GGUF_TYPES)}): gguf/<architecture>-<type>.gguf, each with an Ollama Modelfile; "
+        "Llama-architecture models with a byte-level BPE tokenizer (SmolLM2), checked before training starts",
     )
 
 

@@ -64,7 +64,7 @@ def test_a_yaml_error_without_a_position_keeps_its_first_line(tmp_path, monkeypa
 def test_an_unknown_key_far_from_any_lists_the_section_keys():
     with pytest.raises(ConfigError) as raised:
         load_config(None, ["export.zzz=1"])
-    assert str(raised.value) == "--set: export.zzz: unknown key; export has dtype, merge"
+    assert str(raised.value) == "--set: export.zzz: unknown key; export has dtype, merge, gguf"
 
 
 def test_an_override_whose_value_is_not_yaml_is_one_line_naming_it():

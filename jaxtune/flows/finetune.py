@@ -258,7 +258,10 @@ def finetune(
         for step in pipeline(config, restart=restart_of is not None):
             if step.stage in STAGES and STAGES.index(step.stage) > STAGES.index(until):
                 break
-            done[step.stage] = run(step, {name: done[v] if isinstance(v, str) else v for name, v in step.inputs.items()})
+            inputs = {name: done[v] if isinstance(v, str) else v for name, v in step.inputs.items()}
+            if step.stage == "train" and config.export.gguf:
+                export.check_gguf_export(inputs["model"], config.model)  # not after training for a file it cannot write
+            done[step.stage] = run(step, inputs)
     except TrainingStopped as stopped:
         return _stopped_state(stopped)
     if processes.writes():  # in a multi-process job, process 0 alone shows the run in Prefect

@@ -1,9 +1,11 @@
 """Stage `export`: trained weights -> a PEFT adapter folder (LoRA) or a full HF model folder, and with
-`export.merge` also the LoRA merged into a full HF model; all load in plain PyTorch without jaxtune."""
+`export.merge` also the LoRA merged into a full HF model; all load in plain PyTorch without jaxtune.
+With `export.gguf`, also GGUF files of the merged model for llama.cpp and Ollama (`gguf/`)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -60,6 +62,45 @@ def save_merged(folder: Path, section: ExportSection, inputs: dict[str, Artifact
     save_model(module.merge_and_unload(), folder, section, inputs["model"])
 
 
+def check_gguf_export(model_ref: ArtifactRef, model_cfg: ModelConfig) -> None:
+    """Raise ModelError if `export.gguf` could not write this model: the flow asks before training."""
+    from transformers import AutoConfig
+
+    from jaxtune.gguf_writer import check_exportable
+
+    name, revision = pretrained_location(model_ref)
+    config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=model_cfg.trust_remote_code)
+    check_exportable(config, open_tokenizer(model_ref, model_cfg))
+
+
+def save_gguf(folder: Path, section: ExportSection, inputs: dict[str, ArtifactRef]) -> list[dict]:
+    """Each `export.gguf` type as `folder/<architecture>-<type>.gguf`, with its Ollama Modelfile.
+
+    Written from the trained model merged in float32 (a folder removed afterwards), so every type
+    rounds the weights once, whatever export.dtype is. Returns each file's name, type and bytes."""
+    from jaxtune.gguf_writer import ollama_modelfile, write_gguf
+
+    source = folder.with_name(f".{folder.name}-source")
+    module, _ = trained_torch_model(inputs, section.model)
+    if hasattr(module, "merge_and_unload"):
+        module = module.merge_and_unload()
+    module.float().save_pretrained(source, safe_serialization=True)
+    architecture = module.config.model_type
+    del module
+    tokenizer = open_tokenizer(inputs["model"], section.model)
+    tokenizer.save_pretrained(source)
+    folder.mkdir()
+    files = []
+    try:
+        for qtype in section.export.gguf:
+            path = write_gguf(source, folder / f"{architecture}-{qtype}.gguf", qtype)
+            path.with_suffix(".Modelfile").write_text(ollama_modelfile(path.name, tokenizer))
+            files.append({"file": path.name, "type": qtype, "bytes": path.stat().st_size})
+    finally:
+        shutil.rmtree(source)
+    return files
+
+
 @task(name=STAGE, result_serializer="json")
 def export(section: ExportSection, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
     """inputs: `model`, `train`."""
@@ -74,7 +115,10 @@ def export(section: ExportSection, inputs: dict[str, ArtifactRef], store_root: s
         if method == "lora" and section.export.merge:
             save_merged(folder / "merged", section, inputs)
             info["merged"] = "merged"
+        if section.export.gguf:
+            info["gguf"] = save_gguf(folder / "gguf", section, inputs)
         (folder / "export.json").write_text(json.dumps(info, indent=2))
-        get_run_logger().info("exported a %s (%s/)%s", info["kind"], sub, " and merged/" if "merged" in info else "")
+        get_run_logger().info("exported a %s (%s/)%s%s", info["kind"], sub, " and merged/" if "merged" in info else "",
+                              "".join(f", gguf/{f['file']}" for f in info.get("gguf", [])))
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)

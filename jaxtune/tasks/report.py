@@ -33,7 +33,8 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
                                              "mfu_derivation", "nonpad_fraction", "packed", "batch_shape",
                                              "trainable_parameters", "rows_per_step", "resumed_from", "interruptions", "mesh")},
         "eval_during_training": [r for r in _log(inputs["train"]) if "eval_loss" in r],
-        "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
+        "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"])),
+                   "gguf": [{**f, "path": str(inputs["export"].file(f"gguf/{f['file']}"))} for f in export.get("gguf", [])]},
         "data": inputs["tokenize"].read_json("stats.json"),
         "parity": final["parity"],
         "trust_remote_code": ran_remote_code(inputs["train"]),
@@ -111,6 +112,7 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         "## Loss by category", "", "| category | before | after |", "|---|---|---|",
         *[f"| {c} | {v['baseline']:.4f} | {v['final']:.4f} |" for c, v in summary["per_category"].items()], "",
         f"Exported {summary['export']['kind']}: `{summary['export']['path']}`", "",
+        *_gguf_lines(summary["export"].get("gguf") or []),
         *_parity_section(summary["parity"]),
         "## Generations", "",
     ]
@@ -118,6 +120,16 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         lines += [f"**{ex['category']}**: {_quote(ex['prompt'])}", "",
                   f"- reference: `{ex['reference']}`", f"- before: `{ex['before']}`", f"- after: `{ex['after']}`", ""]
     return "\n".join(lines)
+
+
+def _gguf_lines(files: list[dict]) -> list[str]:
+    """The exported GGUF files, each with its type and size, and how to run one."""
+    if not files:
+        return []
+    return ["| GGUF file | type | size |", "|---|---|---|",
+            *[f"| `{f['path']}` | {f['type']} | {f['bytes'] / 2**20:,.1f} MiB |" for f in files], "",
+            f"Run one with `llama-cli -m {files[0]['path']}`, or in Ollama with "
+            f"`ollama create NAME -f {files[0]['path'].removesuffix('.gguf')}.Modelfile`.", ""]
 
 
 def _data_section(stats: dict) -> list[str]:
