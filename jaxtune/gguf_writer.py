@@ -39,7 +39,7 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
         raise ModelError(f"GGUF type {qtype!r}: not one of {', '.join(TYPES)}")
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
-    check_tokenizer(folder)
+    pre_tokenizer = check_tokenizer(folder)
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(file))
@@ -50,7 +50,7 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     writer = gguf.GGUFWriter(partial, arch)
     _write_hyperparameters(writer, config)
-    _write_tokenizer(writer, AutoTokenizer.from_pretrained(folder), folder, config.vocab_size)
+    _write_tokenizer(writer, AutoTokenizer.from_pretrained(folder), folder, config.vocab_size, pre_tokenizer)
     arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     matrix_type = gguf.GGMLQuantizationType[qtype.upper()]
@@ -110,9 +110,36 @@ def check_exportable(config, tokenizer) -> None:
     the train stage checks before it starts, so a run never trains for a file it cannot write."""
     check_supported(config)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or json.loads(backend.to_str())["model"]["type"] != "BPE":
+    if backend is None:
         raise ModelError(f"GGUF export writes byte-level BPE tokenizers only; {config.model_type}'s tokenizer "
-                         f"is {type(getattr(backend, 'model', tokenizer)).__name__}")
+                         f"{type(tokenizer).__name__} has no tokenizer.json")
+    llama_cpp_pre_tokenizer(json.loads(backend.to_str()), f"{config.model_type}'s tokenizer")
+
+
+# llama.cpp splits text before BPE by the regexes of a named pre-tokenizer; these are the names whose
+# splits equal a Hugging Face byte-level pre-tokenizer's (llama.cpp's llama-vocab.cpp): GPT-2's regex
+# alone, and (SmolLM, StarCoder) every digit split off first. A tokenizer llama.cpp would split
+# otherwise is refused rather than written to tokenize differently there.
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+_DIGITS = {"type": "Digits", "individual_digits": True}
+
+
+def llama_cpp_pre_tokenizer(tokenizer_json: dict, what: str) -> str:
+    """The llama.cpp pre-tokenizer name (`tokenizer.ggml.pre`) that splits text as `tokenizer_json`
+    (a tokenizer.json's content) does, or ModelError naming `what`."""
+    def is_(step, expected):
+        return all(step.get(key) == value for key, value in expected.items())
+
+    model = tokenizer_json.get("model") or {}
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if model.get("type") == "BPE" and not tokenizer_json.get("normalizer"):
+        if len(steps) == 1 and is_(steps[0], _BYTE_LEVEL):
+            return "gpt-2"
+        if len(steps) == 2 and is_(steps[0], _DIGITS) and is_(steps[1], _BYTE_LEVEL):
+            return "smollm"
+    raise ModelError(f"{what}: GGUF export writes byte-level BPE tokenizers that split text as GPT-2 or SmolLM "
+                     f"do; this one is {model.get('type')} with pre-tokenizer {json.dumps(pre)[:120]}")
 
 
 def check_supported(config) -> None:
@@ -127,12 +154,13 @@ def check_supported(config) -> None:
         raise ModelError(f"GGUF export: RoPE scaling {rope['rope_type']!r} is not supported; only unscaled RoPE")
 
 
-def check_tokenizer(folder: Path) -> None:
-    """Raise ModelError unless `folder` holds a byte-level BPE tokenizer, the kind this writer writes."""
+def check_tokenizer(folder: Path) -> str:
+    """The llama.cpp pre-tokenizer name of `folder`'s tokenizer.json, or ModelError naming the file:
+    this writer writes byte-level BPE tokenizers that llama.cpp splits as Hugging Face does."""
     tokenizer_file = Path(folder) / "tokenizer.json"
-    if not tokenizer_file.is_file() or json.loads(tokenizer_file.read_text())["model"]["type"] != "BPE":
-        raise ModelError(f"{tokenizer_file}: GGUF export writes byte-level BPE tokenizers only "
-                         "(a tokenizer.json whose model type is BPE)")
+    if not tokenizer_file.is_file():
+        raise ModelError(f"{tokenizer_file}: missing; GGUF export writes byte-level BPE tokenizers only")
+    return llama_cpp_pre_tokenizer(json.loads(tokenizer_file.read_text()), str(tokenizer_file))
 
 
 def _write_hyperparameters(writer, config) -> None:
@@ -148,7 +176,7 @@ def _write_hyperparameters(writer, config) -> None:
     writer.add_vocab_size(config.vocab_size)
 
 
-def _write_tokenizer(writer, tokenizer, folder: Path, vocab_size: int) -> None:
+def _write_tokenizer(writer, tokenizer, folder: Path, vocab_size: int, pre_tokenizer: str) -> None:
     """Byte-level BPE as llama.cpp's `gpt2` tokenizer model: every id's token (ids the tokenizer
     lacks, as padding rows of a larger embedding, get placeholder names), special tokens as control
     tokens, and merges, special ids, add-BOS and the chat template from the folder's files."""
@@ -158,7 +186,7 @@ def _write_tokenizer(writer, tokenizer, folder: Path, vocab_size: int) -> None:
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
     special = set(tokenizer.all_special_tokens)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre_tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens])
     gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)

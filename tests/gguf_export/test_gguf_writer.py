@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jaxtune.errors import ModelError
-from jaxtune.gguf_writer import check_exportable, ollama_modelfile, verify_gguf, write_gguf
+from jaxtune.gguf_writer import check_exportable, llama_cpp_pre_tokenizer, ollama_modelfile, verify_gguf, write_gguf
 
 pytestmark = pytest.mark.gguf
 
@@ -117,7 +117,7 @@ def test_a_folder_without_a_bpe_tokenizer_is_refused_before_a_file_is_written(fo
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare)
     (bare / "tokenizer.json").unlink()
-    with pytest.raises(ModelError, match=r"tokenizer\.json: GGUF export writes byte-level BPE tokenizers only \("):
+    with pytest.raises(ModelError, match=r"tokenizer\.json: missing; GGUF export writes byte-level BPE tokenizers only$"):
         write_gguf(bare, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
 
@@ -212,3 +212,27 @@ def test_the_ollama_modelfile_formats_turns_as_the_chat_template_does(folder):
         f'FROM ./llama-q8_0.gguf\n{OLLAMA_CHATML}\nPARAMETER stop "<|im_end|>"\n')
     chatml.chat_template = None
     assert ollama_modelfile("llama-q8_0.gguf", chatml) == "FROM ./llama-q8_0.gguf\n"
+
+
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+LLAMA_3_SPLIT = {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"},
+                 "behavior": "Isolated", "invert": False}
+
+
+def test_the_pre_tokenizer_is_the_llama_cpp_one_that_splits_text_alike(folder, tmp_path):
+    """llama.cpp splits text by its own named regexes before BPE: the name written must be the one
+    whose splits equal the tokenizer's (the offline and the imported SmolLM2 tokenizers: GPT-2's)."""
+    import gguf
+
+    bpe = {"model": {"type": "BPE"}, "normalizer": None}
+    assert llama_cpp_pre_tokenizer({**bpe, "pre_tokenizer": BYTE_LEVEL}, "t") == "gpt-2"
+    digits_first = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, BYTE_LEVEL]}
+    assert llama_cpp_pre_tokenizer({**bpe, "pre_tokenizer": digits_first}, "t") == "smollm"  # SmolLM2's hub tokenizer
+    for other in ({**BYTE_LEVEL, "add_prefix_space": True},
+                  {"type": "Sequence", "pretokenizers": [LLAMA_3_SPLIT, {**BYTE_LEVEL, "use_regex": False}]}):
+        with pytest.raises(ModelError, match=r"^t: GGUF export writes byte-level BPE tokenizers that split text as "
+                                             r"GPT-2 or SmolLM do; this one is BPE with pre-tokenizer \{"):
+            llama_cpp_pre_tokenizer({**bpe, "pre_tokenizer": other}, "t")
+    path = write_gguf(folder, tmp_path / "model-f16.gguf", "f16")
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.pre"]
+    assert bytes(field.parts[field.data[0]]).decode() == "gpt-2"
