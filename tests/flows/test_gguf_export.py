@@ -25,24 +25,12 @@ Q8_0_BOUND = 3e-2
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     """A tiny Llama with unscaled RoPE and a tokenizer trained on the offline data, as a model folder."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from jaxtune.architectures import tiny_config
-    from jaxtune.config import TinyModelConfig
     from jaxtune.data.rows import OFFLINE_DATA
-    from jaxtune.offline.tokenizer import train_tokenizer
+    from tests.gguf_export.llama import save_tiny_llama
 
-    folder = tmp_path_factory.mktemp("llama")
     rows = [json.loads(line) for line in OFFLINE_DATA.read_text().splitlines()]
-    train_tokenizer([" ".join(str(v) for v in row.values()) for row in rows], 300, folder)
-    shape = TinyModelConfig(architecture="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300)
-    config = tiny_config("llama", shape, 300, 0, 2, 1)
-    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return folder
+    texts = [" ".join(str(v) for v in row.values()) for row in rows]
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), texts, 32, 2, 1, eos_id=1)
 
 
 def _logits(folder: Path, ids: list[int], gguf_file: str | None = None, round_to=None) -> np.ndarray:

@@ -18,21 +18,10 @@ TEXT = "the quick brown fox jumps over the lazy dog"
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny Llama (unscaled RoPE, 300 tokens) saved with the offline tokenizer, as an export writes it."""
-    from transformers import AutoModelForCausalLM
+    from tests.gguf_export.llama import save_tiny_llama
 
-    from jaxtune.architectures import tiny_config
-    from jaxtune.config import TinyModelConfig
-    from jaxtune.offline.tokenizer import train_tokenizer
-
-    out = tmp_path_factory.mktemp("llama")
-    train_tokenizer([TEXT, "yes, it is the answer", "a fox and a dog"] * 20, 300, out)
-    shape = TinyModelConfig(architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
-    config = tiny_config("llama", shape, 300, 0, 2, 5)
-    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return out
+    texts = [TEXT, "yes, it is the answer", "a fox and a dog"] * 20
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), texts, 64, 4, 2, eos_id=5)
 
 
 def logits_of(folder, gguf_file=None, ids=None, round_to=None) -> np.ndarray:
