@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxtune.config import GGUF_TYPES as TYPES
 from jaxtune.errors import ModelError, first_line
+from jaxtune.gguf_reader import plain_reader
 
 ARCHITECTURES = {"llama": "llama"}  # HF model_type -> GGUF architecture
 
@@ -83,10 +84,8 @@ def verify_gguf(path: str | Path, expected: dict[str, tuple[int, str]]) -> None:
     """Raise ModelError, naming the file and the first bad tensor, unless `path` reads back as a GGUF
     file holding exactly `expected`: GGUF tensor name -> (GGML type, sha256 of the tensor's bytes).
     A truncated file, a flipped byte or a missing tensor all fail here."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
+        reader = plain_reader(path)
         found = {t.name: (int(t.tensor_type), _digest(t.data)) for t in reader.tensors}
     except Exception as error:  # the reader's own errors on a damaged file are ValueError, IndexError, ...
         raise ModelError(f"{path}: not a readable GGUF file ({first_line(error)})") from error

@@ -6,18 +6,13 @@ here, keyed by the file's content, gives every later stage, `jaxtune doctor` and
 users a folder of float32 safetensors plus tokenizer (and chat template, when the file has one)
 that loads in a second like any HF checkpoint.
 
-transformers parses the file's header three times (for the tokenizer, the config and the
-weights), each time turning every vocabulary string into Python objects, and rebuilds gguf's
-tensor-name table once per module of the model; both are pure functions of the file, so one
-import computes each once (SmolLM2-135M: 73 s to 25 s here, the folder byte for byte the same),
-and reads the file through a plain array rather than numpy's memory-map class (Gemma 3 270M:
-34 s to 20 s, again the same bytes).
+The file is read with its header parsed once, through a plain array view of its memory map
+(`jaxtune.gguf_reader`): SmolLM2-135M's import takes 25 s here rather than 73, the folder byte
+for byte the same.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import threading
 from pathlib import Path
@@ -27,6 +22,7 @@ from prefect import task
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.errors import ModelError, first_line
+from jaxtune.gguf_reader import parsed_once
 from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
 
 STAGE = "import_gguf"
@@ -40,7 +36,7 @@ def write_hf_folder(gguf: Path, folder: Path) -> None:
 
     gguf = Path(gguf)
     try:
-        with _parsed_once():
+        with parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as error:
@@ -56,51 +52,6 @@ def write_hf_folder(gguf: Path, folder: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
-
-
-_PATCH_LOCK = threading.Lock()  # the patch below is process-wide: one import at a time holds it
-
-
-@contextlib.contextmanager
-def _parsed_once():
-    """Within the block, `gguf.GGUFReader` returns one reader per file and `get_tensor_name_map`
-    one table per (architecture, layers): transformers imports both from `gguf` at each call."""
-    import gguf
-
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], object] = {}
-
-    def reader(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = (_plain_view_reader(real_reader) if mode == "r" else real_reader)(path, mode)
-        return readers[key]
-
-    with _PATCH_LOCK:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
-        try:
-            yield
-        finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
-
-
-def _plain_view_reader(base: type) -> type:
-    """`base`, gguf's reader, over a plain ndarray view of its read-only memory map. Every slice of an
-    `np.memmap` is a memmap again, made by two Python methods; reading Gemma 3's 262k-token
-    vocabulary slices it millions of times (15 of the 33 s of its import). The view reads the
-    same mapped bytes, and keeps the map alive as its base."""
-    import numpy as np
-
-    class PlainViewReader(base):
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, mapped):
-            self._plain = mapped.view(np.ndarray)
-
-    return PlainViewReader
 
 
 def _parses(gguf: Path) -> bool:
