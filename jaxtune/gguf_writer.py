@@ -5,9 +5,11 @@ names, the architecture's hyperparameters, the tokenizer (tokens, merges, specia
 add-BOS flag) and the chat template. Tensors are written by the `gguf` package (its writer, name
 maps and numpy quantizers); transformers' GGUF reader, which `import_gguf` uses, reads them back.
 
-Llama-architecture models with a byte-level BPE tokenizer (SmolLM2, Llama 3 without RoPE scaling)
-only, for now. llama.cpp expects Q and K rows in its own rotary layout (`_rotary_rows`); matrices
-are stored in the chosen type and vectors (norms, biases) in float32, as llama.cpp's converter does.
+Two architectures: Llama (SmolLM2, Llama 3 without RoPE scaling) and Gemma 3 (text). llama.cpp
+expects a Llama's Q and K rows in its own rotary layout (`_rotary_rows`) and a Gemma's norm weights
+with the 1 Gemma adds at run time included (`_gemma_norm`); matrices are stored in the chosen type
+and vectors (norms, biases) in float32, as llama.cpp's converter does. Tokenizers: byte-level BPE
+(llama.cpp's `gpt2` model) and SentencePiece BPE (its `llama` model, `_sentencepiece_scores`).
 The file is written under a temporary name, read back and compared tensor by tensor with what was
 written (`verify_gguf`), and only then renamed: a crash or a bad write never leaves a file at `path`.
 `ollama_modelfile` gives the Ollama Modelfile that runs it with the chat template's turns and stops.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,32 +29,43 @@ from jaxtune.config import GGUF_TYPES as TYPES
 from jaxtune.errors import ModelError, first_line
 from jaxtune.gguf_reader import plain_reader
 
-ARCHITECTURES = {"llama": "llama"}  # HF model_type -> GGUF architecture
+ARCHITECTURES = {"llama": "llama", "gemma3_text": "gemma3"}  # HF model_type -> GGUF architecture
 
 
 def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path:
     """Write the model of HF folder `folder` to `path` as GGUF, its matrices stored as `qtype`."""
-    import gguf
-    from safetensors.numpy import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    return write_ggufs(folder, {qtype: path})[0]
 
-    folder, path = Path(folder), Path(path)
-    if qtype not in TYPES:
-        raise ModelError(f"GGUF type {qtype!r}: not one of {', '.join(TYPES)}")
+
+def write_ggufs(folder: str | Path, targets: dict[str, str | Path]) -> list[Path]:
+    """`write_gguf` for each (type, path) of `targets`, the model and its tokenizer read once for all
+    (Gemma 3's 262k-token vocabulary takes about 8 s to read and lay out)."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    for qtype in targets:
+        if qtype not in TYPES:
+            raise ModelError(f"GGUF type {qtype!r}: not one of {', '.join(TYPES)}")
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
-    pre_tokenizer = check_tokenizer(folder)
+    tokenizer = _read_tokenizer(folder, config.vocab_size, check_tokenizer(folder))
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(file))
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    return [_write_one(folder, config, tensors, tokenizer, Path(path), qtype) for qtype, path in targets.items()]
+
+
+def _write_one(folder: Path, config, tensors: dict[str, np.ndarray], tokenizer: _Tokenizer, path: Path, qtype: str) -> Path:
+    import gguf
 
     arch = ARCHITECTURES[config.model_type]
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     writer = gguf.GGUFWriter(partial, arch)
     _write_hyperparameters(writer, config)
-    _write_tokenizer(writer, AutoTokenizer.from_pretrained(folder), folder, config.vocab_size, pre_tokenizer)
+    _write_tokenizer(writer, tokenizer)
     arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     matrix_type = gguf.GGMLQuantizationType[qtype.upper()]
@@ -60,7 +74,7 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ModelError(f"{folder}: tensor {name!r} has no GGUF name for {config.model_type}")
-        array = _rotary_rows(name, array.astype(np.float32), config)
+        array = _as_llama_cpp_reads(name, array.astype(np.float32), config)
         kind = matrix_type if array.ndim == 2 else gguf.GGMLQuantizationType.F32
         if kind == gguf.GGMLQuantizationType.Q8_0 and array.shape[-1] % 32:
             kind = gguf.GGMLQuantizationType.F16  # Q8_0 blocks are 32 values of a row
@@ -110,9 +124,21 @@ def check_exportable(config, tokenizer) -> None:
     check_supported(config)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise ModelError(f"GGUF export writes byte-level BPE tokenizers only; {config.model_type}'s tokenizer "
-                         f"{type(tokenizer).__name__} has no tokenizer.json")
-    llama_cpp_pre_tokenizer(json.loads(backend.to_str()), f"{config.model_type}'s tokenizer")
+        raise ModelError(f"GGUF export writes tokenizers from a tokenizer.json only; {config.model_type}'s tokenizer "
+                         f"{type(tokenizer).__name__} has none")
+    tokenizer_json = json.loads(backend.to_str())
+    if llama_cpp_vocabulary(tokenizer_json, f"{config.model_type}'s tokenizer").model == "llama":
+        sentencepiece_scores(tokenizer_json, f"{config.model_type}'s tokenizer")
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """How llama.cpp reads a tokenizer: `model` is `tokenizer.ggml.model` ("gpt2", byte-level BPE, or
+    "llama", SentencePiece BPE), `pre` its pre-tokenizer, `add_space_prefix` SentencePiece's leading ▁."""
+
+    model: str
+    pre: str
+    add_space_prefix: bool = False
 
 
 # llama.cpp splits text before BPE by the regexes of a named pre-tokenizer; these are the names whose
@@ -121,24 +147,75 @@ def check_exportable(config, tokenizer) -> None:
 # otherwise is refused rather than written to tokenize differently there.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
 _DIGITS = {"type": "Digits", "individual_digits": True}
+# SentencePiece BPE as transformers converts it (Gemma, Llama 2): spaces become ▁, with or without
+# a ▁ prepended, bytes outside the vocabulary as <0xNN> tokens. Splitting at " " after that
+# normalizer (as the Gemma tokenizers transformers builds from GGUF files do) splits nothing.
+_TO_UNDERSCORE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+_PREPEND = {"type": "Prepend", "prepend": "\u2581"}
+_NO_OP_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
 
 
-def llama_cpp_pre_tokenizer(tokenizer_json: dict, what: str) -> str:
-    """The llama.cpp pre-tokenizer name (`tokenizer.ggml.pre`) that splits text as `tokenizer_json`
-    (a tokenizer.json's content) does, or ModelError naming `what`."""
+def llama_cpp_vocabulary(tokenizer_json: dict, what: str) -> Vocabulary:
+    """How llama.cpp is to read the tokenizer of `tokenizer_json` (a tokenizer.json's content) so that
+    it splits text as Hugging Face does, or ModelError naming `what`."""
     def is_(step, expected):
         return all(step.get(key) == value for key, value in expected.items())
 
     model = tokenizer_json.get("model") or {}
     pre = tokenizer_json.get("pre_tokenizer") or {}
+    normalizer = tokenizer_json.get("normalizer")
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    if model.get("type") == "BPE" and not tokenizer_json.get("normalizer"):
+    if model.get("type") == "BPE" and not normalizer:
         if len(steps) == 1 and is_(steps[0], _BYTE_LEVEL):
-            return "gpt-2"
+            return Vocabulary("gpt2", "gpt-2")
         if len(steps) == 2 and is_(steps[0], _DIGITS) and is_(steps[1], _BYTE_LEVEL):
-            return "smollm"
+            return Vocabulary("gpt2", "smollm")
+    if model.get("type") == "BPE" and model.get("byte_fallback") and (not pre or pre == _NO_OP_SPLIT):
+        if normalizer == _TO_UNDERSCORE:
+            return Vocabulary("llama", "default", add_space_prefix=False)
+        if normalizer == {"type": "Sequence", "normalizers": [_PREPEND, _TO_UNDERSCORE]}:
+            return Vocabulary("llama", "default", add_space_prefix=True)
     raise ModelError(f"{what}: GGUF export writes byte-level BPE tokenizers that split text as GPT-2 or SmolLM "
-                     f"do; this one is {model.get('type')} with pre-tokenizer {json.dumps(pre)[:120]}")
+                     f"do, and SentencePiece BPE tokenizers; this one is {model.get('type')} with normalizer "
+                     f"{json.dumps(normalizer)[:80]} and pre-tokenizer {json.dumps(pre)[:120]}")
+
+
+def sentencepiece_scores(tokenizer_json: dict, what: str) -> np.ndarray:
+    """Each id's score for llama.cpp's SentencePiece tokenizer, which merges the adjacent pair whose
+    joined text is the best-scored token, where Hugging Face's BPE applies the best-ranked merge.
+
+    A token's score is minus the rank of the first merge that makes it. That is one order only where
+    the merges are SentencePiece's own, converted: every split of a merged token into two tokens is a
+    merge, and every token of several characters (but added and byte tokens) is made by one. Then
+    both pick the same pair at each step; otherwise ModelError names the first token that breaks it."""
+    model = tokenizer_json["model"]
+    vocab, merges = model["vocab"], [m.split(" ") if isinstance(m, str) else m for m in model["merges"]]
+    first: dict[str, int] = {}
+    pairs = set()
+    for rank, (left, right) in enumerate(merges):
+        first.setdefault(left + right, rank)
+        pairs.add((left, right))
+    kept = {token["content"] for token in tokenizer_json.get("added_tokens", [])}
+    for token in vocab:
+        if token in kept or _is_byte(token):
+            continue
+        if token not in first and len(token) > 1:
+            raise ModelError(f"{what}: token {token!r} is made by no merge: not a SentencePiece BPE vocabulary "
+                             f"llama.cpp would tokenize alike")
+        for cut in range(1, len(token) if token in first else 0):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab and (left, right) not in pairs:
+                raise ModelError(f"{what}: token {token!r} splits into {left!r} and {right!r} but no merge joins "
+                                 f"them: not a SentencePiece BPE vocabulary llama.cpp would tokenize alike")
+    scores = np.zeros(max(vocab.values()) + 1, np.float32)
+    for token, rank in first.items():
+        if token in vocab and token not in kept:
+            scores[vocab[token]] = -float(rank)
+    return scores
+
+
+def _is_byte(token: str) -> bool:
+    return len(token) == 6 and token.startswith("<0x") and token.endswith(">")
 
 
 def check_supported(config) -> None:
@@ -146,6 +223,9 @@ def check_supported(config) -> None:
     if config.model_type not in ARCHITECTURES:
         raise ModelError(f"GGUF export: model type {config.model_type!r} is not supported; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    if config.model_type == "gemma3_text":
+        _check_gemma3(config)
+        return
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         # llama.cpp keeps Llama 3's scaled frequencies in a tensor transformers' reader ignores,
@@ -153,13 +233,35 @@ def check_supported(config) -> None:
         raise ModelError(f"GGUF export: RoPE scaling {rope['rope_type']!r} is not supported; only unscaled RoPE")
 
 
-def check_tokenizer(folder: Path) -> str:
-    """The llama.cpp pre-tokenizer name of `folder`'s tokenizer.json, or ModelError naming the file:
-    this writer writes byte-level BPE tokenizers that llama.cpp splits as Hugging Face does."""
+def _check_gemma3(config) -> None:
+    """llama.cpp runs every Gemma 3 (but the 27B) with five sliding-window layers to one global, a
+    local RoPE base of 10,000 and queries scaled by 1/sqrt(head_dim), whatever the file says: a model
+    built otherwise would run differently there, so it is refused."""
+    layers = config.num_hidden_layers
+    pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    if list(config.layer_types) != pattern:
+        raise ModelError("GGUF export: Gemma 3 layers must be five sliding-window layers to one global, as "
+                         "llama.cpp runs them; this model's are " + ", ".join(t.split("_")[0] for t in config.layer_types))
+    rope = config.rope_parameters
+    for kind, theta in (("sliding_attention", 10000.0), ("full_attention", None)):
+        if rope[kind].get("rope_type", "default") != "default":
+            raise ModelError(f"GGUF export: RoPE scaling {rope[kind]['rope_type']!r} is not supported; only unscaled RoPE")
+        if theta is not None and rope[kind]["rope_theta"] != theta:
+            raise ModelError(f"GGUF export: a Gemma 3 local RoPE base of {rope[kind]['rope_theta']:g} is not "
+                             f"supported; llama.cpp runs {theta:g}")
+    if config.query_pre_attn_scalar != config.head_dim:
+        raise ModelError(f"GGUF export: Gemma 3 queries scaled by 1/sqrt({config.query_pre_attn_scalar:g}) are not "
+                         f"supported; llama.cpp scales by 1/sqrt(head_dim) = 1/sqrt({config.head_dim})")
+    if config.attn_logit_softcapping or config.final_logit_softcapping or getattr(config, "use_bidirectional_attention", False):
+        raise ModelError("GGUF export: Gemma 3 with soft-capping or bidirectional attention is not supported")
+
+
+def check_tokenizer(folder: Path) -> Vocabulary:
+    """How llama.cpp is to read `folder`'s tokenizer.json, or ModelError naming the file."""
     tokenizer_file = Path(folder) / "tokenizer.json"
     if not tokenizer_file.is_file():
-        raise ModelError(f"{tokenizer_file}: missing; GGUF export writes byte-level BPE tokenizers only")
-    return llama_cpp_pre_tokenizer(json.loads(tokenizer_file.read_text()), str(tokenizer_file))
+        raise ModelError(f"{tokenizer_file}: missing; GGUF export writes tokenizers from a tokenizer.json only")
+    return llama_cpp_vocabulary(json.loads(tokenizer_file.read_text()), str(tokenizer_file))
 
 
 def _write_hyperparameters(writer, config) -> None:
@@ -169,26 +271,90 @@ def _write_hyperparameters(writer, config) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(_head_dim(config))
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.model_type == "gemma3_text":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_freq_base(float(config.rope_parameters["full_attention"]["rope_theta"]))
+        writer.add_rope_freq_base_swa(float(config.rope_parameters["sliding_attention"]["rope_theta"]))
+        writer.add_sliding_window(config.sliding_window)
+    else:
+        writer.add_rope_dimension_count(_head_dim(config))
+        writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
 
 
-def _write_tokenizer(writer, tokenizer, folder: Path, vocab_size: int, pre_tokenizer: str) -> None:
-    """Byte-level BPE as llama.cpp's `gpt2` tokenizer model: every id's token (ids the tokenizer
-    lacks, as padding rows of a larger embedding, get placeholder names), special tokens as control
-    tokens, and merges, special ids, add-BOS and the chat template from the folder's files."""
+@dataclass(frozen=True)
+class _Tokenizer:
+    """What a file says of the tokenizer: the same for every type written."""
+
+    vocabulary: Vocabulary
+    tokens: list[str]
+    kinds: list[int]
+    scores: list[float] | None  # SentencePiece only
+    special: object  # gguf.SpecialVocab: special ids, add-BOS/EOS, merges (byte-level BPE), chat template
+
+
+def _read_tokenizer(folder: Path, vocab_size: int, vocabulary: Vocabulary) -> _Tokenizer:
+    """Every id's token (ids the tokenizer lacks, as padding rows of a larger embedding, get
+    placeholder names), special tokens as control tokens; for byte-level BPE (llama.cpp's `gpt2`
+    model) the merges, for SentencePiece BPE (its `llama` model) each token's score and kind;
+    special ids, add-BOS and the chat template from the folder's files."""
     import gguf
+    from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     by_id = {i: token for token, i in tokenizer.get_vocab().items()}
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
     special = set(tokenizer.all_special_tokens)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer)
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens])
-    gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+    scores = None
+    if vocabulary.model == "gpt2":
+        kinds = [gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens]
+    else:
+        tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
+        by_rank = sentencepiece_scores(tokenizer_json, str(folder / "tokenizer.json"))
+        added = {token["content"]: token["special"] for token in tokenizer_json.get("added_tokens", [])}
+
+        def kind(i, token):
+            if i >= len(by_rank) or i not in by_id:
+                return gguf.TokenType.UNUSED
+            if token in added:  # matched whole in the text before any merge, by llama.cpp as by Hugging Face
+                return gguf.TokenType.CONTROL if added[token] or token in special else gguf.TokenType.USER_DEFINED
+            return gguf.TokenType.BYTE if _is_byte(token) else gguf.TokenType.NORMAL
+
+        scores = [float(by_rank[i]) if i < len(by_rank) else 0.0 for i in range(vocab_size)]
+        kinds = [kind(i, token) for i, token in enumerate(tokens)]
+    special_vocab = gguf.SpecialVocab(folder, load_merges=vocabulary.model == "gpt2", n_vocab=vocab_size)
+    # Whether a runtime adds <bos> and <eos> to a text, as the tokenizer itself does when it encodes one
+    # (where no file says, llama.cpp and transformers' reader add <bos> to a SentencePiece vocabulary).
+    ids = tokenizer("a")["input_ids"]
+    special_vocab.add_special_token = {
+        "bos": tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id],
+        "eos": tokenizer.eos_token_id is not None and ids[-1:] == [tokenizer.eos_token_id]}
+    return _Tokenizer(vocabulary, tokens, kinds, scores, special_vocab)
+
+
+def _write_tokenizer(writer, tokenizer: _Tokenizer) -> None:
+    writer.add_tokenizer_model(tokenizer.vocabulary.model)
+    writer.add_tokenizer_pre(tokenizer.vocabulary.pre)
+    writer.add_token_list(tokenizer.tokens)
+    writer.add_token_types(tokenizer.kinds)
+    if tokenizer.scores is not None:
+        writer.add_token_scores(tokenizer.scores)
+        writer.add_add_space_prefix(tokenizer.vocabulary.add_space_prefix)
+    tokenizer.special.add_to_gguf(writer, quiet=True)
+
+
+def _as_llama_cpp_reads(name: str, array: np.ndarray, config) -> np.ndarray:
+    if config.model_type == "gemma3_text":
+        return _gemma_norm(name, array)
+    return _rotary_rows(name, array, config)
+
+
+def _gemma_norm(name: str, array: np.ndarray) -> np.ndarray:
+    """Gemma's RMS norms scale by 1 + w, llama.cpp's by w: the 1 is added here, as llama.cpp's
+    converter does (transformers' GGUF reader takes it off)."""
+    return array + np.float32(1) if name.endswith("norm.weight") else array
 
 
 def _rotary_rows(name: str, array: np.ndarray, config) -> np.ndarray:

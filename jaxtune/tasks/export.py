@@ -78,22 +78,23 @@ def save_gguf(folder: Path, section: ExportSection, inputs: dict[str, ArtifactRe
 
     Written from the trained model merged in float32 (a folder removed afterwards), so every type
     rounds the weights once, whatever export.dtype is. Returns each file's name, type and bytes."""
-    from jaxtune.gguf_writer import ollama_modelfile, write_gguf
+    from jaxtune.gguf_writer import ARCHITECTURES, ollama_modelfile, write_ggufs
 
     source = folder.with_name(f".{folder.name}-source")
     module, _ = trained_torch_model(inputs, section.model)
     if hasattr(module, "merge_and_unload"):
         module = module.merge_and_unload()
     module.float().save_pretrained(source, safe_serialization=True)
-    architecture = module.config.model_type
+    architecture = ARCHITECTURES.get(module.config.model_type, module.config.model_type)  # GGUF's name for it
     del module
     tokenizer = open_tokenizer(inputs["model"], section.model)
     tokenizer.save_pretrained(source)
     folder.mkdir()
     files = []
     try:
-        for qtype in section.export.gguf:
-            path = write_gguf(source, folder / f"{architecture}-{qtype}.gguf", qtype)
+        types = list(dict.fromkeys(section.export.gguf))  # a type listed twice is written once
+        paths = write_ggufs(source, {qtype: folder / f"{architecture}-{qtype}.gguf" for qtype in types})
+        for qtype, path in zip(types, paths):
             path.with_suffix(".Modelfile").write_text(ollama_modelfile(path.name, tokenizer))
             files.append({"file": path.name, "type": qtype, "bytes": path.stat().st_size})
     finally:

@@ -19,7 +19,6 @@ class RealCheckpointTests:
     name: str
     chat_template: str | None = None
     end_of_turn: str
-    gguf_refusal: str | None = None  # the one line `export.gguf` refuses the model with, where it does
 
     @staticmethod
     def place(folder: Path) -> Path:
@@ -73,13 +72,7 @@ class RealCheckpointTests:
     @pytest.mark.gguf
     def test_the_fine_tuned_model_exported_as_gguf_reads_back_alike(self, checkpoint, run, tmp_path_factory):
         """The same three steps (cached) exported with the LoRA merged and written as f16 and q8_0."""
-        from jaxtune.errors import ModelError
-
         tmp = tmp_path_factory.mktemp(f"{self.name}-gguf")
-        if self.gguf_refusal is not None:
-            with pytest.raises(ModelError, match=f"^{self.gguf_refusal}$"):
-                checks.three_lora_steps(checkpoint, tmp, "export.gguf=[f16]")
-            return
         result = checks.three_lora_steps(checkpoint, tmp, "export.merge=true", "export.gguf=[f16, q8_0]")
         assert result["stages"]["train"] == "Cached" and result["stages"]["export"] == "Completed"
         checks.check_gguf_export(Path(result["path"]))

@@ -12,7 +12,6 @@ class TestGemma3(RealCheckpointTests):
     name = "gemma3"
     chat_template = "gemma"  # a base model: it ships none
     end_of_turn = "<end_of_turn>"
-    gguf_refusal = "GGUF export: model type 'gemma3_text' is not supported; supported: llama"
 
     @staticmethod
     def place(folder):
