@@ -4,7 +4,7 @@
 # test module per worker in the order tests/conftest.py sorts them, longest kinds first: the suite
 # is mostly single-threaded compiling), listing its 25 slowest steps.
 # `make ui-check`: install Chromium if missing, check the Prefect UI renders a real run's report in it.
-# `make gguf-check`: build llama-cpp-python if missing, check llama.cpp runs a fine-tuned SmolLM2's
+# `make gguf-check`: build llama-cpp-python if missing, check llama.cpp runs fine-tuned SmolLM2's and Gemma 3's
 # GGUF export as jaxtune does (prints the agreement and both decoders' tokens/s).
 PYTHON ?= python3
 VENV := .venv

@@ -1,9 +1,9 @@
 """llama.cpp itself runs what `export.gguf` writes (`make gguf-check`; needs llama-cpp-python).
 
-SmolLM2-135M-Instruct, fine-tuned for three LoRA steps and exported as f16 and q8_0, against
-jaxtune's own decoding of the same trained model on held-out prompts: llama.cpp's tokens of each
-prompt, its greedy answer (f16) and its teacher-forced top-1 tokens (q8_0), and both decoders'
-speed. Gemma 3 270M is not exported (the writer refuses it; see tests/real)."""
+SmolLM2-135M-Instruct (byte-level BPE) and Gemma 3 270M (SentencePiece BPE, Gemma's chat
+template), each fine-tuned for three LoRA steps and exported as f16 and q8_0, against jaxtune's own
+decoding of the same trained model on held-out prompts: llama.cpp's tokens of each prompt, its
+greedy answer (f16) and its teacher-forced top-1 tokens (q8_0), and both decoders' speed."""
 
 from __future__ import annotations
 
@@ -30,14 +30,21 @@ F16_TIE = 1e-3
 Q8_0_TOP1 = 0.9
 
 
-@pytest.fixture(scope="module")
-def exported(real_store, tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def exported(request, real_store, tmp_path_factory) -> Path:
+    from tests.real.test_gemma3 import TestGemma3
     from tests.real.test_smollm2 import TestSmolLM2
 
-    checkpoint = checks.import_checkpoint(TestSmolLM2.place, real_store)
-    result = checks.three_lora_steps(checkpoint, tmp_path_factory.mktemp("smollm2"), "export.merge=true",
+    case = {"smollm2": TestSmolLM2, "gemma3": TestGemma3}[request.param]
+    checkpoint = checks.import_checkpoint(case.place, real_store, case.chat_template)
+    result = checks.three_lora_steps(checkpoint, tmp_path_factory.mktemp(case.name), "export.merge=true",
                                      "export.gguf=[f16, q8_0]")
     return Path(result["path"])
+
+
+def gguf_file(exported: Path, qtype: str) -> Path:
+    [path] = (exported / "gguf").glob(f"*-{qtype}.gguf")
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +85,7 @@ def test_llama_cpp_reads_the_prompts_as_jaxtune_tokenized_them(exported, prompts
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(exported / "merged")
-    model = llama(exported / "gguf" / "llama-f16.gguf")
+    model = llama(gguf_file(exported, "f16"))
     for ids in prompts:
         text = tokenizer.decode(ids)
         assert model.tokenize(text.encode(), add_bos=False, special=True) == ids, text
@@ -92,7 +99,7 @@ def test_f16_greedy_answers_equal_jaxtunes_but_at_near_ties(exported, prompts):
 
     session = open_session(str(exported), str(exported.parents[1]), max_new_tokens=NEW_TOKENS, seed=0)
     stops = set(session.decoder.stop_ids)
-    model = llama(exported / "gguf" / "llama-f16.gguf")
+    model = llama(gguf_file(exported, "f16"))
     reference = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32).eval()
     same, ties, ours_tokens, ours_seconds, theirs_tokens, theirs_seconds = 0, 0, 0, 0.0, 0, 0.0
     for ids in prompts:
@@ -113,7 +120,7 @@ def test_f16_greedy_answers_equal_jaxtunes_but_at_near_ties(exported, prompts):
         gap = (top2[0] - top2[1]).item() / logits.abs().max().item()
         assert gap <= F16_TIE, (part, gap, ours, theirs)
         ties += 1
-    print(f"f16: {same} of {len(prompts)} greedy answers identical, {ties} parted at a near tie; "
+    print(f"{gguf_file(exported, 'f16').name}: {same} of {len(prompts)} greedy answers identical, {ties} parted at a near tie; "
           f"decode: jaxtune {ours_tokens / ours_seconds:.1f} tokens/s, llama.cpp {theirs_tokens / theirs_seconds:.1f} tokens/s")
     assert same >= len(prompts) // 2
 
@@ -125,7 +132,7 @@ def test_q8_0_keeps_the_top_token_under_teacher_forcing(exported, prompts):
     from jaxtune.runtime.parity import torch_greedy
 
     reference = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32).eval()
-    model = llama(exported / "gguf" / "llama-q8_0.gguf")
+    model = llama(gguf_file(exported, "q8_0"))
     agreed = total = 0
     for ids in prompts:
         tokens = ids + torch_greedy(reference, ids, NEW_TOKENS, 0)
@@ -136,5 +143,5 @@ def test_q8_0_keeps_the_top_token_under_teacher_forcing(exported, prompts):
         got = np.argmax(model.scores[: len(tokens)], axis=-1)
         agreed += int((got == expected).sum())
         total += len(tokens)
-    print(f"q8_0: teacher-forced top-1 kept at {agreed} of {total} positions ({agreed / total:.3f})")
+    print(f"{gguf_file(exported, 'q8_0').name}: teacher-forced top-1 kept at {agreed} of {total} positions ({agreed / total:.3f})")
     assert agreed >= Q8_0_TOP1 * total
