@@ -9,7 +9,7 @@ Two architectures: Llama (SmolLM2, Llama 3 without RoPE scaling) and Gemma 3 (te
 expects a Llama's Q and K rows in its own rotary layout (`_rotary_rows`) and a Gemma's norm weights
 with the 1 Gemma adds at run time included (`_gemma_norm`); matrices are stored in the chosen type
 and vectors (norms, biases) in float32, as llama.cpp's converter does. Tokenizers: byte-level BPE
-(llama.cpp's `gpt2` model) and SentencePiece BPE (its `llama` model, `_sentencepiece_scores`).
+(llama.cpp's `gpt2` model) and SentencePiece BPE (its `llama` model, `sentencepiece_scores`).
 The file is written under a temporary name, read back and compared tensor by tensor with what was
 written (`verify_gguf`), and only then renamed: a crash or a bad write never leaves a file at `path`.
 `ollama_modelfile` gives the Ollama Modelfile that runs it with the chat template's turns and stops.
