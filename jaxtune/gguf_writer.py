@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from jaxtune.config import GGUF_TYPES as TYPES
 from jaxtune.errors import ModelError, first_line
 from jaxtune.gguf_reader import plain_reader
 
-ARCHITECTURES = {"llama": "llama", "gemma3_text": "gemma3"}  # HF model_type -> GGUF architecture
 
 
 def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path:
@@ -49,7 +49,7 @@ def write_ggufs(folder: str | Path, targets: dict[str, str | Path]) -> list[Path
             raise ModelError(f"GGUF type {qtype!r}: not one of {', '.join(TYPES)}")
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
-    tokenizer = _read_tokenizer(folder, config.vocab_size, check_tokenizer(folder))
+    tokenizer = _read_tokenizer(folder, config.vocab_size)
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(file))
@@ -63,10 +63,10 @@ def _write_one(folder: Path, config, tensors: dict[str, np.ndarray], tokenizer: 
 
     arch = ARCHITECTURES[config.model_type]
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    writer = gguf.GGUFWriter(partial, arch)
+    writer = gguf.GGUFWriter(partial, arch.gguf)
     _write_hyperparameters(writer, config)
     _write_tokenizer(writer, tokenizer)
-    arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch.gguf)
     names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     matrix_type = gguf.GGMLQuantizationType[qtype.upper()]
     written: dict[str, tuple[int, str]] = {}
@@ -74,7 +74,7 @@ def _write_one(folder: Path, config, tensors: dict[str, np.ndarray], tokenizer: 
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ModelError(f"{folder}: tensor {name!r} has no GGUF name for {config.model_type}")
-        array = _as_llama_cpp_reads(name, array.astype(np.float32), config)
+        array = arch.tensor(name, array.astype(np.float32), config)
         kind = matrix_type if array.ndim == 2 else gguf.GGMLQuantizationType.F32
         if kind == gguf.GGMLQuantizationType.Q8_0 and array.shape[-1] % 32:
             kind = gguf.GGMLQuantizationType.F16  # Q8_0 blocks are 32 values of a row
@@ -223,9 +223,16 @@ def check_supported(config) -> None:
     if config.model_type not in ARCHITECTURES:
         raise ModelError(f"GGUF export: model type {config.model_type!r} is not supported; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    if config.model_type == "gemma3_text":
-        _check_gemma3(config)
-        return
+    ARCHITECTURES[config.model_type].check(config)
+
+
+def gguf_architecture(config) -> str:
+    """llama.cpp's name for the architecture of transformers `config`, or ModelError as `check_supported`."""
+    check_supported(config)
+    return ARCHITECTURES[config.model_type].gguf
+
+
+def _check_llama(config) -> None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         # llama.cpp keeps Llama 3's scaled frequencies in a tensor transformers' reader ignores,
@@ -256,14 +263,6 @@ def _check_gemma3(config) -> None:
         raise ModelError("GGUF export: Gemma 3 with soft-capping or bidirectional attention is not supported")
 
 
-def check_tokenizer(folder: Path) -> Vocabulary:
-    """How llama.cpp is to read `folder`'s tokenizer.json, or ModelError naming the file."""
-    tokenizer_file = Path(folder) / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ModelError(f"{tokenizer_file}: missing; GGUF export writes tokenizers from a tokenizer.json only")
-    return llama_cpp_vocabulary(json.loads(tokenizer_file.read_text()), str(tokenizer_file))
-
-
 def _write_hyperparameters(writer, config) -> None:
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -273,15 +272,20 @@ def _write_hyperparameters(writer, config) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    if config.model_type == "gemma3_text":
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-        writer.add_rope_freq_base(float(config.rope_parameters["full_attention"]["rope_theta"]))
-        writer.add_rope_freq_base_swa(float(config.rope_parameters["sliding_attention"]["rope_theta"]))
-        writer.add_sliding_window(config.sliding_window)
-    else:
-        writer.add_rope_dimension_count(_head_dim(config))
-        writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    ARCHITECTURES[config.model_type].keys(writer, config)
+
+
+def _llama_keys(writer, config) -> None:
+    writer.add_rope_dimension_count(_head_dim(config))
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+
+
+def _gemma3_keys(writer, config) -> None:
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["full_attention"]["rope_theta"]))
+    writer.add_rope_freq_base_swa(float(config.rope_parameters["sliding_attention"]["rope_theta"]))
+    writer.add_sliding_window(config.sliding_window)
 
 
 @dataclass(frozen=True)
@@ -295,14 +299,19 @@ class _Tokenizer:
     special: object  # gguf.SpecialVocab: special ids, add-BOS/EOS, merges (byte-level BPE), chat template
 
 
-def _read_tokenizer(folder: Path, vocab_size: int, vocabulary: Vocabulary) -> _Tokenizer:
-    """Every id's token (ids the tokenizer lacks, as padding rows of a larger embedding, get
+def _read_tokenizer(folder: Path, vocab_size: int) -> _Tokenizer:
+    """How llama.cpp is to read `folder`'s tokenizer.json (or ModelError naming the file): every id's token (ids the tokenizer lacks, as padding rows of a larger embedding, get
     placeholder names), special tokens as control tokens; for byte-level BPE (llama.cpp's `gpt2`
     model) the merges, for SentencePiece BPE (its `llama` model) each token's score and kind;
     special ids, add-BOS and the chat template from the folder's files."""
     import gguf
     from transformers import AutoTokenizer
 
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ModelError(f"{tokenizer_file}: missing; GGUF export writes tokenizers from a tokenizer.json only")
+    tokenizer_json = json.loads(tokenizer_file.read_text())
+    vocabulary = llama_cpp_vocabulary(tokenizer_json, str(tokenizer_file))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     by_id = {i: token for token, i in tokenizer.get_vocab().items()}
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
@@ -311,8 +320,7 @@ def _read_tokenizer(folder: Path, vocab_size: int, vocabulary: Vocabulary) -> _T
     if vocabulary.model == "gpt2":
         kinds = [gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens]
     else:
-        tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
-        by_rank = sentencepiece_scores(tokenizer_json, str(folder / "tokenizer.json"))
+        by_rank = sentencepiece_scores(tokenizer_json, str(tokenizer_file))
         added = {token["content"]: token["special"] for token in tokenizer_json.get("added_tokens", [])}
 
         def kind(i, token):
@@ -345,13 +353,7 @@ def _write_tokenizer(writer, tokenizer: _Tokenizer) -> None:
     tokenizer.special.add_to_gguf(writer, quiet=True)
 
 
-def _as_llama_cpp_reads(name: str, array: np.ndarray, config) -> np.ndarray:
-    if config.model_type == "gemma3_text":
-        return _gemma_norm(name, array)
-    return _rotary_rows(name, array, config)
-
-
-def _gemma_norm(name: str, array: np.ndarray) -> np.ndarray:
+def _gemma_norm(name: str, array: np.ndarray, config) -> np.ndarray:
     """Gemma's RMS norms scale by 1 + w, llama.cpp's by w: the 1 is added here, as llama.cpp's
     converter does (transformers' GGUF reader takes it off)."""
     return array + np.float32(1) if name.endswith("norm.weight") else array
@@ -371,6 +373,22 @@ def _rotary_rows(name: str, array: np.ndarray, config) -> np.ndarray:
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """What llama.cpp needs of one transformers model type beyond what every architecture shares."""
+
+    gguf: str  # llama.cpp's name for it
+    check: Callable  # (config): ModelError for a model llama.cpp would run otherwise
+    keys: Callable  # (writer, config): its own hyperparameters
+    tensor: Callable  # (HF name, float32 array, config): the array as llama.cpp reads it
+
+
+ARCHITECTURES = {  # by transformers model_type
+    "llama": _Architecture("llama", _check_llama, _llama_keys, _rotary_rows),
+    "gemma3_text": _Architecture("gemma3", _check_gemma3, _gemma3_keys, _gemma_norm),
+}
 
 
 _ROLES = ("system", "user", "assistant")

@@ -78,14 +78,14 @@ def save_gguf(folder: Path, section: ExportSection, inputs: dict[str, ArtifactRe
 
     Written from the trained model merged in float32 (a folder removed afterwards), so every type
     rounds the weights once, whatever export.dtype is. Returns each file's name, type and bytes."""
-    from jaxtune.gguf_writer import ARCHITECTURES, ollama_modelfile, write_ggufs
+    from jaxtune.gguf_writer import gguf_architecture, ollama_modelfile, write_ggufs
 
     source = folder.with_name(f".{folder.name}-source")
     module, _ = trained_torch_model(inputs, section.model)
     if hasattr(module, "merge_and_unload"):
         module = module.merge_and_unload()
     module.float().save_pretrained(source, safe_serialization=True)
-    architecture = ARCHITECTURES.get(module.config.model_type, module.config.model_type)  # GGUF's name for it
+    architecture = gguf_architecture(module.config)
     del module
     tokenizer = open_tokenizer(inputs["model"], section.model)
     tokenizer.save_pretrained(source)

@@ -43,9 +43,9 @@ def gemma3(tmp_path_factory):
     return save_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), texts)
 
 
-@pytest.fixture(params=["llama", "gemma3"])
+@pytest.fixture(params=["folder", "gemma3"], ids=["llama", "gemma3"])
 def model_folder(request):
-    return request.getfixturevalue({"llama": "folder"}.get(request.param, request.param))
+    return request.getfixturevalue(request.param)
 
 
 def logits_of(folder, gguf_file=None, ids=None, round_to=None) -> np.ndarray:
