@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxtune.config import GGUF_TYPES as TYPES
 from jaxtune.errors import ModelError, first_line
-from jaxtune.gguf_reader import plain_reader
+from jaxtune.gguf_reader import tensor_reader
 
 
 
@@ -37,9 +37,10 @@ def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path
     return write_ggufs(folder, {qtype: path})[0]
 
 
-def write_ggufs(folder: str | Path, targets: dict[str, str | Path]) -> list[Path]:
+def write_ggufs(folder: str | Path, targets: dict[str, str | Path], tokenizer=None) -> list[Path]:
     """`write_gguf` for each (type, path) of `targets`, the model and its tokenizer read once for all
-    (Gemma 3's 262k-token vocabulary takes about 8 s to read and lay out)."""
+    (Gemma 3's 262k-token vocabulary takes about 8 s to read and lay out). `tokenizer`: the folder's
+    tokenizer where the caller has it open already (opening Gemma 3's takes about 6 s)."""
     from safetensors.numpy import load_file
     from transformers import AutoConfig
 
@@ -49,7 +50,7 @@ def write_ggufs(folder: str | Path, targets: dict[str, str | Path]) -> list[Path
             raise ModelError(f"GGUF type {qtype!r}: not one of {', '.join(TYPES)}")
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)
-    tokenizer = _read_tokenizer(folder, config.vocab_size)
+    tokenizer = _read_tokenizer(folder, config.vocab_size, tokenizer)
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(file))
@@ -99,7 +100,7 @@ def verify_gguf(path: str | Path, expected: dict[str, tuple[int, str]]) -> None:
     file holding exactly `expected`: GGUF tensor name -> (GGML type, sha256 of the tensor's bytes).
     A truncated file, a flipped byte or a missing tensor all fail here."""
     try:
-        reader = plain_reader(path)
+        reader = tensor_reader(path)
         found = {t.name: (int(t.tensor_type), _digest(t.data)) for t in reader.tensors}
     except Exception as error:  # the reader's own errors on a damaged file are ValueError, IndexError, ...
         raise ModelError(f"{path}: not a readable GGUF file ({first_line(error)})") from error
@@ -299,7 +300,7 @@ class _Tokenizer:
     special: object  # gguf.SpecialVocab: special ids, add-BOS/EOS, merges (byte-level BPE), chat template
 
 
-def _read_tokenizer(folder: Path, vocab_size: int) -> _Tokenizer:
+def _read_tokenizer(folder: Path, vocab_size: int, tokenizer=None) -> _Tokenizer:
     """How llama.cpp is to read `folder`'s tokenizer.json (or ModelError naming the file): every id's token (ids the tokenizer lacks, as padding rows of a larger embedding, get
     placeholder names), special tokens as control tokens; for byte-level BPE (llama.cpp's `gpt2`
     model) the merges, for SentencePiece BPE (its `llama` model) each token's score and kind;
@@ -312,7 +313,7 @@ def _read_tokenizer(folder: Path, vocab_size: int) -> _Tokenizer:
         raise ModelError(f"{tokenizer_file}: missing; GGUF export writes tokenizers from a tokenizer.json only")
     tokenizer_json = json.loads(tokenizer_file.read_text())
     vocabulary = llama_cpp_vocabulary(tokenizer_json, str(tokenizer_file))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(folder)
     by_id = {i: token for token, i in tokenizer.get_vocab().items()}
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
     special = set(tokenizer.all_special_tokens)

@@ -93,7 +93,7 @@ def save_gguf(folder: Path, section: ExportSection, inputs: dict[str, ArtifactRe
     files = []
     try:
         types = list(dict.fromkeys(section.export.gguf))  # a type listed twice is written once
-        paths = write_ggufs(source, {qtype: folder / f"{architecture}-{qtype}.gguf" for qtype in types})
+        paths = write_ggufs(source, {qtype: folder / f"{architecture}-{qtype}.gguf" for qtype in types}, tokenizer)
         for qtype, path in zip(types, paths):
             path.with_suffix(".Modelfile").write_text(ollama_modelfile(path.name, tokenizer))
             files.append({"file": path.name, "type": qtype, "bytes": path.stat().st_size})

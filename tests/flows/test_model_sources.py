@@ -66,3 +66,33 @@ def test_the_offline_model_trains_its_tokenizer_on_a_users_own_file(tmp_path):
     stats = json.loads(next((store / "tokenize").glob("*/stats.json")).read_text())
     assert stats["rows_in"] == 40
     assert stats["pad_id"] == own.pad_token_id is not None  # what train and eval pad with, without the tokenizer
+
+
+def test_a_content_keyed_tokenizer_is_opened_once_per_process_and_again_once_edited(tmp_path, monkeypatch):
+    """open_tokenizer shares one tokenizer per (folder content, settings); an edited folder has a new
+    key and is opened afresh, a hub id (whose revision can move) is opened each time."""
+    from transformers import AutoTokenizer
+
+    from jaxtune.config import DataConfig, ModelConfig
+    from jaxtune.data.rows import read_rows
+    from jaxtune.offline.tokenizer import texts_for_tokenizer, train_tokenizer
+    from jaxtune.tasks import sources
+
+    folder = tmp_path / "model"
+    train_tokenizer(texts_for_tokenizer(read_rows(DataConfig())[:50]), 300, folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    opened = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    cfg = ModelConfig(name=str(folder))
+    first = sources.open_tokenizer(sources.model_ref(cfg), cfg)
+    assert sources.open_tokenizer(sources.model_ref(cfg), cfg) is first and opened == [str(folder.resolve())]
+    templated = sources.open_tokenizer(sources.model_ref(cfg), ModelConfig(name=str(folder), chat_template="gemma"))
+    assert templated is not first and templated.chat_template != first.chat_template and len(opened) == 2
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    edited = sources.open_tokenizer(sources.model_ref(cfg), cfg)
+    assert len(opened) == 3 and edited.model_max_length == 77 and first.model_max_length != 77
+    hub = sources.ArtifactRef(stage="hub", key="k", path=f"{folder}@None")
+    monkeypatch.setattr(sources, "pretrained_location", lambda ref: (str(folder), None))
+    assert sources.open_tokenizer(hub, cfg) is not sources.open_tokenizer(hub, cfg) and len(opened) == 5
