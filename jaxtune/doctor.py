@@ -21,6 +21,8 @@ GRADIENT_TOLERANCE = 1e-3  # ‖Δ grad‖ / ‖grad‖ of the worst tensor
 DECODE_TOKENS = 32
 PROMPT_LENGTHS = (13, 6)
 MEMORY_CHECK = "train step memory, peak"
+EVAL_CHECK = "eval step memory, peak"
+DECODE_CHECK = "decode memory, peak"
 CPU_PLAN = ("XLA:CPU, which computes bf16 matmuls in float32 and keeps float32 copies of the weights for them: "
             "an accelerator needs less. For an accelerator's own plan: --target v5e-1 (or v6e-1, v5p-8, h100, ...)")
 
@@ -177,22 +179,41 @@ def size_text(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def verdict(diagnosis: Diagnosis) -> str:
+    """The diagnosis in one line: what fits or agrees, or what does not."""
+    failed = {r.check for r in diagnosis.rows if r.ok is False}
+    if diagnosis.plan_only:
+        if failed:
+            return "MEMORY: a step does not fit the target as configured"
+        checks = {r.check for r in diagnosis.rows}
+        planned = [check.split()[0] for check in (MEMORY_CHECK, EVAL_CHECK, DECODE_CHECK) if check in checks]
+        steps = (f"{', '.join(planned[:-1])} and {planned[-1]} steps' XLA peaks are" if len(planned) > 1 else
+                 f"{planned[0]} step's XLA peak is")
+        return f"fits: the {steps} within the target's memory (parity not checked: run doctor without --target)"
+    if not failed:
+        return "parity ok"
+    if failed == {MEMORY_CHECK}:
+        return "parity ok, but MEMORY: the train step does not fit the device as configured (see 'to fit')"
+    return "PARITY FAILED: do not train on this model until the failing check is understood"
+
+
+def _cells(diagnosis: Diagnosis) -> list[tuple[str, str, str, str]]:
+    return [(r.check, r.value, r.limit, {True: "ok", False: "FAIL", None: ""}[r.ok]) for r in diagnosis.rows]
+
+
 def render(diagnosis: Diagnosis) -> str:
     """The diagnosis as an aligned text table."""
     head = ("check", "value", "limit", "status")
-    rows = [(r.check, r.value, r.limit, {True: "ok", False: "FAIL", None: ""}[r.ok]) for r in diagnosis.rows]
+    rows = _cells(diagnosis)
     widths = [max(len(str(x)) for x in column) for column in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    failed = {r.check for r in diagnosis.rows if r.ok is False}
-    if diagnosis.plan_only:
-        verdict = ("MEMORY: a step does not fit the target as configured" if failed else
-                   "fits: the train, eval and decode steps' XLA peaks are within the target's memory (parity not "
-                   "checked: run doctor without --target)")
-    elif not failed:
-        verdict = "parity ok"
-    elif failed == {MEMORY_CHECK}:
-        verdict = "parity ok, but MEMORY: the train step does not fit the device as configured (see 'to fit')"
-    else:
-        verdict = "PARITY FAILED: do not train on this model until the failing check is understood"
     return "\n".join([f"jaxtune doctor: {diagnosis.model} ({diagnosis.summary})", line(head),
-                      line(["-" * w for w in widths]), *map(line, rows), verdict])
+                      line(["-" * w for w in widths]), *map(line, rows), verdict(diagnosis)])
+
+
+def render_markdown(diagnosis: Diagnosis) -> str:
+    """The diagnosis as a markdown table under its model and summary, its verdict last (a Prefect artifact)."""
+    escape = lambda text: str(text).replace("|", "\\|")  # noqa: E731
+    rows = [f"| {' | '.join(escape(c) for c in cells)} |" for cells in _cells(diagnosis)]
+    return "\n".join([f"# {diagnosis.model}", "", diagnosis.summary, "", "| check | value | limit | status |",
+                      "|---|---|---|---|", *rows, "", f"**{verdict(diagnosis)}**"])

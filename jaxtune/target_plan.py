@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from jaxtune.config import JaxtuneConfig
-from jaxtune.doctor import MEMORY_CHECK, Diagnosis, Row, as_trained, part_rows, size_text
+from jaxtune.doctor import DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, part_rows, size_text
 from jaxtune.errors import DoctorError
 
 # libtpu's refusal of a step that does not fit: "... (55.40G) exceeds available HBM (15.75G) ..."
@@ -132,8 +132,8 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
     length, generate = config.data.max_length, config.generate
     found = []
     for check, shape, plan in (
-        ("eval step memory, peak", f"{rows} x {length}", lambda: steps.eval_step_memory(model, rows, length)),
-        ("decode memory, peak", f"{generate.batch_size} prompts of {length} + {generate.max_new_tokens} tokens",
+        (EVAL_CHECK, f"{rows} x {length}", lambda: steps.eval_step_memory(model, rows, length)),
+        (DECODE_CHECK, f"{generate.batch_size} prompts of {length} + {generate.max_new_tokens} tokens",
          lambda: decode.generate_memory(model, generate.batch_size, length, generate.max_new_tokens)),
     ):
         try:

@@ -19,18 +19,6 @@ pytestmark = pytest.mark.target
 SEQUENCE = 64
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A folder holding nothing but a Llama's config.json: all a plan reads."""
-    from transformers import AutoConfig
-
-    folder = tmp_path_factory.mktemp("tiny-config")
-    AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         tie_word_embeddings=False).save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize("name, topology, devices", [
     ("v5e-1", "v5e:1x1", 1), ("v5e-4", "v5e:2x2", 4), ("v5e-8", "v5e:2x4", 8), ("v6e-1", "v6e:1x1", 1),
     ("v6e-8", "v6e:2x4", 8), ("v5p-8", "v5p:2x2x1", 4), ("v4-8", "v4:2x2x1", 8), ("v5e:4x4", "v5e:4x4", 16),
