@@ -83,3 +83,15 @@ def test_serve_builds_each_declared_deployment_with_its_schedule_and_recipe():
     [restart] = nightly.triggers  # served, a crashed run is started again as with a work pool
     assert restart.name == "restart offline-nightly after a crash" and restart.expect == {"prefect.flow-run.Crashed"}
     assert restart.parameters["restart_of"] == "{{ flow_run.id | string }}"
+
+
+def test_serve_builds_the_plan_deployments_with_the_plan_flow_and_the_hub_recipes_schedules():
+    from jaxtune.flows.serve import read_deployments, runner_deployments
+
+    deployments = {d.name: d for d in runner_deployments(read_deployments(PREFECT_YAML))}
+    planned = deployments["gemma3-1b-dolly-lora-plan"]
+    assert planned.flow_name == "plan" and planned.entrypoint == "jaxtune/flows/plan.py:plan"
+    assert planned.parameters == {"recipe": "configs/gemma3-1b-dolly-lora.yaml", "then": "finetune/gemma3-1b-dolly-lora"}
+    assert [s.schedule.cron for s in planned.schedules] == ["0 4 * * 6"] and not planned.triggers
+    run = deployments["gemma3-1b-dolly-lora"]
+    assert run.flow_name == "finetune" and not run.schedules  # queued by its plan, once the plan fits

@@ -143,6 +143,7 @@ def test_every_recipe_has_a_deployment_that_names_its_file():
     import yaml
 
     from jaxtune.flows.finetune import finetune, load_recipe
+    from jaxtune.flows.plan import plan
 
     root = Path(__file__).parents[1]
     deployments = {d["name"]: d for d in yaml.safe_load(DEPLOYMENTS.read_text())["deployments"]}
@@ -152,11 +153,17 @@ def test_every_recipe_has_a_deployment_that_names_its_file():
         assert parameters == {"recipe": f"configs/{path.name}"}, path.name
         assert load_recipe(str(root / parameters["recipe"])) == load_config(path)
     assert deployments["offline-nightly"]["parameters"] == {"recipe": "offline"}
-    assert set(deployments) == {p.stem for p in recipes} | {"offline-nightly"}
-    for deployment in deployments.values():  # what the flow accepts, as the UI's form will send it
-        validated = finetune.validate_parameters(deployment["parameters"])
+    hub = {p.stem for p in recipes if not load_config(p).model.name.endswith(".gguf")}
+    assert hub == {"gemma3-1b-dolly-lora", "gemma3-1b-dolly-full-adafactor", "llama3.2-1b-dolly-lora"}
+    assert set(deployments) == {p.stem for p in recipes} | {"offline-nightly"} | {f"{stem}-plan" for stem in hub}
+    for name, deployment in deployments.items():  # what the flow accepts, as the UI's form will send it
+        flow = plan if name.endswith("-plan") else finetune
+        validated = flow.validate_parameters(deployment["parameters"])
         assert {name: validated[name] for name in deployment["parameters"]} == deployment["parameters"]
-        assert deployment["entrypoint"] == "jaxtune/flows/finetune.py:finetune"
+        assert deployment["entrypoint"] == f"jaxtune/flows/{flow.name}.py:{flow.name}"
+    for stem in hub:  # written for accelerators: the schedule runs the plan, which queues the run if it fits
+        assert deployments[f"{stem}-plan"]["parameters"] == {"recipe": f"configs/{stem}.yaml", "then": f"finetune/{stem}"}
+        assert deployments[f"{stem}-plan"]["schedules"] and not deployments[stem].get("schedules")
 
 def test_the_renamed_train_on_prompt_names_its_replacement():
     with pytest.raises(ConfigError) as raised:

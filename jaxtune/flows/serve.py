@@ -32,14 +32,24 @@ def read_deployments(path: Path = PREFECT_YAML, only: list[str] = ()) -> list[di
     return [d for d in declared if not only or d["name"] in only]
 
 
+def _flows() -> dict[str, Any]:
+    """The flows a deployment's entrypoint may name."""
+    from jaxtune.flows.finetune import finetune
+    from jaxtune.flows.plan import plan
+
+    return {"jaxtune/flows/finetune.py:finetune": finetune, "jaxtune/flows/plan.py:plan": plan}
+
+
 def runner_deployments(declared: list[dict[str, Any]]) -> list:
-    """Prefect `RunnerDeployment`s of the finetune flow, one per declared deployment, with its triggers."""
+    """Prefect `RunnerDeployment`s of the flow each declared deployment's entrypoint names, with its triggers."""
     from prefect.schedules import Cron
 
-    from jaxtune.flows.finetune import finetune
-
+    flows = _flows()
+    unknown = sorted({d["entrypoint"] for d in declared} - set(flows))
+    if unknown:
+        raise ServeError(f"no flow {', '.join(unknown)}; deployments run one of {', '.join(flows)}")
     return [
-        finetune.to_deployment(
+        flows[d["entrypoint"]].to_deployment(
             name=d["name"],
             description=d.get("description"),
             parameters=d.get("parameters") or {},
@@ -52,7 +62,7 @@ def runner_deployments(declared: list[dict[str, Any]]) -> list:
 
 
 def take_over(names: list[str]) -> list[str]:
-    """Delete the work-pool deployments named `names`, returning those deleted.
+    """Delete the work-pool deployments named `names` ('flow/deployment'), returning those deleted.
 
     A served deployment cannot share its name with a pool one: serving upserts the same record,
     which keeps the pool but loses the pull step, and its runs then crash loading the flow. Run
@@ -65,7 +75,7 @@ def take_over(names: list[str]) -> list[str]:
     with get_client(sync_client=True) as client:
         for name in names:
             try:
-                existing = client.read_deployment_by_name(f"finetune/{name}")
+                existing = client.read_deployment_by_name(name)
             except ObjectNotFound:
                 continue
             if existing.work_pool_name is not None:
@@ -79,6 +89,6 @@ def serve(path: Path = PREFECT_YAML, only: list[str] = (), limit: int | None = 1
     from prefect import serve as prefect_serve
 
     deployments = runner_deployments(read_deployments(path, only))
-    for name in take_over([d.name for d in deployments]):
-        print(f"jaxtune serve: finetune/{name} was a work-pool deployment; it is served from here now", file=sys.stderr)
+    for name in take_over([f"{d.flow_name}/{d.name}" for d in deployments]):
+        print(f"jaxtune serve: {name} was a work-pool deployment; it is served from here now", file=sys.stderr)
     prefect_serve(*deployments, limit=limit)

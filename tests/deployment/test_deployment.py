@@ -81,28 +81,35 @@ def test_every_declared_deployment_is_deployed_with_its_recipe_and_schedule(depl
 
     with deployed.client_settings(), get_client(sync_client=True) as client:
         found = {d.name: d for d in client.read_deployments()}
+        flows = {flow.id: flow.name for flow in client.read_flows()}
     assert set(found) == set(DECLARED)
     for name, declared in DECLARED.items():
         deployment = found[name]
         assert deployment.parameters == declared["parameters"] and deployment.work_pool_name == "jaxtune"
         assert [s.schedule.cron for s in deployment.schedules] == [s["cron"] for s in declared.get("schedules", [])]
-        assert deployment.job_variables["env"] == {"PYTHONHASHSEED": "0"}
         assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
-        # The UI's run form: typed fields with the flow's defaults, the stages as choices.
         form = deployment.parameter_openapi_schema["properties"]
+        if flows[deployment.flow_id] == "plan":  # compiles for the recipe's chip, then queues the run it names
+            assert set(form) == {"recipe", "overrides", "target", "then"} and declared["parameters"]["then"] in {
+                f"finetune/{other}" for other in DECLARED}
+            continue
+        assert flows[deployment.flow_id] == "finetune" and deployment.job_variables["env"] == {"PYTHONHASHSEED": "0"}
+        # The UI's run form: typed fields with the flow's defaults, the stages as choices.
         assert form["until"]["enum"][-1] == "report" and "final_eval" in form["refresh"]["items"]["enum"]
         assert form["recipe"]["default"] == "offline" and form["overrides"]["type"] == "array"
-    # One restart automation each, running that deployment on a crash of that deployment's runs only.
+    # One restart automation for each finetune deployment, running it on a crash of its runs only.
+    finetunes = {name: d for name, d in found.items() if flows[d.flow_id] == "finetune"}
+    assert len(finetunes) == len(found) - 3  # the three hub recipes' plans restart nothing: they queue runs
     with deployed.client_settings(), get_client(sync_client=True) as client:
         automations = {a.name: a for a in client.read_automations()}
-    for name, deployment in found.items():
+    for name, deployment in finetunes.items():
         automation = automations[f"restart {name} after a crash"]
         [action] = automation.actions
         assert (action.type, action.deployment_id) == ("run-deployment", deployment.id)
         assert automation.trigger.expect == {"prefect.flow-run.Crashed"}
         assert {"prefect.resource.role": "deployment", "prefect.resource.name": name} in [
             spec.root for spec in automation.trigger.match_related]
-    assert len(automations) == len(found)
+    assert len(automations) == len(finetunes)
 
 
 def test_a_deployment_run_executed_by_a_worker_runs_every_stage(deployed, first):
