@@ -42,8 +42,26 @@ class MissingOperator:
     def __getattr__(self, key: str) -> MissingOverload:
         if key.startswith("__"):
             raise AttributeError(key)
-        missing_overloads.append(f"{self.name}.{key}")
-        return MissingOverload(f"{self.name}.{key}")
+        return _missing_overload(f"{self.name}.{key}")
+
+
+def _missing_overload(name: str) -> MissingOverload:
+    missing_overloads.append(name)
+    return MissingOverload(name)
+
+
+def _or_placeholder(lookup, placeholder):
+    """`lookup`, returning `placeholder(owner, key)` where it raises AttributeError (but for dunders)."""
+
+    def tolerant(owner, key: str):
+        try:
+            return lookup(owner, key)
+        except AttributeError:
+            if key.startswith("__"):
+                raise
+            return placeholder(owner, key)
+
+    return tolerant
 
 
 @contextlib.contextmanager
@@ -51,26 +69,9 @@ def tolerate_missing_overloads() -> Iterator[list[str]]:
     """Within the block, `torch.ops.aten.X.Y` for a removed overload Y, or a removed operator X,
     returns a placeholder."""
     original_overload, original_operator = OpOverloadPacket.__getattr__, _OpNamespace.__getattr__
-
-    def overload(packet: OpOverloadPacket, key: str):
-        try:
-            return original_overload(packet, key)
-        except AttributeError:
-            if key.startswith("__"):
-                raise
-            placeholder = MissingOverload(f"{packet}.{key}")
-            missing_overloads.append(placeholder.name)
-            return placeholder
-
-    def operator(namespace: _OpNamespace, key: str):
-        try:
-            return original_operator(namespace, key)
-        except AttributeError:
-            if key.startswith("__"):
-                raise
-            return MissingOperator(f"{namespace.name.removeprefix('torch.ops.')}.{key}")
-
-    OpOverloadPacket.__getattr__, _OpNamespace.__getattr__ = overload, operator
+    OpOverloadPacket.__getattr__ = _or_placeholder(original_overload, lambda packet, key: _missing_overload(f"{packet}.{key}"))
+    _OpNamespace.__getattr__ = _or_placeholder(
+        original_operator, lambda namespace, key: MissingOperator(f"{namespace.name.removeprefix('torch.ops.')}.{key}"))
     try:
         yield missing_overloads
     finally:
