@@ -316,9 +316,10 @@ class PlanConfig(Section):
     """The accelerator a config is written for; none of it is in a cache key."""
 
     target: str | None = Field(
-        None, description="the TPU slice this config is meant to train on (v5e-1, v5e-8, v6e-1, v5p-8, v4-8 or a topology "
-        "such as v5e:2x4): `jaxtune doctor MODEL --config FILE --target` then compiles its train step for that slice, "
-        "here, without the chips, and says whether it fits (`--target NAME` plans for another)")
+        None, description="the chip this config is meant to train on (v5e-1, v5e-8, v6e-1, v5p-8, v4-8, a topology "
+        "such as v5e:2x4, or h100, h200, a100): `jaxtune doctor MODEL --config FILE --target` then compiles its train, "
+        "eval and decode steps for it, here, without the chips, and says whether they fit (`--target NAME` plans for "
+        "another); the plan flow does the same before it queues a run on the chips")
 
 
 class JaxtuneConfig(Section):

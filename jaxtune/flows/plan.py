@@ -27,7 +27,13 @@ def _run_name() -> str:
 
     parameters = flow_run.parameters
     recipe = parameters.get("recipe") or OFFLINE
-    return ui.SEPARATOR.join(("plan", ui.recipe_label(recipe), parameters.get("target") or "plan.target"))
+    target = parameters.get("target")
+    if not target:
+        try:
+            target = load_config(None if recipe == OFFLINE else recipe, list(parameters.get("overrides") or [])).plan.target
+        except (ValueError, OSError):  # the flow itself says what is wrong with the recipe
+            target = None
+    return ui.SEPARATOR.join(("plan", ui.recipe_label(recipe), target or "no target"))
 
 
 @flow(name="plan", flow_run_name=_run_name, persist_result=False)
