@@ -18,8 +18,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed
 
 from jaxtune import ui
-from jaxtune.config import OFFLINE, load_config
+from jaxtune.config import OFFLINE
 from jaxtune.errors import ConfigError
+from jaxtune.flows.finetune import load_recipe
 
 
 def _run_name() -> str:
@@ -30,7 +31,7 @@ def _run_name() -> str:
     target = parameters.get("target")
     if not target:
         try:
-            target = load_config(None if recipe == OFFLINE else recipe, list(parameters.get("overrides") or [])).plan.target
+            target = load_recipe(recipe, parameters.get("overrides") or []).plan.target
         except (ValueError, OSError):  # the flow itself says what is wrong with the recipe
             target = None
     return ui.SEPARATOR.join(("plan", ui.recipe_label(recipe), target or "no target"))
@@ -51,7 +52,7 @@ def plan(recipe: str, overrides: list[str] = [], target: str | None = None, then
     Returns {"target", "fits": True, "queued": the queued flow run's id or None}; a plan that does
     not fit ends the run Failed, with the plan's verdict as its message.
     """
-    config = load_config(None if recipe == OFFLINE else recipe, list(overrides))
+    config = load_recipe(recipe, overrides)
     name = target or config.plan.target
     if not name:
         raise ConfigError(f"{recipe}: no plan.target to plan for; set one in the recipe, or give the flow a target")
