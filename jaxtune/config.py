@@ -27,7 +27,8 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-FORMATS = ("dolly", "alpaca", "prompt_completion", "messages")
+FORMATS = ("dolly", "alpaca", "prompt_completion", "messages", "preference")
+PREFERENCE_FORMAT = "preference"  # pairs of a chosen and a rejected answer, for train.objective dpo or simpo
 _SOURCE_KEYS = ("source", "hub_split", "revision", "format", "columns")  # what one source of a mixture sets
 
 
@@ -127,13 +128,26 @@ class TinyModelConfig(Section):
     seed: int = 0
 
 
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+def names_recipe(name: str) -> bool:
+    """model.name is an earlier run's recipe: this run starts from what that one exported."""
+    return name.lower().endswith(RECIPE_SUFFIXES)
+
+
 class ModelConfig(Section):
-    """The base model: a hub id, a local HF model dir, a local .gguf file, or 'offline' (built from `tiny`)."""
+    """The base model: a hub id, a local HF model dir, a LoRA adapter dir, a local .gguf file, an earlier
+    run's recipe, or 'offline'."""
 
     name: str = Field(
         OFFLINE,
-        description="'offline', a hub id such as google/gemma-3-1b-it, a local model directory, or a local .gguf file "
-        "(imported once into the store as an HF folder)",
+        description="'offline', a hub id such as google/gemma-3-1b-it, a local model directory (an earlier run's "
+        "export/<key>/merged folder too), a PEFT LoRA adapter directory (an earlier run's export/<key> folder too: "
+        "merged once into the base its adapter_config.json names), a local .gguf file (imported once into the "
+        "store as an HF folder), or an "
+        "earlier run's recipe file (.yaml): that run goes first, up to its export (cached when done), and this one "
+        "starts from the model it exported (LoRA merged: the earlier recipe needs export.merge: true)",
     )
     revision: str = Field("main", description="hub revision (part of the cache key)")
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
@@ -169,10 +183,17 @@ class LoraConfig(Section):
     modules_to_save: tuple[str, ...] = ()
 
 
+OBJECTIVES = ("sft", "dpo", "simpo")
+
+
 class TrainConfig(Section):
     """Optimisation: what is trained, by which optax optimizer and schedule, on how many rows per step."""
 
     method: Literal["lora", "full"] = Field("lora", description="LoRA adapters (see `lora`), or every weight")
+    objective: Literal[OBJECTIVES] = Field(
+        "sft", description="sft: next-token cross-entropy on the answers; dpo: Direct Preference Optimization against "
+        "the reference stage's log-probabilities (data.format: preference, settings in `preference`); simpo: SimPO, "
+        "reference-free (no reference stage), on the answers' mean token log-probabilities")
     optimizer: Literal["adamw", "adafactor", "sgd"] = Field(
         "adamw", description="adamw; adafactor (factored second moments, no first moment: far less state); sgd with momentum 0.9"
     )
@@ -206,6 +227,26 @@ class TrainConfig(Section):
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of train.max_steps and train.epochs (e.g. --set train.max_steps=null --set train.epochs=2)")
         return self
+
+
+class PreferenceConfig(Section):
+    """The preference objectives' settings (train.objective dpo or simpo); TRL's names and meanings."""
+
+    beta: float = Field(
+        0.1, gt=0.0, description="dpo: how far the policy may move from the reference (the implicit reward is "
+        "beta * log(policy / reference)); ipo: its regularisation tau; simpo: the reward scale (the paper uses 2 to 10)")
+    loss_type: Literal["sigmoid", "robust", "ipo"] = Field(
+        "sigmoid", description="dpo only: sigmoid (the DPO paper's loss), robust (sigmoid with label_smoothing, for "
+        "noisy labels: rDPO), or ipo (squared, on the answers' mean token log-ratios)")
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="the assumed share of pairs whose labels are flipped: dpo with "
+        "loss_type robust, or simpo")
+    simpo_gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin gamma")
+    sft_weight: float = Field(
+        0.0, ge=0.0, description="dpo or simpo: add this times the chosen answer's mean token NLL to each pair's "
+        "loss (RPO; TRL's loss_type [sigmoid, sft] with loss_weights [1, w]), so the policy keeps the chosen "
+        "answers likely while it separates them from the rejected ones; for dpo less the reference's NLL, a "
+        "constant, so the loss still starts at ln 2; 0 turns it off")
 
 
 class EvalConfig(Section):
@@ -333,6 +374,24 @@ class JaxtuneConfig(Section):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+
+    @model_validator(mode="after")
+    def _objective_fits_data(self) -> JaxtuneConfig:
+        formats = {src.format for src in self.data.mixture()}
+        pairs = PREFERENCE_FORMAT in formats
+        if pairs and len(formats) > 1:
+            raise ValueError(f"data: a mixture cannot mix preference pairs with other formats (got {', '.join(sorted(formats))})")
+        if self.train.objective != "sft" and not pairs:
+            raise ValueError(f"train.objective={self.train.objective} trains on pairs of a chosen and a rejected answer: "
+                             "set data.format=preference (rows of prompt, chosen, rejected)")
+        if self.train.objective == "sft" and pairs:
+            raise ValueError("data.format=preference holds pairs for preference tuning: set train.objective=dpo (or simpo)")
+        if (self.preference.label_smoothing and self.train.objective == "dpo"
+                and self.preference.loss_type != "robust"):
+            raise ValueError(f"preference.label_smoothing applies to preference.loss_type=robust (got "
+                             f"{self.preference.loss_type}); set loss_type=robust or label_smoothing=0")
+        return self
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> JaxtuneConfig:

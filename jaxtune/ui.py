@@ -22,14 +22,15 @@ def model_label(model: ModelConfig) -> str:
     if model.name == OFFLINE:
         return f"tiny {model.tiny.architecture}"
     path = PurePath(model.name.rstrip("/"))
-    return path.stem if path.suffix.lower() == ".gguf" else path.name
+    return path.stem if path.suffix.lower() in (".gguf", ".yaml", ".yml") else path.name
 
 
 def method_label(config: JaxtuneConfig) -> str:
-    """`lora r8` or `full adafactor`."""
+    """`lora r8` or `full adafactor`; a preference objective first: `dpo lora r16`, `simpo full adamw`."""
+    objective = f"{config.train.objective} " if config.train.objective != "sft" else ""
     if config.train.method == "lora":
-        return f"lora r{config.lora.r}"
-    return f"full {config.train.optimizer}"
+        return f"{objective}lora r{config.lora.r}"
+    return f"{objective}full {config.train.optimizer}"
 
 
 def recipe_label(recipe: str) -> str:

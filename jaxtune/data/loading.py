@@ -43,6 +43,7 @@ def normalized_features():
     return datasets.Features({
         "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
         "response": datasets.Value("string"),
+        "rejected": datasets.Value("string"),  # a preference pair's worse answer; '' for other formats
         "category": datasets.Value("string"),
         "source": datasets.Value("int32"),  # index of the source in the mixture
         "row": datasets.Value("int64"),  # the line (JSONL) or 1-based row its error messages name
@@ -195,8 +196,8 @@ def _hub(dataset_id: str, src: SourceConfig):
 
 def _normalize_batch(batch: dict[str, list], indices: list[int], src: SourceConfig, index: int, name: str, unit: str) -> dict:
     """A batch of raw rows -> normalized rows; a row that cannot be read keeps only its `problem`."""
-    out: dict[str, list] = {key: [] for key in ("messages", "response", "category", "source", "row", "row_key",
-                                                "prompt_key", "problem")}
+    out: dict[str, list] = {key: [] for key in ("messages", "response", "rejected", "category", "source", "row",
+                                                "row_key", "prompt_key", "problem")}
     for number, row, problem in _rows_of(batch, indices):
         where = f"{name} {unit} {number}"
         example = None
@@ -210,6 +211,7 @@ def _normalize_batch(batch: dict[str, list], indices: list[int], src: SourceConf
         example = example or {"messages": [], "response": "", "category": ""}
         out["messages"].append(example["messages"])
         out["response"].append(example["response"])
+        out["rejected"].append(example.get("rejected", ""))
         out["category"].append(example["category"])
         out["source"].append(index)
         out["row"].append(number)
@@ -240,7 +242,9 @@ def unit_of(path_or_id: str) -> str:
 
 
 def row_key(example: dict) -> int:
-    return _digest([example["messages"], example["response"], example["category"]])
+    """A pair's key holds both answers: the same prompt and chosen answer against another rejected one is another pair."""
+    rejected = [example["rejected"]] if example.get("rejected") else []
+    return _digest([example["messages"], example["response"], example["category"], *rejected])
 
 
 def prompt_key(example: dict) -> int:

@@ -1,7 +1,8 @@
 """Read raw rows (local file or hub dataset) and normalize them to chat examples.
 
 A normalized example is `{"messages": [...prompt turns...], "response": str, "category": str}`:
-the prompt turns exclude the final assistant answer, which is `response`. Text is stripped of
+the prompt turns exclude the final assistant answer, which is `response`. A preference pair
+(format 'preference') adds `rejected`, the worse answer; `response` is then the chosen one. Text is stripped of
 surrounding whitespace: chat templates trim it anyway (Gemma's does), and generations are scored
 against `response` by exact match.
 """
@@ -24,6 +25,13 @@ from jaxtune.errors import DataError, first_line
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 OFFLINE_DATA = Path(__file__).resolve().parents[1] / "offline" / "data" / "dolly_offline.jsonl"
+# What `source: offline` reads with `format: preference`: pairs built from the same rows (jaxtune.offline.pairs).
+OFFLINE_PAIRS = OFFLINE_DATA.with_name("preference_offline.jsonl")
+
+
+def offline_file(data_format: str) -> Path:
+    """The bundled file `source: offline` names: the Dolly-style rows, or for format 'preference' their pairs."""
+    return OFFLINE_PAIRS if data_format == "preference" else OFFLINE_DATA
 DEFAULT_CATEGORY = "general"
 ROLES = ("system", "user", "assistant")
 
@@ -33,6 +41,8 @@ FORMAT_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "alpaca": (("instruction", "output"), ("input", "category")),
     "prompt_completion": (("prompt", "completion"), ("category",)),
     "messages": (("messages",), ("category",)),
+    # The prompt is `prompt` (text) or `messages` (the conversation before the answers), not both.
+    "preference": (("chosen", "rejected"), ("prompt", "messages", "category")),
 }
 # instruction, context, response field of each instruction-style format.
 _FIELDS = {
@@ -40,6 +50,7 @@ _FIELDS = {
     "alpaca": ("instruction", "input", "output"),
     "prompt_completion": ("prompt", None, "completion"),
 }
+_LISTS = ("messages", "chosen", "rejected")  # columns that may hold lists of messages
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -50,9 +61,10 @@ def read_rows(cfg: DataConfig, path_or_id: str | Path | None = None) -> list[dic
     """Read `path_or_id` (default: `cfg.source`; 'offline' is the bundled Dolly file) as normalized examples."""
     source = cfg.source if path_or_id is None else str(path_or_id)
     if source == OFFLINE:
-        if not OFFLINE_DATA.exists():
-            raise DataError(f"{OFFLINE_DATA}: the bundled offline data file is missing")
-        source = str(OFFLINE_DATA)
+        bundled = offline_file(cfg.format)
+        if not bundled.exists():
+            raise DataError(f"{bundled}: the bundled offline data file is missing")
+        source = str(bundled)
     _check_columns(cfg)
     examples = [normalize_row(row, cfg, where) for where, row in _records(source, cfg)]
     if not examples:
@@ -63,10 +75,12 @@ def read_rows(cfg: DataConfig, path_or_id: str | Path | None = None) -> list[dic
 def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
     """The non-empty text fields of every row, in row order, for training a tokenizer on the data:
     instruction, context and response (or the format's equivalents), or each message's content."""
-    source = str(OFFLINE_DATA) if str(path_or_id) == OFFLINE else str(path_or_id)
+    source = str(offline_file(cfg.format)) if str(path_or_id) == OFFLINE else str(path_or_id)
     _check_columns(cfg)
     required, _ = FORMAT_COLUMNS[cfg.format]
     fields = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
+    if cfg.format == "preference":
+        fields = ["prompt", "messages", "chosen", "rejected"]
     max_rows = getattr(cfg, "max_rows", None)  # a source of a mixture may read only its first rows
     for count, (where, row) in enumerate(_records(source, cfg)):
         if max_rows is not None and count >= max_rows:
@@ -76,7 +90,11 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
         row = _rename(row, cfg.columns)
         for name in fields:
             value = row.get(name)
-            if name == "messages":
+            if name == "messages" and cfg.format == "preference":
+                values = [m["content"] for m in _prompt_messages(value, where)] if value is not None else []
+            elif name in ("chosen", "rejected"):
+                values = [_answer(row, name, where)]
+            elif name == "messages":
                 prompt, response = _split_messages(value, where)
                 values = [m["content"] for m in prompt] + [response]
             else:
@@ -94,6 +112,8 @@ def normalize_row(row: Any, cfg: DataConfig, where: str) -> dict:
     if cfg.format == "messages":
         messages, response = _split_messages(row["messages"], where)
         return {"messages": messages, "response": response, "category": category}
+    if cfg.format == "preference":
+        return _preference_pair(row, where, category)
     key_instruction, key_context, key_response = _FIELDS[cfg.format]
     instruction = _string(row, key_instruction, where, required=True, non_empty=True)
     context = _string(row, key_context, where) if key_context else ""
@@ -220,7 +240,7 @@ def check_arrow_schema(name: str, schema: pa.Schema, cfg: DataConfig) -> None:
     """A column has one type, so a wrong one is reported once here rather than as a puzzling value in every row."""
     for column, source in _source_columns(cfg).items():
         if source in schema.names and not _arrow_type_fits(column, schema.field(source).type):
-            expected = "a list of {role, content} objects (list<struct>)" if column == "messages" else "text (string)"
+            expected = "a list of {role, content} objects (list<struct>)" if column in _LISTS else "text (string)"
             raise DataError(f"{name}: column {_column_label(column, cfg)} is {schema.field(source).type}, expected {expected}")
 
 
@@ -229,7 +249,7 @@ def _arrow_type_fits(name: str, arrow_type: pa.DataType) -> bool:
     if pa.types.is_dictionary(arrow_type):  # pandas categoricals are stored dictionary-encoded
         arrow_type = arrow_type.value_type
     text = pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_null(arrow_type)
-    if name != "messages":
+    if name not in _LISTS:
         return text
     listed = pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
     return text or (listed and pa.types.is_struct(arrow_type.value_type))  # text: the list as JSON, as in CSV
@@ -371,6 +391,17 @@ def _category(row: dict, where: str) -> str:
 
 def _split_messages(messages: Any, where: str) -> tuple[list[dict], str]:
     """Prompt turns and the final assistant answer of a `messages` row."""
+    turns = _turns(messages, where)
+    if turns[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the last message must be the 'assistant' answer, got role {turns[-1]['role']!r}")
+    prompt = turns[:-1]
+    if not any(t["role"] == "user" for t in prompt):
+        raise DataError(f"{where}: 'messages' has no 'user' turn before the assistant answer")
+    return prompt, turns[-1]["content"]
+
+
+def _turns(messages: Any, where: str) -> list[dict]:
+    """A `messages` value as checked {role, content} turns."""
     if isinstance(messages, str):  # CSV cells hold the list as JSON text
         try:
             messages = json.loads(messages)
@@ -378,13 +409,50 @@ def _split_messages(messages: Any, where: str) -> tuple[list[dict], str]:
             raise DataError(f"{where}: 'messages' is text but not valid JSON ({e.msg})") from None
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {_type_name(messages)}")
-    turns = [_message(m, where, i) for i, m in enumerate(messages, start=1)]
-    if turns[-1]["role"] != "assistant":
-        raise DataError(f"{where}: the last message must be the 'assistant' answer, got role {turns[-1]['role']!r}")
-    prompt = turns[:-1]
-    if not any(t["role"] == "user" for t in prompt):
-        raise DataError(f"{where}: 'messages' has no 'user' turn before the assistant answer")
-    return prompt, turns[-1]["content"]
+    return [_message(m, where, i) for i, m in enumerate(messages, start=1)]
+
+
+def _preference_pair(row: dict, where: str, category: str) -> dict:
+    """A pair's prompt turns, chosen `response` and `rejected` answer."""
+    has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
+    if has_prompt == has_messages:
+        given = "both" if has_prompt else "neither"
+        raise DataError(f"{where}: a preference row needs its prompt as 'prompt' (text) or 'messages' (the conversation "
+                        f"before the answers), exactly one of them; got {given}")
+    if has_prompt:
+        messages = [{"role": "user", "content": _string(row, "prompt", where, required=True, non_empty=True)}]
+    else:
+        messages = _prompt_messages(row["messages"], where)
+    return {"messages": messages, "response": _answer(row, "chosen", where), "rejected": _answer(row, "rejected", where),
+            "category": category}
+
+
+def _prompt_messages(messages: Any, where: str) -> list[dict]:
+    """The turns before a preference pair's answers: they end with a 'user' turn."""
+    turns = _turns(messages, where)
+    if turns[-1]["role"] != "user":
+        raise DataError(f"{where}: in a preference row 'messages' is the conversation before the two answers, so its last "
+                        f"message must be a 'user' turn, got role {turns[-1]['role']!r}")
+    return turns
+
+
+def _answer(row: dict, key: str, where: str) -> str:
+    """A preference row's `chosen` or `rejected` answer: text, or a list holding one 'assistant' message
+    (TRL's conversational form). May be empty: the pair is then dropped and counted."""
+    value = row.get(key)
+    if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
+        try:  # CSV cells hold a list as JSON text
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise DataError(f"{where}: {key!r} as a list must hold one 'assistant' message (the answer), got {len(value)} messages")
+        message = _message(value[0], where, 1)
+        if message["role"] != "assistant":
+            raise DataError(f"{where}: {key!r} must be the 'assistant' answer, got role {message['role']!r}")
+        return message["content"]
+    return _string(row, key, where, required=True)
 
 
 def _message(message: Any, where: str, index: int) -> dict:

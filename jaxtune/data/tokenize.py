@@ -24,7 +24,8 @@ from jaxtune.data import loading
 from jaxtune.errors import ChatTemplateError, DataError
 
 IGNORE_INDEX = -100  # label value the loss skips
-DROP_REASONS = ("duplicate", "duplicate_of_train", "empty_response", "too_long", "max_train_rows", "max_eval_rows")
+DROP_REASONS = ("duplicate", "duplicate_of_train", "empty_response", "too_long", "identical_pair", "max_train_rows",
+                "max_eval_rows")
 ARROW_SCHEMA = pa.schema(
     [
         ("input_ids", pa.list_(pa.int32())),
@@ -38,7 +39,12 @@ ARROW_SCHEMA = pa.schema(
     ]
 )
 WRITE_ROWS = 10_000  # rows per Arrow record batch of train.arrow and eval.arrow
-KEEP, EMPTY, TOO_LONG = 0, 1, 2  # the encoded `drop` column
+KEEP, EMPTY, TOO_LONG, IDENTICAL = 0, 1, 2, 3  # the encoded `drop` column
+
+
+def is_preference(cfg: DataConfig) -> bool:
+    """Rows are preference pairs: each becomes two token rows, the chosen answer's and then the rejected one's."""
+    return cfg.mixture()[0].format == "preference"
 
 
 def pad_id_of(tokenizer: Any) -> int:
@@ -153,40 +159,53 @@ def encode_example(example: dict, tokenizer: Any, loss_on: str = "all_assistant"
 
 
 def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres: list[tuple[str, str]],
-                names: list[str]) -> dict[str, list]:
+                 names: list[str]) -> dict[str, list]:
     """The `datasets.map` function: normalized rows -> token rows, each with its drop reason
-    (EMPTY, TOO_LONG or KEEP) and, for a row the template cannot handle, the problem."""
+    (EMPTY, TOO_LONG, IDENTICAL or KEEP) and, for a row the template cannot handle, the problem.
+    A preference pair encodes both answers, each labelled on its own tokens alone."""
     out: dict[str, list] = {key: [] for key in ENCODED_COLUMNS}
     where = [f"{wheres[s][0]} {wheres[s][1]} {r}" for s, r in zip(batch["source"], batch["row"])]
+    pairs = is_preference(cfg)
+    n = len(where)
     try:
-        rows = encode_batch(batch["messages"], batch["response"], tokenizer, cfg.loss_on, where)
+        if pairs:  # one batched call for both answers; the labels cover the answer alone
+            encoded = encode_batch(batch["messages"] * 2, batch["response"] + batch["rejected"], tokenizer,
+                                   "last_assistant", where * 2)
+            rows, rejected = encoded[:n], encoded[n:]
+        else:
+            rows, rejected = encode_batch(batch["messages"], batch["response"], tokenizer, cfg.loss_on, where), [None] * n
         problem = template_problem = None
     except ChatTemplateError as e:
-        rows, problem, template_problem = [None] * len(where), None, str(e)
+        rows, rejected, problem, template_problem = [None] * n, [None] * n, None, str(e)
     except DataError as e:
-        rows, problem, template_problem = [None] * len(where), str(e), None
-    for i, row in enumerate(rows):
+        rows, rejected, problem, template_problem = [None] * n, [None] * n, str(e), None
+    empty = {"input_ids": [], "labels": [], "length": 0, "prompt_length": 0}
+    for i, (row, other) in enumerate(zip(rows, rejected)):
         drop, truncated = EMPTY, False  # (a batch with a problem is raised by the caller)
-        if row is not None:
+        if row is not None and (other is not None or not pairs):
             drop = KEEP
-            if row["length"] > cfg.max_length:
-                # Truncating keeps the prompt whole, so it must leave at least one answer token to learn from.
-                if cfg.too_long == "drop" or row["prompt_length"] >= cfg.max_length:
-                    drop = TOO_LONG
-                else:
-                    n = cfg.max_length
-                    row = {**row, "input_ids": row["input_ids"][:n], "labels": row["labels"][:n], "length": n}
-                    truncated = True
-        row = row or {"input_ids": [], "labels": [], "length": 0, "prompt_length": 0}
+            if pairs and batch["response"][i] == batch["rejected"][i]:
+                drop = IDENTICAL
+            cut = [r for r in (row, other) if r is not None and r["length"] > cfg.max_length]
+            # Truncating keeps the prompt whole, so it must leave at least one answer token to learn from.
+            if drop == KEEP and cut and (cfg.too_long == "drop" or row["prompt_length"] >= cfg.max_length):
+                drop = TOO_LONG
+            elif drop == KEEP and cut:
+                row, other, truncated = _truncated(row, cfg.max_length), other and _truncated(other, cfg.max_length), True
+        row, other = row or empty, other or empty
         out["input_ids"].append(row["input_ids"])
         out["labels"].append(row["labels"])
         out["length"].append(row["length"])
         out["prompt_length"].append(row["prompt_length"])
+        out["rejected_input_ids"].append(other["input_ids"])
+        out["rejected_labels"].append(other["labels"])
+        out["rejected_length"].append(other["length"])
         out["category"].append(batch["category"][i])
         out["prompt_text"].append(_prompt_text(batch["messages"][i]))
         out["response"].append(batch["response"][i])
+        out["rejected"].append(batch["rejected"][i])
         out["source"].append(names[batch["source"][i]])
-        out["labelled"].append(sum(1 for label in row["labels"] if label != IGNORE_INDEX))
+        out["labelled"].append(sum(1 for label in (*row["labels"], *other["labels"]) if label != IGNORE_INDEX))
         out["drop"].append(drop)
         out["truncated"].append(truncated)
         out["problem"].append(problem if i == 0 else None)
@@ -194,8 +213,13 @@ def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres:
     return out
 
 
-ENCODED_COLUMNS = ("input_ids", "labels", "length", "prompt_length", "category", "prompt_text", "response", "source",
-                   "labelled", "drop", "truncated", "problem", "template_problem")
+def _truncated(row: dict, n: int) -> dict:
+    return row if row["length"] <= n else {**row, "input_ids": row["input_ids"][:n], "labels": row["labels"][:n], "length": n}
+
+
+ENCODED_COLUMNS = ("input_ids", "labels", "length", "prompt_length", "rejected_input_ids", "rejected_labels",
+                   "rejected_length", "category", "prompt_text", "response", "rejected", "source", "labelled", "drop",
+                   "truncated", "problem", "template_problem")
 
 
 def _encoded_features():
@@ -205,25 +229,40 @@ def _encoded_features():
     text = datasets.Value("string")
     return datasets.Features({
         "input_ids": ids, "labels": ids, "length": datasets.Value("int32"), "prompt_length": datasets.Value("int32"),
-        "category": text, "prompt_text": text, "response": text, "source": text,
+        "rejected_input_ids": ids, "rejected_labels": ids, "rejected_length": datasets.Value("int32"),
+        "category": text, "prompt_text": text, "response": text, "rejected": text, "source": text,
         "labelled": datasets.Value("int32"), "drop": datasets.Value("int8"), "truncated": datasets.Value("bool"),
         "problem": text, "template_problem": text,
     })
+
+
+REJECTED = {"input_ids": "rejected_input_ids", "labels": "rejected_labels", "length": "rejected_length", "response": "rejected"}
 
 
 class TokenTables:
     """The outcome of tokenizing: encoded rows in Arrow (`encoded`), which of them form the train
     and eval splits, in order (positions may repeat: weighted sources), and the stats."""
 
-    def __init__(self, encoded, train: np.ndarray, eval_: np.ndarray, stats: dict):
-        self.encoded, self.train, self.eval, self.stats = encoded, train, eval_, stats
+    def __init__(self, encoded, train: np.ndarray, eval_: np.ndarray, stats: dict, pairs: bool = False):
+        self.encoded, self.train, self.eval, self.stats, self.pairs = encoded, train, eval_, stats, pairs
 
     def batches(self, split: str) -> Iterable[pa.Table]:
-        """The split's rows in ARROW_SCHEMA, WRITE_ROWS at a time."""
+        """The split's rows in ARROW_SCHEMA, WRITE_ROWS at a time. Preference pairs are two rows
+        each, the chosen answer's (an even row) and then the rejected one's."""
         positions = self.train if split == "train" else self.eval
-        table = self.encoded.data.table.select(ARROW_SCHEMA.names)  # memory-mapped; `encoded` is a map's output, not a view
-        for start in range(0, len(positions), WRITE_ROWS):
-            yield table.take(pa.array(positions[start : start + WRITE_ROWS], pa.int64())).cast(ARROW_SCHEMA)
+        table = self.encoded.data.table  # memory-mapped; `encoded` is a map's output, not a view
+        step = WRITE_ROWS // 2 if self.pairs else WRITE_ROWS
+        for start in range(0, len(positions), step):
+            taken = table.take(pa.array(positions[start : start + step], pa.int64()))
+            chosen = taken.select(ARROW_SCHEMA.names).cast(ARROW_SCHEMA)
+            if not self.pairs:
+                yield chosen
+                continue
+            rejected = taken.select([REJECTED.get(name, name) for name in ARROW_SCHEMA.names]).rename_columns(
+                ARROW_SCHEMA.names).cast(ARROW_SCHEMA)
+            n = len(chosen)
+            order = np.stack([np.arange(n), np.arange(n) + n], axis=1).reshape(-1)  # chosen, rejected, chosen, ...
+            yield pa.concat_tables([chosen, rejected]).take(pa.array(order, pa.int64()))
 
     def rows(self, split: str) -> list[dict]:
         return [row for table in self.batches(split) for row in table.to_pylist()]
@@ -254,7 +293,7 @@ def tokenize_dataset(examples: Sequence[dict], tokenizer: Any, cfg: DataConfig) 
     """`tokenize_sources` for examples already normalized in memory (one source); returns (train, eval, stats) rows."""
     import datasets
 
-    rows = [{**e, "source": 0, "row": n, "row_key": loading.row_key(e), "prompt_key": loading.prompt_key(e), "problem": None}
+    rows = [{"rejected": "", **e, "source": 0, "row": n, "row_key": loading.row_key(e), "prompt_key": loading.prompt_key(e), "problem": None}
             for n, e in enumerate(examples, start=1)]
     normalized = datasets.Dataset.from_list(rows, features=loading.normalized_features())
     with tempfile.TemporaryDirectory(prefix="jaxtune-tokenize-") as work:
@@ -315,7 +354,10 @@ def _tokenize_normalized(normalized, tokenizer: Any, cfg: DataConfig, sources: l
         )
     rows_in = np.bincount(source_of_row, minlength=len(sources))
     stats = _stats(encoded, train_pos, eval_pos, dropped, n_in, sources, rows_in, source_of)
-    return TokenTables(encoded, train_pos, eval_pos, stats)
+    pairs = is_preference(cfg)
+    if pairs:
+        stats["preference"] = True  # train_rows and eval_rows count pairs, each two rows of the tables
+    return TokenTables(encoded, train_pos, eval_pos, stats, pairs)
 
 
 def first_occurrences(keys: np.ndarray) -> np.ndarray:
@@ -410,6 +452,7 @@ def _why(dropped: Counter, cfg: DataConfig) -> str:
         "duplicate_of_train": "eval rows whose prompt is also a train prompt",
         "empty_response": "rows whose response is empty",
         "too_long": too_long,
+        "identical_pair": "preference pairs whose chosen and rejected answers are the same",
         "max_train_rows": f"over data.max_train_rows={cfg.max_train_rows}",
         "max_eval_rows": f"over data.max_eval_rows={cfg.max_eval_rows}",
     }
@@ -417,7 +460,8 @@ def _why(dropped: Counter, cfg: DataConfig) -> str:
 
 
 def _drop_counts(drop: np.ndarray) -> Counter:
-    return Counter(empty_response=int(np.count_nonzero(drop == EMPTY)), too_long=int(np.count_nonzero(drop == TOO_LONG)))
+    return Counter(empty_response=int(np.count_nonzero(drop == EMPTY)), too_long=int(np.count_nonzero(drop == TOO_LONG)),
+                   identical_pair=int(np.count_nonzero(drop == IDENTICAL)))
 
 
 def _cap(positions: np.ndarray, cap: int | None, reason: str, dropped: Counter) -> np.ndarray:
@@ -431,11 +475,12 @@ def _stats(encoded, train: np.ndarray, eval_: np.ndarray, dropped: Counter, rows
            source_rows_in: np.ndarray, source_of: np.ndarray) -> dict:
     """Counts, token totals, length percentiles, category histograms and the mix of the kept rows."""
     table = encoded.data
-    length = table.column("length").to_numpy()
+    chosen, rejected = table.column("length").to_numpy(), table.column("rejected_length").to_numpy()
+    length = chosen + rejected  # a pair's tokens are both rows'
     labelled = table.column("labelled").to_numpy()
     truncated = table.column("truncated").to_numpy(zero_copy_only=False)
     kept = np.concatenate([train, eval_])
-    lengths = np.sort(length[kept])
+    lengths = np.sort(np.maximum(chosen, rejected)[kept])  # per row: a pair's rows each fit data.max_length
     return {
         "rows_in": rows_in,
         "train_rows": len(train),

@@ -40,12 +40,13 @@ from prefect.states import Cancelled, Crashed, State
 from jaxtune import processes, ui
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks
-from jaxtune.config import OFFLINE, JaxtuneConfig, MeshConfig, load_config
-from jaxtune.errors import TrainingStopped
+from jaxtune.config import OFFLINE, JaxtuneConfig, MeshConfig, load_config, names_recipe
+from jaxtune.errors import ConfigError, TrainingStopped
 from jaxtune.flows import browse
-from jaxtune.tasks import BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf, report, tokenize, train
+from jaxtune.tasks import (BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf,
+                           merge_adapter, reference, report, tokenize, train)
 from jaxtune.tasks.downloads import retry_options
-from jaxtune.tasks.sources import GGUF, dataset_refs, keyed_model, model_ref
+from jaxtune.tasks.sources import ADAPTER, GGUF, adapter_base, dataset_refs, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
 
 Stage = Literal[STAGES]
@@ -94,25 +95,44 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
         if model.stage == GGUF:
             steps.append(Step(import_gguf.STAGE, import_gguf.import_gguf, import_gguf.SECTION, {"gguf": model}))
             model = import_gguf.STAGE
+        elif model.stage == ADAPTER:
+            base = model_ref(adapter_base(Path(model.path)))
+            steps.append(Step(merge_adapter.STAGE, merge_adapter.merge_adapter, merge_adapter.SECTION,
+                              {"adapter": model, "base": base}, (config.model.trust_remote_code,)))
+            model = merge_adapter.STAGE
     model_section = keyed_model(config.model)
+    objective = config.train.objective
     evaluation = evaluate.EvalSection(model=model_section, eval=config.eval)
-    trained = {"model": model, "data": "tokenize", "train": "train"}
+    if objective != "sft":
+        evaluation = evaluate.PairEvalSection(model=model_section, eval=config.eval, objective=objective,
+                                              preference=config.preference)
+    # DPO's reference log-probabilities: a stage of their own, read by the evals and train.
+    scored = {"model": model, "data": "tokenize", **({"reference": "reference"} if objective == "dpo" else {})}
+    trained = {**scored, "train": "train"}
+    steps.append(Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model),
+                      {**data, "model": model}, (config.data.num_proc,)))
+    if objective == "dpo":
+        steps.append(Step(reference.STAGE, reference.reference,
+                          reference.ReferenceSection(model=model_section, eval=config.eval),
+                          {"model": model, "data": "tokenize"}, mesh))
     return steps + [
-        Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model), {**data, "model": model},
-             (config.data.num_proc,)),
-        Step("baseline_eval", evaluate.baseline_eval, evaluation, {"model": model, "data": "tokenize"}, mesh),
-        Step("train", train.train, _train_section(config), {"model": model, "data": "tokenize"}, (config.mesh, restart)),
+        Step("baseline_eval", evaluate.baseline_eval, evaluation, scored, mesh),
+        Step("train", train.train, _train_section(config), scored, (config.mesh, restart)),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
         Step("export", export.export, export.ExportSection(model=model_section, export=config.export),
              {"model": model, "train": "train"}),
         Step("generate", generate.generate, generate.GenerateSection(model=model_section, generate=config.generate),
-             trained, mesh),
-        Step("report", report.report, {"examples": report.EXAMPLES}, {stage: stage for stage in STAGES[:-1]}),
+             {"model": model, "data": "tokenize", "train": "train"}, mesh),
+        Step("report", report.report, {"examples": report.EXAMPLES},
+             {stage: stage for stage in STAGES[:-1] if stage != reference.STAGE}),
     ]
 
 
 def planned_keys(config: JaxtuneConfig) -> dict[str, str]:
-    """{stage: artifact key} of every stage, derived without running any."""
+    """{stage: artifact key} of every stage, derived without running any (a model.name naming an
+    earlier recipe: from the model its run exported, which must exist)."""
+    if names_recipe(config.model.name):
+        config = _starting_from(config, _exported_model(load_recipe(config.model.name)))
     keys: dict[str, str] = {}
     for step in pipeline(config):
         inputs = {name: keys[v] if isinstance(v, str) else v.key for name, v in step.inputs.items()}
@@ -201,6 +221,32 @@ class StageRunner:
         return ref
 
 
+def _exported_model(earlier: JaxtuneConfig, export_folder: Path | None = None) -> Path:
+    """The whole model an earlier run exported: its merged LoRA, or its full fine-tune."""
+    folder = export_folder or Path(earlier.store.root) / "export" / planned_keys(earlier)["export"]
+    return folder / ("merged" if earlier.train.method == "lora" else "model")
+
+
+def _starting_from(config: JaxtuneConfig, folder: Path) -> JaxtuneConfig:
+    return config.model_copy(update={"model": config.model.model_copy(update={"name": str(folder)})})
+
+
+def _after_earlier_run(config: JaxtuneConfig) -> JaxtuneConfig:
+    """`config`, or where model.name names an earlier run's recipe, that run first (a subflow, its
+    stages cached when done) up to its export, and `config` starting from the model it exported.
+    Keyed by that model's content, so this run's keys include the earlier run's weights."""
+    if not names_recipe(config.model.name):
+        return config
+    from jaxtune.tasks.sources import check_earlier_recipe
+
+    check_earlier_recipe(config.model.name)
+    get_run_logger().info("model.name is the recipe %s: running it up to its export first", config.model.name)
+    done = finetune(recipe=config.model.name, until="export")
+    if not isinstance(done, dict):  # a stopped or failed earlier run: this one cannot start
+        raise ConfigError(f"model.name {config.model.name!r}: the earlier run did not reach its export")
+    return _starting_from(config, _exported_model(load_recipe(config.model.name), Path(done["path"])))
+
+
 def _run_name() -> str:
     from prefect.runtime import flow_run
 
@@ -248,14 +294,19 @@ def finetune(
     # A multi-process job: join it before anything starts JAX (`jaxtune run` has joined already).
     # Not through jaxtune.runtime.distributed: importing the runtime starts JAX's backend.
     processes.join(config.mesh)
-    run = StageRunner(Path(config.store.root).resolve(), set(refresh), config)
+    named = config  # run names keep the recipe's model.name
+    config = _after_earlier_run(config)
+    run = StageRunner(Path(config.store.root).resolve(), set(refresh), named)
     if config.store.compile_cache:
         from jaxtune.runtime import compile_cache
 
         compile_cache.enable(compile_cache.folder_of(run.store.root))
     done: dict[str, ArtifactRef] = {}
+    steps = pipeline(config, restart=restart_of is not None)
+    if until not in {step.stage for step in steps}:
+        raise ConfigError(f"until={until}: this run has no {until} stage (it runs for train.objective=dpo alone)")
     try:
-        for step in pipeline(config, restart=restart_of is not None):
+        for step in steps:
             if step.stage in STAGES and STAGES.index(step.stage) > STAGES.index(until):
                 break
             inputs = {name: done[v] if isinstance(v, str) else v for name, v in step.inputs.items()}
@@ -301,4 +352,6 @@ def _note_stage(error: Exception, stage: str) -> None:
 
 def _train_section(config: JaxtuneConfig) -> train.TrainSection:
     lora = config.lora if config.train.method == "lora" else None
-    return train.TrainSection(model=keyed_model(config.model), train=config.train, lora=lora, packing=config.data.packing)
+    preference = config.preference if config.train.objective != "sft" else None
+    return train.TrainSection(model=keyed_model(config.model), train=config.train, lora=lora, packing=config.data.packing,
+                              preference=preference)

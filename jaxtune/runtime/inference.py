@@ -9,10 +9,11 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from jaxtune.runtime import decode, steps
+from jaxtune.runtime import decode, preference, steps
 from jaxtune.runtime.batches import bucket_length, pad_batch, row_lengths
 from jaxtune.runtime.mesh import fetch
 from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.preference import Objective
 
 
 def evaluate(
@@ -25,7 +26,14 @@ def evaluate(
     eval_step=None,
     progress: bool = True,
 ) -> dict:
-    """Token-weighted loss and perplexity over all rows, and the same per category.
+    """Token-weighted loss and perplexity over all rows, and the same per category (see `row_nll`)."""
+    nll, count = row_nll(model, input_ids, labels, batch_size, pad_id, eval_step, progress)
+    return {**_loss_summary(nll, count), "per_category": _per_category(nll, count, categories)}
+
+
+def row_nll(model: JaxModel, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], batch_size: int,
+            pad_id: int, eval_step=None, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's summed token NLL (float64 of the step's float32) and its scored tokens.
 
     Every batch pads to the longest row's bucket: one program for the whole eval, however the
     lengths spread (each length of its own is another trace and compile: seconds on the CPU, a
@@ -48,7 +56,53 @@ def evaluate(
     for rows, (batch_nll, batch_count) in fetch(pending):
         nll[rows] = batch_nll[: len(rows)]
         count[rows] = batch_count[: len(rows)]
-    return {**_loss_summary(nll, count), "per_category": _per_category(nll, count, categories)}
+    return nll, count
+
+
+def evaluate_pairs(model: JaxModel, objective: Objective, input_ids: Sequence[Sequence[int]],
+                   labels: Sequence[Sequence[int]], reference: np.ndarray | None, categories: Sequence[str],
+                   batch_size: int, pad_id: int, eval_step=None, progress: bool = True) -> dict:
+    """`pair_summary` of preference pairs (rows 2p chosen, 2p+1 rejected) under `model`, against
+    `reference` (each row's reference log-probability; DPO only)."""
+    nll, count = row_nll(model, input_ids, labels, batch_size, pad_id, eval_step, progress)
+    return pair_summary(objective, -nll, count, reference, categories)
+
+
+def pair_summary(objective: Objective, logp: np.ndarray, tokens: np.ndarray, reference: np.ndarray | None,
+                 categories: Sequence[str]) -> dict:
+    """The objective's loss, preference accuracy (ties count half), mean reward margin, mean chosen
+    and rejected log-probabilities and rewards over every pair, and per category (each pair's
+    category is its chosen row's)."""
+    import jax.numpy as jnp
+
+    def arrays(values):
+        values = np.asarray(values, np.float64)
+        return values[0::2], values[1::2]
+
+    chosen_tokens, rejected_tokens = arrays(tokens)
+    policy = preference.PairLogps(*arrays(logp), chosen_tokens, rejected_tokens)
+    ref = None if reference is None else preference.PairLogps(*arrays(reference), chosen_tokens, rejected_tokens)
+    as_f32 = (lambda t: None if t is None else preference.PairLogps(*(jnp.asarray(v, jnp.float32) for v in t)))
+    per_pair = {k: np.asarray(v, np.float64) for k, v in
+                preference.pair_metrics(objective.name, objective.preference, as_f32(policy), as_f32(ref)).items()}
+    per_pair["chosen_logp"], per_pair["rejected_logp"] = policy.chosen, policy.rejected
+    pair_categories = list(categories)[0::2]
+
+    def summary(which: np.ndarray) -> dict:
+        return {"loss": float(per_pair["loss"][which].mean()), "accuracy": float(per_pair["win"][which].mean()),
+                "preference_loss": float(per_pair["preference_loss"][which].mean()),
+                "chosen_nll": float(per_pair["chosen_nll"][which].mean()),
+                "margin": float(per_pair["margin"][which].mean()),
+                "chosen_reward": float(per_pair["chosen_reward"][which].mean()),
+                "rejected_reward": float(per_pair["rejected_reward"][which].mean()),
+                "chosen_logp": float(per_pair["chosen_logp"][which].mean()),
+                "rejected_logp": float(per_pair["rejected_logp"][which].mean()), "pairs": int(len(which))}
+
+    groups = defaultdict(list)
+    for pair, category in enumerate(pair_categories):
+        groups[category].append(pair)
+    return {**summary(np.arange(len(pair_categories))), "objective": objective.name,
+            "per_category": {c: summary(np.asarray(p)) for c, p in sorted(groups.items())}}
 
 
 def _loss_summary(nll: np.ndarray, count: np.ndarray) -> dict:

@@ -21,15 +21,20 @@ def device_bytes(tree) -> int:
 
 
 def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | None = None, fused: bool = True,
-                limit: int | None = None) -> dict:
+                limit: int | None = None, objective=None, segments: int = 0) -> dict:
     """Bytes per device for parameters, gradients, optimizer state and one micro-batch's
     activations at `rows` (default `train.batch_size`) sequences of `length`, XLA's peak for the
     whole step, and the device's memory: `limit`, else what JAX reports (accelerators do, the CPU
-    and compile-only devices do not). The step is the one that will train (see `steps.train_step_memory`)."""
-    from jaxtune.runtime import steps
+    and compile-only devices do not). The step is the one that will train (see `steps.train_step_memory`):
+    `objective` and `segments` those of a preference run's steps (default: train.objective's, padded pairs)."""
+    from jaxtune.runtime import preference, steps
 
+    objective = objective or preference.objective_of(cfg.objective, None)
+    if objective.pairs and not rows:
+        rows, segments = 2 * cfg.batch_size, segments or 1
     rows = rows or cfg.batch_size
-    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused)
+    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused,
+                                  objective=objective, segments=segments)
     gradients = device_bytes(model.weights)
     opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
     return {

@@ -21,6 +21,7 @@ from jaxtune.config import TrainConfig
 from jaxtune.runtime import programs
 from jaxtune.runtime.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.preference import SFT, Objective, summed_objective
 
 
 class GradNormState(NamedTuple):
@@ -92,34 +93,36 @@ def grad_norm_of(opt_state: Any) -> jax.Array:
     return opt_state.inner_state[0].grad_norm
 
 
-def _summed_nll(model: JaxModel, training: bool, remat: str, fused: bool) -> Callable:
-    """JAX function (weights, buffers, batch, labels, key) -> (summed token NLL, scored tokens);
-    dropout, if any, draws from `key`."""
+def _summed_loss(model: JaxModel, training: bool, remat: str, fused: bool, objective: Objective = SFT) -> Callable:
+    """JAX function (weights, buffers, batch, labels, key) -> (summed loss, count) of `objective`
+    (`preference.summed_objective`: token NLL and scored tokens for sft); dropout, if any, draws from `key`."""
     from torchax import interop
 
     forward = forward_token_nll(model, training=training, remat=remat, fused=fused)
 
-    def summed(weights, buffers, batch, labels):
+    def per_token(weights, buffers, batch, labels):
         with model.env:
-            nll, scored = forward(weights, buffers, batch, labels)
-            return nll.sum(), scored.sum()
+            return forward(weights, buffers, batch, labels)
 
-    as_jax = interop.jax_view(summed)
+    as_jax = interop.jax_view(per_token)
 
     def run(weights, buffers, batch, labels, key):
         with model.env.override_property(prng=key):
-            return as_jax(weights, buffers, batch, labels)
+            nll, scored = as_jax(weights, buffers, {k: v for k, v in batch.items() if k != "reference"}, labels)
+        return summed_objective(objective, nll, scored, batch)
 
     return run
 
 
-def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool) -> Callable:
+def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool,
+                   objective: Objective = SFT) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr) -> (loss, weights, opt_state).
 
     `batch` arrays and `labels` are (k, b, t): k micro-batches whose summed gradients, divided
-    by all k micro-batches' scored tokens, equal one big batch's mean-token-loss gradient.
+    by all k micro-batches' count (scored tokens, or pairs), equal one big batch's mean-loss gradient.
     """
-    grad = jax.value_and_grad(_summed_nll(model, training=True, remat=remat, fused=fused), has_aux=True)
+    grad = jax.value_and_grad(_summed_loss(model, training=True, remat=remat, fused=fused, objective=objective),
+                              has_aux=True)
 
     def train_step(weights, buffers, opt_state, batch, labels, key, lr):
         def micro(carry, xs):
@@ -169,7 +172,8 @@ def init_optimizer(model: JaxModel, optimizer: optax.GradientTransformation, wei
     return jax.jit(optimizer.init, out_shardings=shardings)(weights)
 
 
-def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool):
+def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool,
+                       objective: Objective = SFT):
     """The train step jitted with every input and output's sharding pinned (so the second call
     finds the first's program), donating weights and optimizer state so they update in place."""
     placement = model.placement
@@ -177,26 +181,27 @@ def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation,
     buffers = jax.tree.map(lambda a: a.sharding, model.buffers)
     opt_state = optimizer_shardings(optimizer, model.weights, placement.replicated)
     batch, one = placement.micro_batch_sharding, placement.replicated
-    return jax.jit(_train_step_fn(model, optimizer, remat, fused), donate_argnums=(0, 2),
+    return jax.jit(_train_step_fn(model, optimizer, remat, fused, objective), donate_argnums=(0, 2),
                    in_shardings=(weights, buffers, opt_state, batch, batch, one, one),
                    out_shardings=(one, weights, opt_state))
 
 
 def shared_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
-                      fused: bool = True) -> programs.Program:
+                      fused: bool = True, objective: Objective = SFT) -> programs.Program:
     """The jitted train step (`_jitted_train_step`) every model of this structure shares (see `programs`)."""
-    return programs.shared("train_step", model, (id(optimizer), remat, fused),
-                           lambda ref: _jitted_train_step(ref, optimizer, remat, fused))
+    return programs.shared("train_step", model, (id(optimizer), remat, fused, objective),
+                           lambda ref: _jitted_train_step(ref, optimizer, remat, fused, objective))
 
 
 def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
-                    fused: bool = True) -> Callable:
+                    fused: bool = True, objective: Objective = SFT) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr), jitted; weights and optimizer state are donated.
 
     `fused=False` runs transformers' eager attention and full logits (what PyTorch eager
-    computes); it cannot isolate packed rows, so it takes unpacked batches only.
+    computes); it cannot isolate packed rows, so it takes unpacked batches only. A preference
+    `objective`'s batches carry `reference` (see `preference.summed_objective`).
     """
-    program = shared_train_step(model, optimizer, remat, fused)
+    program = shared_train_step(model, optimizer, remat, fused, objective)
     put = model.placement.put
 
     def run(weights, buffers, opt_state, batch, labels, key, lr):
@@ -216,7 +221,8 @@ BATCH_KEYS = ("input_ids", "attention_mask", "segment_ids", "position_ids")
 
 
 def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
-                      length: int, remat: str = "none", fused: bool = True) -> dict:
+                      length: int, remat: str = "none", fused: bool = True, objective: Objective = SFT,
+                      segments: int = 0) -> dict:
     """XLA's memory plan for one train step of (micro_batches, batch_size, length), compiled from shapes alone.
 
     `batch_size` is the whole micro-batch's rows, split over the mesh as training splits it; the
@@ -225,12 +231,14 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     The step is the one training calls (`shared_train_step`), so that its first call at these
     shapes reuses this trace instead of tracing the model again.
     """
-    program = shared_train_step(model, optimizer, remat, fused)
+    program = shared_train_step(model, optimizer, remat, fused, objective)
     weights = shapes_of(model.weights)
     opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)
     shape = (micro_batches, batch_size, length)
     rows = model.placement.micro_batch_sharding
     batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows) for name in BATCH_KEYS}
+    if objective.pairs:  # `segments` reference log-probabilities per sequence (see `preference.summed_objective`)
+        batch["reference"] = jax.ShapeDtypeStruct((micro_batches, batch_size, segments), jnp.float32, sharding=rows)
     labels = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
@@ -279,7 +287,7 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def make_loss_and_grad(model: JaxModel, remat: str = "none", fused: bool = True) -> Callable:
     """grad(weights, buffers, batch, labels) -> (mean token loss, gradients of the weights), jitted."""
     def build(ref):
-        summed = _summed_nll(ref, training=False, remat=remat, fused=fused)
+        summed = _summed_loss(ref, training=False, remat=remat, fused=fused)
 
         def loss(weights, buffers, batch, labels):
             nll, count = summed(weights, buffers, batch, labels, jnp.zeros((2,), jnp.uint32))

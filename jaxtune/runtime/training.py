@@ -26,6 +26,7 @@ from jaxtune.runtime.batches import row_lengths
 from jaxtune.runtime.feed import Feed, make_feed
 from jaxtune.runtime.mesh import fetch
 from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.preference import SFT, Objective
 
 
 @dataclass
@@ -37,9 +38,12 @@ class TrainResult:
     memory: dict = field(default_factory=dict)
 
 
-def feed_for(model: JaxModel, lengths: Sequence[int], cfg: TrainConfig, max_length: int, packing: bool = True) -> Feed:
-    """Packed micro-batches when asked for and the model's attention can isolate rows (else padded ones)."""
-    return make_feed(lengths, cfg, max_length, model.placement.batch_shards, packing and attention.supported(model.module))
+def feed_for(model: JaxModel, lengths: Sequence[int], cfg: TrainConfig, max_length: int, packing: bool = True,
+             pairs: bool = False) -> Feed:
+    """Packed micro-batches when asked for and the model's attention can isolate rows (else padded
+    ones); `pairs`: of preference pairs (see `feed`)."""
+    return make_feed(lengths, cfg, max_length, model.placement.batch_shards, packing and attention.supported(model.module),
+                     pairs)
 
 
 def total_steps(cfg: TrainConfig, feed: Feed) -> int:
@@ -63,26 +67,32 @@ def train(
     packing: bool = True,
     feed: Feed | None = None,
     restart: bool = False,
+    objective: Objective = SFT,
+    reference: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> TrainResult:
     """Train for `total_steps`; resume from the newest checkpoint in `checkpoint_dir` if there is one.
     `feed`: the caller's `feed_for` of these rows, if it has one (planning it is a pass over every row).
     `restart`: this run was started automatically after a crash; it gives up (`TrainingGaveUp`)
-    rather than train when the restarts before it are stuck (`GIVE_UP_AFTER`)."""
+    rather than train when the restarts before it are stuck (`GIVE_UP_AFTER`).
+    `objective`: a preference objective trains on pairs of rows (2p chosen, 2p+1 rejected), with
+    `reference` the reference log-probability of every (train row, eval row) for DPO."""
     # Counted first, before any compile: a stuck restart gives up in seconds.
     interruptions = _interruptions(checkpoint_dir, restart) if checkpoint_dir else []
-    feed = feed or feed_for(model, row_lengths(input_ids), cfg, max_length, packing)
+    feed = feed or feed_for(model, row_lengths(input_ids), cfg, max_length, packing, objective.pairs)
     fused = attention.supported(model.module)
     total = total_steps(cfg, feed)
     optimizer = steps.make_optimizer(cfg)
     schedule = steps.learning_rate_schedule(cfg, total)
-    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused)
+    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused, objective=objective)
     plan = {}
     if check_memory:
         # Planned with the step that trains: its first call finds this trace (the model is traced once, not twice).
-        plan = memory.memory_plan(model, optimizer, cfg, feed.length, rows=feed.rows, fused=fused)
+        plan = memory.memory_plan(model, optimizer, cfg, feed.length, rows=feed.rows, fused=fused, objective=objective,
+                                  segments=feed.segments)
         on_log([{"memory_plan": plan, "message": memory.describe(plan)}])
         memory.check_fits(plan, cfg)
-    evaluate = _evaluator(model, eval_data, cfg, pad_id) if cfg.eval_every and eval_data else None
+    train_reference, eval_reference = reference if reference is not None else (None, None)
+    evaluate = _evaluator(model, eval_data, cfg, pad_id, objective, eval_reference) if cfg.eval_every and eval_data else None
     flops = flops_per_token(model, feed)
 
     # Placed on the mesh as the step's outputs are: a state on one device would compile the step twice.
@@ -97,7 +107,7 @@ def train(
     last_checkpoint = str(resumed.path) if resumed else None
 
     k = cfg.grad_accumulation
-    micro_batches = feed.micro_batches(input_ids, labels, pad_id)
+    micro_batches = feed.micro_batches(input_ids, labels, pad_id, train_reference)
     for _ in range(start * k):  # the data position: every micro-batch before the resumed step
         next(micro_batches)
     pending, window_tokens, slots = [], 0, [0, 0]
@@ -153,6 +163,7 @@ def train(
     tokens_per_second = float(np.mean([r["tokens_per_second"] for r in steady])) if steady else 0.0
     summary = {
         "steps": total,
+        "objective": objective.name,
         "resumed_from": start,
         "interruptions": interruptions,
         "seconds": round(time.perf_counter() - started, 3),
@@ -242,9 +253,10 @@ def _record(step: int, loss: float, grad_norm: float, tokens: int, schedule, tok
     }
 
 
-def _evaluator(model: JaxModel, eval_data, cfg: TrainConfig, pad_id: int) -> Callable:
-    """weights -> eval-split loss, with one compiled eval step reused across calls."""
-    from jaxtune.runtime.inference import evaluate
+def _evaluator(model: JaxModel, eval_data, cfg: TrainConfig, pad_id: int, objective: Objective = SFT,
+               reference: np.ndarray | None = None) -> Callable:
+    """weights -> eval-split loss (the objective's), with one compiled eval step reused across calls."""
+    from jaxtune.runtime.inference import evaluate, evaluate_pairs
 
     eval_step = steps.make_eval_step(model)
     ids, labels = eval_data
@@ -252,6 +264,9 @@ def _evaluator(model: JaxModel, eval_data, cfg: TrainConfig, pad_id: int) -> Cal
 
     def run(weights) -> float:
         trained = JaxModel(model.module, weights, model.buffers, model.placement, model.dtype, model.casts)
+        if objective.pairs:
+            return evaluate_pairs(trained, objective, ids, labels, reference, categories, cfg.batch_size, pad_id,
+                                  eval_step=eval_step, progress=False)["loss"]
         return evaluate(trained, ids, labels, categories, cfg.batch_size, pad_id, eval_step=eval_step, progress=False)["loss"]
 
     return run

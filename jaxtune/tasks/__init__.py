@@ -3,7 +3,8 @@ input artifact refs, writing one verified artifact folder and returning its `Art
 
 # The pipeline's stages in order; `--refresh` and `--until` name them. build_tokenizer and
 # build_model run first, for the offline default only.
-STAGES = ("tokenize", "baseline_eval", "train", "final_eval", "export", "generate", "report")
-# Before `tokenize`, making the base model: the offline model's tokenizer and weights, or a GGUF
-# file's import into an HF folder. `--refresh` names these too.
-BUILD_STAGES = ("build_tokenizer", "build_model", "import_gguf")
+# `reference` runs for train.objective=dpo alone.
+STAGES = ("tokenize", "reference", "baseline_eval", "train", "final_eval", "export", "generate", "report")
+# Before `tokenize`, making the base model: the offline model's tokenizer and weights, a GGUF
+# file's import into an HF folder, or a LoRA adapter merged into its base. `--refresh` names these too.
+BUILD_STAGES = ("build_tokenizer", "build_model", "import_gguf", "merge_adapter")

@@ -1,4 +1,9 @@
-"""Stages `baseline_eval` and `final_eval`: eval-split loss and perplexity, overall and per category."""
+"""Stages `baseline_eval` and `final_eval`: eval-split loss and perplexity, overall and per category.
+
+For preference pairs (train.objective dpo or simpo), also the objective's loss, preference
+accuracy, reward margin and the chosen and rejected answers' log-probabilities
+(`inference.pair_summary`), against the `reference` stage's log-probabilities for DPO; loss and
+perplexity are then those of the chosen answers."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.config import EvalConfig, MeshConfig, ModelConfig, Section
+from jaxtune.config import EvalConfig, MeshConfig, ModelConfig, PreferenceConfig, Section
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.trained import open_trained_model
 
@@ -20,6 +25,21 @@ class EvalSection(Section):
     eval: EvalConfig
 
 
+class PairEvalSection(EvalSection):
+    """The eval of preference pairs: the objective and its settings decide the loss and the rewards."""
+
+    objective: str
+    preference: PreferenceConfig
+
+
+def _loss_parts(p: dict, section: PairEvalSection) -> str:
+    """With the SFT term on, what the loss is made of: the preference term, and the weighted chosen NLL."""
+    weight = section.preference.sft_weight
+    if not weight:
+        return ""
+    return f" (of which {section.objective} {p['preference_loss']:.4f}; chosen answers' mean NLL {p['chosen_nll']:.4f})"
+
+
 def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, mesh: MeshConfig) -> ArtifactRef:
     def build(folder: Path) -> None:
         from jaxtune.data.token_table import TokenTable
@@ -29,23 +49,48 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]
         model = open_trained_model(inputs, section.model, mesh)
         table = TokenTable(inputs["data"].file("eval.arrow"))  # memory-mapped: rows are read as batches take them
-        metrics = evaluate(model, table.input_ids, table.labels, table.column("category"), section.eval.batch_size, pad_id)
+        logger = get_run_logger()
+        if isinstance(section, PairEvalSection):
+            metrics = _pair_metrics(model, table, section, inputs, pad_id)
+            p = metrics["preference"]
+            logger.info("%s: %s loss %.4f%s, preference accuracy %.3f, reward margin %.4f, log-probability chosen %.3f "
+                        "rejected %.3f over %d pairs", stage, section.objective, p["loss"], _loss_parts(p, section),
+                        p["accuracy"], p["margin"], p["chosen_logp"], p["rejected_logp"], p["pairs"])
+        else:
+            metrics = evaluate(model, table.input_ids, table.labels, table.column("category"), section.eval.batch_size, pad_id)
         metrics["parity"] = logits_parity(model, table.input_ids[:PARITY_ROWS], pad_id)
         (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        logger = get_run_logger()
         logger.info("%s: loss %.4f perplexity %.2f over %d tokens", stage, metrics["loss"], metrics["perplexity"], metrics["tokens"])
         logger.info("%s: JAX vs PyTorch logits max |diff| %.2e (%s)", stage, metrics["parity"]["max_abs_diff"], metrics["parity"]["dtype"])
 
     return build_artifact(store_root, stage, __name__, section, inputs, build)
 
 
+def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: int) -> dict:
+    """Loss and perplexity of the chosen answers, and the pairs' `pair_summary` under `preference`."""
+    import numpy as np
+
+    from jaxtune.runtime.inference import _loss_summary, _per_category, pair_summary, row_nll
+    from jaxtune.runtime.preference import objective_of
+    from jaxtune.tasks.reference import read_reference
+
+    nll, count = row_nll(model, table.input_ids, table.labels, section.eval.batch_size, pad_id)
+    categories = table.column("category")
+    chosen = np.arange(0, len(nll), 2)
+    objective = objective_of(section.objective, section.preference)
+    reference = read_reference(inputs.get("reference"), "eval")
+    return {**_loss_summary(nll[chosen], count[chosen]),
+            "per_category": _per_category(nll[chosen], count[chosen], [categories[i] for i in chosen]),
+            "preference": pair_summary(objective, -nll, count, reference, categories)}
+
+
 @task(name="baseline_eval", result_serializer="json")
 def baseline_eval(section: EvalSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
-    """inputs: `model`, `data`."""
+    """inputs: `model`, `data` (and `reference` for DPO)."""
     return _evaluate("baseline_eval", section, inputs, store_root, mesh)
 
 
 @task(name="final_eval", result_serializer="json")
 def final_eval(section: EvalSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
-    """inputs: `model`, `data`, `train`."""
+    """inputs: `model`, `data`, `train` (and `reference` for DPO)."""
     return _evaluate("final_eval", section, inputs, store_root, mesh)

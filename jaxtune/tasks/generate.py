@@ -45,9 +45,12 @@ def generate(section: GenerateSection, inputs: dict[str, ArtifactRef], store_roo
 
         tokenizer = open_tokenizer(inputs["model"], section.model)
         table = TokenTable(inputs["data"].file("eval.arrow"))  # memory-mapped: only the prompts decoded are read
-        n = min(section.generate.num_prompts, len(table))
-        prompts = [ids[:length].tolist() for ids, length in zip(table.input_ids[:n], table.column("prompt_length", n))]
-        table = {name: table.column(name, n) for name in ("category", "prompt_text", "response")}
+        # Preference pairs: each prompt once, from its chosen row, which is then the reference answer.
+        step = 2 if inputs["data"].read_json("stats.json").get("preference") else 1
+        rows = range(0, min(section.generate.num_prompts * step, len(table)), step)
+        lengths = table.column("prompt_length", rows.stop)
+        prompts = [table.input_ids[r][: lengths[r]].tolist() for r in rows]
+        table = {name: table.column(name, rows.stop)[::step] for name in ("category", "prompt_text", "response")}
         before = _answers(open_trained_model({**inputs, "train": None}, section.model, mesh), tokenizer, prompts, section.generate)
         after = _answers(open_trained_model(inputs, section.model, mesh), tokenizer, prompts, section.generate)
         rows = [

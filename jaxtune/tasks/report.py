@@ -38,7 +38,60 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "data": inputs["tokenize"].read_json("stats.json"),
         "parity": final["parity"],
         "trust_remote_code": ran_remote_code(inputs["train"]),
+        **_preference(baseline, final, train),
     }
+
+
+PAIR_METRICS = ("loss", "preference_loss", "chosen_nll", "accuracy", "margin", "chosen_logp", "rejected_logp",
+                "chosen_reward", "rejected_reward")
+
+
+def _preference(baseline: dict, final: dict, train: dict) -> dict:
+    """A preference run's pair metrics before and after, overall and per category (none for SFT)."""
+    if "preference" not in final:
+        return {}
+    before, after = baseline["preference"], final["preference"]
+    return {"preference": {
+        "objective": train.get("objective"),
+        "pairs": after["pairs"],
+        **{name: {"before": before[name], "after": after[name]} for name in PAIR_METRICS},
+        "per_category": {c: {"pairs": m["pairs"], "accuracy": {"before": before["per_category"][c]["accuracy"],
+                                                               "after": m["accuracy"]},
+                             "margin": {"before": before["per_category"][c]["margin"], "after": m["margin"]}}
+                         for c, m in after["per_category"].items()},
+    }}
+
+
+def curve_levels(summary: dict) -> tuple[float, float]:
+    """The eval loss before and after that the train loss is drawn against: the objective's."""
+    if "preference" in summary:
+        return summary["preference"]["loss"]["before"], summary["preference"]["loss"]["after"]
+    return summary["baseline"]["loss"], summary["final"]["loss"]
+
+
+def _loss_parts(p: dict) -> list[tuple[str, str, str]]:
+    """The loss's two terms, where the SFT term made it more than the preference term."""
+    if p["loss"] == p["preference_loss"]:
+        return []
+    return [(f"  of which {p['objective']}", "preference_loss", ".4f"), ("  chosen answers' mean token NLL", "chosen_nll", ".4f")]
+
+
+def _preference_lines(p: dict | None) -> list[str]:
+    if not p:
+        return []
+    rows = [("preference accuracy", "accuracy", ".3f"), ("reward margin", "margin", ".4f"),
+            (f"{p['objective']} loss", "loss", ".4f"), *_loss_parts(p),
+            ("log-probability, chosen", "chosen_logp", ".3f"),
+            ("log-probability, rejected", "rejected_logp", ".3f")]
+    lines = [f"Preference tuning ({p['objective']}) on {p['pairs']:,} held-out pairs; a pair counts as right when its "
+             "chosen answer's implicit reward is the higher (a tie counts half).", "",
+             "| metric | before | after |", "|---|---|---|",
+             *[f"| {label} | {p[key]['before']:{fmt}} | {p[key]['after']:{fmt}} |" for label, key, fmt in rows], ""]
+    if len(p["per_category"]) > 1:
+        lines += ["| category | pairs | accuracy before | accuracy after | margin after |", "|---|---|---|---|---|",
+                  *[f"| {c} | {m['pairs']} | {m['accuracy']['before']:.3f} | {m['accuracy']['after']:.3f} "
+                    f"| {m['margin']['after']:.4f} |" for c, m in p["per_category"].items()], ""]
+    return lines
 
 
 def ran_remote_code(train_ref: ArtifactRef) -> bool:
@@ -98,8 +151,9 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         # Code from the checkpoint ran with this user's rights: a reader of the results should know.
         *(["**trust_remote_code was on**: model code shipped with the checkpoint ran.", ""]
           if summary.get("trust_remote_code") else []),
+        *_preference_lines(summary.get("preference")),
         "| metric | before | after |", "|---|---|---|",
-        f"| eval loss | {b['loss']:.4f} | {f['loss']:.4f} |",
+        f"| eval loss{' (chosen answers)' * ('preference' in summary)} | {b['loss']:.4f} | {f['loss']:.4f} |",
         f"| perplexity | {b['perplexity']:.2f} | {f['perplexity']:.2f} |",
         f"| exact match | {em['before']:.3f} | {em['after']:.3f} |", "",
         f"Training: {t['steps']} steps in {t['seconds']:.1f} s ({t['compile_seconds']:.1f} s compiling), "
@@ -135,7 +189,8 @@ def _gguf_lines(files: list[dict]) -> list[str]:
 def _data_section(stats: dict) -> list[str]:
     """Rows in and kept, and per source of a mixture its rows, weight and share of the train rows."""
     dropped = ", ".join(f"{reason.replace('_', ' ')} {n:,}" for reason, n in stats["dropped"].items() if n) or "none"
-    lines = ["## Data", "", f"{stats['rows_in']:,} rows in: {stats['train_rows']:,} train, {stats['eval_rows']:,} eval; "
+    unit = "pairs" if stats.get("preference") else "rows"
+    lines = ["## Data", "", f"{stats['rows_in']:,} {unit} in: {stats['train_rows']:,} train, {stats['eval_rows']:,} eval; "
              f"dropped: {dropped}; truncated: {stats['truncated']:,}.", ""]
     sources = stats.get("sources", [])
     if len(sources) > 1:
@@ -166,7 +221,7 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
     def build(folder: Path) -> None:
         summary = summarize(inputs)
         log = _log(inputs["train"])
-        plot_loss(log, summary["baseline"]["loss"], summary["final"]["loss"], folder / "loss.png")
+        plot_loss(log, *curve_levels(summary), folder / "loss.png")
         generations = inputs["generate"].file("generations.jsonl").read_text().splitlines()
         examples = [json.loads(line) for line in generations[: section.get("examples", EXAMPLES)]]
         (folder / "report.json").write_text(json.dumps(summary, indent=2))
@@ -192,4 +247,8 @@ def publish_report(report_ref: ArtifactRef) -> None:
         {"metric": "perplexity", "before": summary["baseline"]["perplexity"], "after": summary["final"]["perplexity"]},
         {"metric": "exact match", "before": summary["exact_match"]["before"], "after": summary["exact_match"]["after"]},
     ]
+    if "preference" in summary:
+        p = summary["preference"]
+        rows = [{"metric": f"preference accuracy ({p['objective']})", **p["accuracy"]},
+                {"metric": "reward margin", **p["margin"]}, {"metric": f"{p['objective']} loss", **p["loss"]}, *rows]
     create_table_artifact(key=ui.artifact_key("metrics"), table=rows, description="before vs after fine-tuning")

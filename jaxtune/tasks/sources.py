@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from jaxtune.artifacts import ArtifactRef, artifact_key, file_digest, tree_digest
-from jaxtune.config import OFFLINE, DataConfig, ModelConfig, SourceConfig
-from jaxtune.data.rows import OFFLINE_DATA
-from jaxtune.errors import ModelError, ModelNotFoundError, first_line
+from jaxtune.config import OFFLINE, DataConfig, ModelConfig, SourceConfig, names_recipe
+from jaxtune.data.rows import offline_file
+from jaxtune.errors import ConfigError, ModelError, ModelNotFoundError, first_line
 
 
 def dataset_ref(cfg: DataConfig | SourceConfig) -> ArtifactRef:
@@ -23,7 +23,8 @@ def dataset_ref(cfg: DataConfig | SourceConfig) -> ArtifactRef:
     mtimes or in a fingerprint that a library computes its own way. A hub dataset is keyed by
     id, revision and split: pin `revision` to a commit for a key that follows the content."""
     if cfg.source == OFFLINE:
-        return ArtifactRef(stage="source", key=file_digest(OFFLINE_DATA)[:20], path=str(OFFLINE_DATA))
+        bundled = offline_file(cfg.format)
+        return ArtifactRef(stage="source", key=file_digest(bundled)[:20], path=str(bundled))
     path = Path(cfg.source).expanduser()
     if path.is_file():
         return ArtifactRef(stage="source", key=file_digest(path)[:20], path=str(path.resolve()))
@@ -43,6 +44,8 @@ def data_input(index: int) -> str:
 
 
 GGUF = "gguf"  # stage name of a ref to a local GGUF file, which the import_gguf stage turns into a folder
+ADAPTER = "adapter"  # stage name of a ref to a local PEFT adapter folder, which merge_adapter merges into its base
+ADAPTER_CONFIG = "adapter_config.json"
 GGUF_HEADER_BYTES = 24  # magic, version, tensor count, metadata count: a file no longer than this holds no model
 PATH_SUFFIXES = (".gguf", ".safetensors", ".bin")
 
@@ -51,6 +54,8 @@ def model_ref(cfg: ModelConfig) -> ArtifactRef:
     """For a hub id, a local model folder or a local .gguf file; the offline model comes from the build_model stage."""
     check_model_name(cfg)
     path = Path(cfg.name).expanduser()
+    if path.is_dir() and (adapter := adapter_folder(path)) is not None:
+        return ArtifactRef(stage=ADAPTER, key=tree_digest(adapter)[:20], path=str(adapter.resolve()))
     if path.is_dir():
         digest = tree_digest(path, exclude={".git", ".cache"})
         return ArtifactRef(stage="source", key=digest[:20], path=str(path.resolve()))
@@ -66,7 +71,11 @@ def check_model_name(cfg: ModelConfig) -> None:
     Reads config.json or a GGUF header, never weights: `jaxtune run` calls it before any stage,
     so a wrong path fails at once and by name."""
     path = Path(cfg.name).expanduser()
-    if path.is_dir():
+    if names_recipe(cfg.name):
+        check_earlier_recipe(cfg.name)
+    elif path.is_dir() and (adapter := adapter_folder(path)) is not None:
+        check_model_name(adapter_base(adapter))
+    elif path.is_dir():
         check_model_folder(path)
     elif path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -79,6 +88,48 @@ def check_model_name(cfg: ModelConfig) -> None:
         raise ModelNotFoundError(
             f"model.name {cfg.name!r}: no such file or folder, and not a hub id like 'google/gemma-3-1b-it'"
         )
+
+
+def adapter_folder(path: Path) -> Path | None:
+    """The PEFT adapter folder `path` is, or holds as a jaxtune LoRA export (its adapter/); else None."""
+    return next((folder for folder in (path, path / "adapter") if (folder / ADAPTER_CONFIG).is_file()), None)
+
+
+def adapter_base(adapter: Path) -> ModelConfig:
+    """The base model a LoRA adapter folder names (PEFT's base_model_name_or_path and revision).
+
+    Raises ModelError naming its adapter_config.json if that is unreadable, not LoRA, names no
+    base, or names another adapter."""
+    config_file = adapter / ADAPTER_CONFIG
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{config_file}: not readable JSON ({first_line(e)})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else None
+        raise ModelError(f"{config_file}: a {kind or 'non-PEFT'} adapter; jaxtune starts from LoRA adapters alone")
+    base = config.get("base_model_name_or_path")
+    if not base or not isinstance(base, str):
+        raise ModelError(f"{config_file}: names no base model (base_model_name_or_path)")
+    if Path(base).expanduser().is_dir() and adapter_folder(Path(base).expanduser()) is not None:
+        raise ModelError(f"{config_file}: its base {base} is another adapter; start from that one's merged model")
+    return ModelConfig(name=base, revision=config.get("revision") or "main")
+
+
+def check_earlier_recipe(recipe: str) -> None:
+    """Raise ConfigError unless `recipe` is a valid recipe whose run exports a whole model to start from."""
+    from jaxtune.config import load_config
+
+    if not Path(recipe).expanduser().is_file():
+        raise ModelNotFoundError(f"model.name {recipe!r}: no such recipe file (an earlier run's recipe, whose "
+                                 "exported model this run starts from)")
+    earlier = load_config(recipe)
+    if earlier.train.method == "lora" and not earlier.export.merge:
+        raise ConfigError(f"model.name {recipe!r}: that recipe exports a LoRA adapter alone; set export.merge: true in "
+                          "it, so that its run also exports the merged model this run starts from")
+    if names_recipe(earlier.model.name):
+        raise ConfigError(f"model.name {recipe!r}: that recipe starts from another recipe ({earlier.model.name}); "
+                          "name the model it exports instead (its export/<key>/merged folder)")
 
 
 def _how_to_place(path: Path) -> str:

@@ -11,7 +11,7 @@ from prefect import get_run_logger, task
 
 from jaxtune import processes, ui
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
-from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, Section, TrainConfig
+from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, Section, TrainConfig
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
 
@@ -23,12 +23,14 @@ class TrainSection(Section):
     train: TrainConfig
     lora: LoraConfig | None  # None for full fine-tuning, so LoRA settings do not touch its key
     packing: bool  # data.packing
+    preference: PreferenceConfig | None = None  # train.objective dpo or simpo: its settings
 
 
 @task(name=STAGE, result_serializer="json")
 def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig,
           restart: bool = False) -> ArtifactRef:
-    """inputs: `model` (base weights and tokenizer) and `data` (the tokenize artifact).
+    """inputs: `model` (base weights and tokenizer), `data` (the tokenize artifact) and, for DPO,
+    `reference` (the reference stage's log-probabilities).
 
     Checkpoints go to the store's scratch folder for this key, so re-running the flow after a
     crash resumes from the newest one; they are removed once the artifact is complete.
@@ -45,6 +47,8 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         from jaxtune.runtime import training
         from jaxtune.runtime.checkpoint import tree_to_arrays
         from jaxtune.runtime.mesh import make_placement
+        from jaxtune.runtime.preference import objective_of
+        from jaxtune.tasks.reference import read_reference
 
         name, revision = pretrained_location(inputs["model"])
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]
@@ -53,19 +57,24 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         _require_space(model, section, checkpoints, folder)
         rows = TokenTable(inputs["data"].file("train.arrow"))  # memory-mapped: rows are read as batches take them
         evals = TokenTable(inputs["data"].file("eval.arrow"))
-        feed = training.feed_for(model, rows.lengths, section.train, rows.longest, section.packing)
+        objective = objective_of(section.train.objective, section.preference)
+        feed = training.feed_for(model, rows.lengths, section.train, rows.longest, section.packing, objective.pairs)
         log = TrainLog(folder / "log.jsonl", training.total_steps(section.train, feed))
+        reference = None
+        if inputs.get("reference") is not None:
+            reference = (read_reference(inputs["reference"], "train"), read_reference(inputs["reference"], "eval"))
         try:
             result = training.train(model, rows.input_ids, rows.labels, section.train, pad_id,
                                     rows.longest, log, eval_data=(evals.input_ids, evals.labels),
-                                    checkpoint_dir=checkpoints, packing=section.packing, feed=feed, restart=restart)
+                                    checkpoint_dir=checkpoints, packing=section.packing, feed=feed, restart=restart,
+                                    objective=objective, reference=reference)
         finally:
             log.close()
         rt_model.save_weights(result.weights, folder / "params.safetensors")
         save_file(tree_to_arrays(result.opt_state), str(folder / "optimizer.safetensors"))
         (folder / "summary.json").write_text(json.dumps(result.summary, indent=2))
         (folder / "memory.json").write_text(json.dumps(result.memory, indent=2))
-        method = {"method": section.train.method, "lora": section.lora.model_dump(mode="json") if section.lora else None,
+        method = {"method": section.train.method, "objective": section.train.objective, "lora": section.lora.model_dump(mode="json") if section.lora else None,
                   "base_model": name}  # what `jaxtune chat` opens the weights on; the key hashes the model by content
         (folder / "method.json").write_text(json.dumps(method, indent=2))
 

@@ -28,6 +28,8 @@ RECIPES = {  # recipe -> the family of the model it names
     "llama3.2-1b-dolly-lora.yaml": "llama",
     "gemma3-270m-offline-lora.yaml": "gemma3",
     "smollm2-135m-offline-lora.yaml": "llama",
+    "smollm2-135m-offline-dpo.yaml": "llama",
+    "tiny-offline-dpo.yaml": "gemma3",
 }
 
 

@@ -20,8 +20,11 @@ PARAMETERS = {"gemma-3-1b-it": 999_885_952, "Llama-3.2-1B-Instruct": 1_235_814_4
 def checkpoint(name: str, models: Path) -> Path:
     """The folder or file standing for a recipe's `model.name` (Gemma 3 270M's GGUF file is
     assembled into `models` from its package, when not there already)."""
+    from jaxtune.config import load_config, names_recipe
     from jaxtune.offline import checkpoints
 
+    if names_recipe(name):  # an earlier run's recipe: its model, which that run's export has the shape of
+        return checkpoint(load_config(Path(__file__).parents[2] / name).model.name, models)
     if name in HUB:
         return HUB[name]
     offline = {checkpoints.SMOLLM2: checkpoints.smollm2_source, checkpoints.GEMMA3: lambda: checkpoints.place_gemma3(models)}

@@ -151,7 +151,8 @@ def test_a_restart_after_a_run_by_hand_counts_afresh(tmp_path, monkeypatch):
     assert [i["restart"] for i in checkpoint.read_interruptions(tmp_path)] == [True, True, True, False, True]
 
 
-def test_non_finite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path, monkeypatch):
+def nan_loss_at(call: int):
+    """`steps.make_train_step` whose `call`-th step returns a NaN loss."""
     real_step = steps.make_train_step
 
     def poisoned(*args, **kwargs):
@@ -160,11 +161,15 @@ def test_non_finite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_
         def run_step(*a):
             calls.append(1)
             loss, weights, state = step(*a)
-            return (loss * np.nan if len(calls) == 5 else loss), weights, state
+            return (loss * np.nan if len(calls) == call else loss), weights, state
 
         return run_step
 
-    monkeypatch.setattr(steps, "make_train_step", poisoned)
+    return poisoned
+
+
+def test_non_finite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(steps, "make_train_step", nan_loss_at(5))
     with pytest.raises(training.NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
         run(checkpoint_dir=tmp_path)
     assert (tmp_path / "step-00000004" / "weights.safetensors").is_file()
