@@ -16,6 +16,7 @@ from jaxtune.config import LoraConfig, ModelConfig
 from jaxtune.errors import ModelError
 from jaxtune.runtime.compat import torchax_env
 from jaxtune.runtime.mesh import Placement, place
+from jaxtune.runtime.quantize import quantize_base
 
 
 @dataclass
@@ -83,6 +84,8 @@ def open_model(
         module = attach_lora(module, lora)
     else:
         module.requires_grad_(train_all or trained is not None)
+    if cfg.base_quantization != "none":  # the frozen linear layers; LoRA's adapters stay as they are
+        quantize_base(module, cfg.base_quantization)
     weights = load_weights(trained) if trained is not None else None
     return to_jax(module, placement, weights)
 

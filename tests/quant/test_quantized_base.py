@@ -1,0 +1,146 @@
+"""A LoRA base held as int8 or int4 blocks (`runtime.quantize`): the codes and their error bound,
+and the quantized model's logits and LoRA gradients in JAX against PyTorch running the same
+model with each quantized layer's weight dequantized by numpy (an independent reading of the
+codes), for three families."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from jaxtune.config import LoraConfig, MeshConfig
+from jaxtune.runtime import model as rt_model
+from jaxtune.runtime import parity, quantize
+from jaxtune.runtime.mesh import make_placement
+from tests.conftest import PAD, VOCAB, tiny_model
+
+pytestmark = pytest.mark.quant
+SCHEMES = ("int8", "int4")
+FAMILIES = ("llama", "gemma3", "qwen3")
+# float32 logits of the same weights through XLA and PyTorch: different summation orders, a
+# few ulps of values of order 1 (measured below 2e-6); a wrongly read block or nibble moves
+# them by the quantization error, 1e-3 and more.
+LOGIT_ATOL = 2e-5
+GRAD_ATOL = 1e-4  # of each tensor's largest entry, as tests/preference's
+
+
+def numpy_dequantized(codes: np.ndarray, scales: np.ndarray, scheme: str) -> np.ndarray:
+    """The weight the codes stand for, read as the module docstring describes them."""
+    if scheme == "int4":
+        codes = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(codes.shape[0], -1).astype(np.int64) - 8
+    blocks = codes.astype(np.float64).reshape(codes.shape[0], scales.shape[1], -1)
+    return (blocks * scales.astype(np.float64)[..., None]).reshape(codes.shape[0], -1)
+
+
+def scales_of(layer) -> np.ndarray:
+    return layer.scales.float().numpy()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_value_is_within_half_a_step_of_its_block_and_codes_are_packed_as_stated(scheme):
+    torch.manual_seed(0)
+    weight = torch.randn(48, 256) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different magnitudes
+    weight[3, 64:128] = 0.0  # an all-zero block: scale 0, codes 0, values exactly 0
+    codes, scales = quantize.quantize(weight, scheme)
+    top = quantize.SCHEMES[scheme]
+    assert scales.dtype == torch.bfloat16 and tuple(scales.shape) == (48, 256 // quantize.BLOCK)
+    if scheme == "int8":
+        assert codes.dtype == torch.int8 and tuple(codes.shape) == (48, 256)
+        assert codes.abs().max() == top
+    else:
+        assert codes.dtype == torch.uint8 and tuple(codes.shape) == (48, 128)
+        low, high = (codes & 0x0F).int() - 8, (codes >> 4).int() - 8
+        assert low.abs().max() <= top and high.abs().max() <= top
+    ours = numpy_dequantized(codes.numpy(), scales.float().numpy(), scheme)
+    np.testing.assert_array_equal(quantize.dequantize(codes, scales, scheme, torch.float32).numpy(), ours.astype(np.float32))
+    step = np.repeat(scales.float().numpy(), quantize.BLOCK, axis=1)
+    error = np.abs(ours - weight.double().numpy())
+    assert np.all(error <= 0.5 * step + 1e-7 * np.abs(weight.numpy()))
+    assert np.all(ours[3, 64:128] == 0.0)
+    # The bound is tight: some value of most blocks lands near half a step away.
+    assert np.mean(error.max(axis=1) > 0.4 * step.max(axis=1)) > 0.5
+
+
+def test_int4_puts_each_pairs_first_code_in_the_low_nibble():
+    weight = torch.zeros(1, 64)
+    weight[0, :4] = torch.tensor([7.0, -7.0, 1.0, 0.0])  # scale 1: codes 7, -7, 1, 0 stored as 15, 1, 9, 8
+    codes, scales = quantize.quantize(weight, "int4")
+    assert scales[0, 0].item() == 1.0
+    assert codes[0, :2].tolist() == [15 | 1 << 4, 9 | 8 << 4]
+
+
+def lora_model(family: str) -> torch.nn.Module:
+    module = rt_model.attach_lora(tiny_model(family, layers=2, hidden_size=64, intermediate_size=128),
+                                  LoraConfig(r=4, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return module
+
+
+def reference_of(quantized: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the quantized model with each QuantizedLinear a plain Linear of its numpy-dequantized weight."""
+    reference = copy.deepcopy(quantized)
+    for name, layer in list(reference.named_modules()):
+        if isinstance(layer, quantize.QuantizedLinear):
+            linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+            weight = numpy_dequantized(layer.codes.numpy(), scales_of(layer), layer.scheme)
+            linear.weight = torch.nn.Parameter(torch.from_numpy(weight.astype(np.float32)), requires_grad=False)
+            if layer.bias is not None:
+                linear.bias = torch.nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent), child, linear)
+    return reference
+
+
+def batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, VOCAB, (2, 24)).astype(np.int32)
+    return ids, ids.copy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_logits_and_lora_gradients_equal_pytorch_on_the_dequantized_weights(family, scheme):
+    module = lora_model(family)
+    plain = copy.deepcopy(module)
+    names = quantize.quantize_base(module, scheme)
+    assert len(names) == 2 * 7  # q, k, v, o, gate, up, down of each layer; never the head
+    reference = reference_of(module)
+    model = rt_model.to_jax(module, make_placement(MeshConfig()))
+    assert all(model.buffers[f"{name}.codes"].dtype == (np.int8 if scheme == "int8" else np.uint8) for name in names)
+    assert not any(".base_layer.weight" in name for name in model.buffers)  # no float copy of a quantized layer
+
+    ids, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    loss, grads = parity.jax_loss_and_grads(model, inputs, labels)
+    reference.train()
+    theirs = reference(input_ids=torch.from_numpy(ids).long(), labels=torch.from_numpy(labels).long())
+    theirs.loss.backward()
+    assert loss == pytest.approx(theirs.loss.item(), rel=1e-5)
+    trained = {name: p.grad.numpy() for name, p in reference.named_parameters() if p.requires_grad}
+    assert set(trained) == set(grads) and len(trained) == 28
+    for name, expected in trained.items():
+        np.testing.assert_allclose(grads[name], expected, rtol=0, atol=GRAD_ATOL * np.abs(expected).max(), err_msg=name)
+
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(input_ids=torch.from_numpy(ids).long()).logits.numpy()
+        unquantized = plain(input_ids=torch.from_numpy(ids).long()).logits.numpy()
+    np.testing.assert_allclose(parity.jax_logits(model, inputs), expected, rtol=0, atol=LOGIT_ATOL)
+    # Quantizing did change the model, int4 (15 levels a block) more than int8 (255).
+    moved = np.abs(expected - unquantized).max()
+    assert (1e-4 < moved < 0.05) if scheme == "int8" else (1e-3 < moved < 0.5), moved
+
+
+def test_a_full_fine_tune_over_a_quantized_base_is_refused():
+    from jaxtune.config import load_config
+    from jaxtune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.base_quantization=int4 needs train.method=lora: a full fine-tune "
+                                          "trains the base weights, which a quantized base holds frozen"):
+        load_config(None, ["model.base_quantization=int4", "train.method=full"])
