@@ -20,7 +20,7 @@ The jaxtune train step's calling convention lives in ONE place: see `STEP_TAKES_
 
 This file holds the list of comparisons, the table and the command line; the comparisons live in
 their neighbours in benchmarks/ (imported as top-level modules, this folder being on sys.path):
-compare_train.py, compare_memory.py, compare_decode.py, compare_rerun.py and compare_compile.py,
+compare_train.py, compare_memory.py, compare_decode.py, compare_rerun.py, compare_compile.py and compare_quant.py,
 on the harness (harness.py), the shared models and rows (models.py), the train-step adapter
 (train_step.py) and the shared training sides (training.py).
 """
@@ -41,6 +41,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from compare_compile import bench_warm_vs_cold_compile, child_compile  # noqa: E402
 from compare_decode import bench_decode_vs_recipe, bench_decode_vs_torch  # noqa: E402
 from compare_memory import bench_activation_memory_vs_eager  # noqa: E402
+from compare_quant import bench_quantized_base  # noqa: E402
 from compare_rerun import bench_rerun_vs_first, child_rerun  # noqa: E402
 from compare_train import (  # noqa: E402
     bench_mfu, bench_train_vs_recipe, bench_train_vs_torch_fp32, bench_train_vs_torch_fp32_same_shape)
@@ -58,10 +59,12 @@ COMPARISONS: dict[str, Callable[[Context], dict]] = {
     "decode_vs_recipe": bench_decode_vs_recipe,
     "rerun_vs_first": bench_rerun_vs_first,
     "warm_vs_cold_compile": bench_warm_vs_cold_compile,
+    "quantized_base": bench_quantized_base,
 }
 RATIO_KEYS = ["train_vs_torch_fp32", "train_vs_torch_fp32_same_shape", "train_vs_recipe", "nonpad_fraction",
               "activation_memory_vs_eager", "decode_vs_torch_b1", "decode_vs_torch_b8", "decode_vs_torch", "decode_vs_recipe",
-              "rerun_vs_first", "warm_vs_cold_compile", "mfu", "mfu_vs_measured_peak"]
+              "rerun_vs_first", "warm_vs_cold_compile", "mfu", "mfu_vs_measured_peak", "quantized_base_int8",
+              "quantized_base_int4"]
 
 
 def table(results: dict) -> str:

@@ -90,8 +90,9 @@ def recipe_lora():
     return LoraConfig(r=8, alpha=16, target_modules=LORA_TARGETS)
 
 
-def jaxtune_model(folder: str, dtype: str = "float32", lora=None):
-    """What jaxtune trains: `load_torch_model` (eager attention), LoRA attached, tensors moved to JAX."""
+def jaxtune_model(folder: str, dtype: str = "float32", lora=None, before_jax=None):
+    """What jaxtune trains: `load_torch_model` (eager attention), LoRA attached, `before_jax(module)`
+    applied (a quantized base), tensors moved to JAX."""
     from jaxtune.config import MeshConfig
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import attach_lora, load_torch_model, to_jax
@@ -99,6 +100,8 @@ def jaxtune_model(folder: str, dtype: str = "float32", lora=None):
     module = load_torch_model(folder, None, False, dtype)
     if lora is not None:
         module = attach_lora(module, lora)
+    if before_jax is not None:
+        before_jax(module)
     return to_jax(module, make_placement(MeshConfig()))
 
 

@@ -161,11 +161,12 @@ class ModelConfig(Section):
         description="the chat template to format rows and prompts with: 'gemma' (Gemma's own, for base checkpoints "
         "that ship none), a Jinja template string, or null for the tokenizer's own",
     )
-    base_quantization: Literal["none", "int8", "int4"] = Field(
+    base_quantization: Literal["none", "int8", "int4", "gguf"] = Field(
         "none",
         description="LoRA only: hold the frozen base's linear layers (all but the output head) on the device as "
         "int8 or int4 codes with one bfloat16 scale per block of 64 inputs, dequantized inside each layer's "
-        "forward: 0.52x (int8) or 0.27x (int4) of a bfloat16 base's bytes")
+        "forward: 0.52x (int8) or 0.27x (int4) of a bfloat16 base's bytes; gguf (model.name a .gguf file): "
+        "as the file's own Q8_0, Q4_0, Q4_1 and Q5_0 blocks, byte for byte (layers of other types as float weights)")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
 
     @property
@@ -395,6 +396,9 @@ class JaxtuneConfig(Section):
         if self.model.base_quantization != "none" and self.train.method == "full":
             raise ValueError(f"model.base_quantization={self.model.base_quantization} needs train.method=lora: a full "
                              "fine-tune trains the base weights, which a quantized base holds frozen")
+        if self.model.base_quantization == "gguf" and not self.model.name.lower().endswith(".gguf"):
+            raise ValueError(f"model.base_quantization=gguf keeps a GGUF file's own blocks: model.name must be a .gguf "
+                             f"file (got {self.model.name!r}); int8 or int4 quantize any model")
         if (self.preference.label_smoothing and self.train.objective == "dpo"
                 and self.preference.loss_type != "robust"):
             raise ValueError(f"preference.label_smoothing applies to preference.loss_type=robust (got "

@@ -99,6 +99,7 @@ def as_trained(module, config: JaxtuneConfig, randomize_lora: bool):
     import torch
 
     from jaxtune.runtime.model import attach_lora
+    from jaxtune.runtime.quantize import load_base, quantize_base
 
     if config.train.method == "full":
         return module.requires_grad_(True)
@@ -106,6 +107,13 @@ def as_trained(module, config: JaxtuneConfig, randomize_lora: bool):
         module = attach_lora(module, config.lora)
     except ValueError as e:  # a ModelError names the model's linear layers
         raise DoctorError(str(e)) from None
+    if config.model.base_quantization == "gguf":  # the file's own blocks, as the quantize_base stage reads them
+        from jaxtune.gguf_blocks import read_blocks
+
+        arrays, schemes, _ = read_blocks(config.model.name, module.config)
+        load_base(module, {key: torch.from_numpy(value) for key, value in arrays.items()}, schemes)
+    elif config.model.base_quantization != "none":
+        quantize_base(module, config.model.base_quantization)
     if randomize_lora:
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -169,10 +177,22 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str) -> list[Row]:
 
 
 def part_rows(plan: dict) -> list[Row]:
-    """The memory plan's parts, one row each, indented under its peak."""
-    return [Row(f"  {label}", size_text(plan[key])) for label, key in (
+    """The memory plan's parts, one row each, indented under its peak; the frozen base's linear
+    layers under the parameters."""
+    rows = [Row(f"  {label}", size_text(plan[key])) for label, key in (
         ("parameters", "parameters"), ("gradients", "gradients"), ("optimizer state", "optimizer_state"),
         ("activations per micro-batch", "activations_per_micro_batch"))]
+    if plan.get("base", {}).get("held"):
+        rows.insert(1, Row("    of which frozen base layers", base_text(plan["base"])))
+    return rows
+
+
+def base_text(base: dict) -> str:
+    """'1.21 GiB as int4 (0.27x of 4.46 GiB in bfloat16)', or '4.46 GiB in bfloat16'."""
+    unquantized = f"{size_text(base['unquantized'])} in {base['compute_dtype']}"
+    if base["scheme"] == "none":
+        return unquantized
+    return f"{size_text(base['held'])} as {base['scheme']} ({base['held'] / base['unquantized']:.2f}x of {unquantized})"
 
 
 def size_text(n: int) -> str:

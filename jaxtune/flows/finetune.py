@@ -44,7 +44,7 @@ from jaxtune.config import OFFLINE, JaxtuneConfig, MeshConfig, load_config, name
 from jaxtune.errors import ConfigError, TrainingStopped
 from jaxtune.flows import browse
 from jaxtune.tasks import (BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf,
-                           merge_adapter, reference, report, tokenize, train)
+                           merge_adapter, quantize_base, reference, report, tokenize, train)
 from jaxtune.tasks.downloads import retry_options
 from jaxtune.tasks.sources import ADAPTER, GGUF, adapter_base, dataset_refs, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
@@ -100,6 +100,14 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
             steps.append(Step(merge_adapter.STAGE, merge_adapter.merge_adapter, merge_adapter.SECTION,
                               {"adapter": model, "base": base}, (config.model.trust_remote_code,)))
             model = merge_adapter.STAGE
+    # A quantized base: its frozen layers' codes, made once and read by every stage that opens the model.
+    base = {}
+    if config.model.base_quantization != "none":
+        source = {"gguf": model_ref(config.model)} if config.model.base_quantization == "gguf" else {}
+        section = quantize_base.QuantizeSection(scheme=config.model.base_quantization, dtype=config.model.compute_dtype,
+                                                trust_remote_code=config.model.trust_remote_code)
+        steps.append(Step(quantize_base.STAGE, quantize_base.quantize_base, section, {"model": model, **source}))
+        base = {"base": quantize_base.STAGE}
     model_section = keyed_model(config.model)
     objective = config.train.objective
     evaluation = evaluate.EvalSection(model=model_section, eval=config.eval)
@@ -107,24 +115,24 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
         evaluation = evaluate.PairEvalSection(model=model_section, eval=config.eval, objective=objective,
                                               preference=config.preference)
     # DPO's reference log-probabilities: a stage of their own, read by the evals and train.
-    scored = {"model": model, "data": "tokenize", **({"reference": "reference"} if objective == "dpo" else {})}
+    scored = {"model": model, "data": "tokenize", **base, **({"reference": "reference"} if objective == "dpo" else {})}
     trained = {**scored, "train": "train"}
     steps.append(Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model),
                       {**data, "model": model}, (config.data.num_proc,)))
     if objective == "dpo":
         steps.append(Step(reference.STAGE, reference.reference,
                           reference.ReferenceSection(model=model_section, eval=config.eval),
-                          {"model": model, "data": "tokenize"}, mesh))
+                          {"model": model, "data": "tokenize", **base}, mesh))
     return steps + [
         Step("baseline_eval", evaluate.baseline_eval, evaluation, scored, mesh),
         Step("train", train.train, _train_section(config), scored, (config.mesh, restart)),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
         Step("export", export.export, export.ExportSection(model=model_section, export=config.export),
-             {"model": model, "train": "train"}),
+             {"model": model, "train": "train", **base}),
         Step("generate", generate.generate, generate.GenerateSection(model=model_section, generate=config.generate),
-             {"model": model, "data": "tokenize", "train": "train"}, mesh),
+             {"model": model, "data": "tokenize", "train": "train", **base}, mesh),
         Step("report", report.report, {"examples": report.EXAMPLES},
-             {stage: stage for stage in STAGES[:-1] if stage != reference.STAGE}),
+             {**{stage: stage for stage in STAGES[:-1] if stage != reference.STAGE}, **base}),
     ]
 
 

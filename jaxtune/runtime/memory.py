@@ -47,12 +47,33 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
         "code": xla["code_bytes"],
         "cost": {key: xla[key] for key in ("flops", "bytes_accessed") if key in xla},
         "device_limit": limit or device_limit(),
+        "base": base_bytes(model),
         "mesh": model.placement.sizes,
         "devices": model.placement.mesh.size,
         "platform": model.placement.mesh.devices.flat[0].platform,  # whose compiler made the plan: cpu, tpu, gpu
         "shape": {"micro_batches": cfg.grad_accumulation, "rows_per_device": rows // model.placement.batch_shards,
                   "length": length},
     }
+
+
+def base_bytes(model) -> dict:
+    """What one device holds of the frozen base's linear layers (those `model.base_quantization`
+    quantizes): `held`, their codes and scales or their weights as placed; `unquantized`, the same
+    layers as weights in the compute dtype, split alike; and the `scheme` they are held in."""
+    from jaxtune.runtime.quantize import base_layers, scheme_of
+
+    held = unquantized = 0
+    itemsize = np.dtype(model.dtype).itemsize
+    for names, elements in base_layers(model.module):
+        arrays = [model.buffers[name] for name in names if name in model.buffers]
+        if not arrays:  # trained rather than frozen (a full fine-tune): not a frozen base
+            continue
+        held += device_bytes(arrays)
+        first = arrays[0]
+        shards = np.prod(first.shape) // np.prod(first.sharding.shard_shape(first.shape))
+        unquantized += int(elements // shards * itemsize)
+    return {"held": held, "unquantized": unquantized, "scheme": scheme_of(model.module),
+            "compute_dtype": str(np.dtype(model.dtype))}
 
 
 def device_limit() -> int | None:

@@ -16,7 +16,7 @@ from jaxtune.config import LoraConfig, ModelConfig
 from jaxtune.errors import ModelError
 from jaxtune.runtime.compat import torchax_env
 from jaxtune.runtime.mesh import Placement, place
-from jaxtune.runtime.quantize import quantize_base
+from jaxtune.runtime.quantize import SCHEMES, load_base, quantize_base
 
 
 @dataclass
@@ -73,19 +73,26 @@ def open_model(
     lora: LoraConfig | None = None,
     trained: Path | None = None,
     train_all: bool = False,
+    base: tuple[dict, dict[str, str]] | None = None,
 ) -> JaxModel:
     """The model a stage computes with: base weights, LoRA attached when given, trained weights loaded.
 
     Trainable tensors are the LoRA ones, or all of them for full fine-tuning (`train_all`, or
-    trained weights without LoRA); a plain base model has none.
+    trained weights without LoRA); a plain base model has none. With `model.base_quantization`,
+    the frozen linear layers are held quantized: as `base` holds them (the quantize_base stage's
+    tensors and each layer's scheme), else quantized here (int8, int4).
     """
     module = load_torch_model(name, revision, cfg.trust_remote_code, cfg.compute_dtype)
     if lora is not None:
         module = attach_lora(module, lora)
     else:
         module.requires_grad_(train_all or trained is not None)
-    if cfg.base_quantization != "none":  # the frozen linear layers; LoRA's adapters stay as they are
+    if base is not None:  # the frozen linear layers; LoRA's adapters stay as they are
+        load_base(module, *base)
+    elif cfg.base_quantization in SCHEMES:
         quantize_base(module, cfg.base_quantization)
+    elif cfg.base_quantization != "none":
+        raise ModelError(f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed")
     weights = load_weights(trained) if trained is not None else None
     return to_jax(module, placement, weights)
 

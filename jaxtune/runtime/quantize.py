@@ -8,8 +8,8 @@ symmetric absmax quantization, as bitsandbytes' and qwix's blockwise schemes. in
 (-7..7, stored plus 8) are packed two to a byte, the first of each pair in the low nibble.
 
 `QuantizedLinear` replaces the layer's `nn.Linear`: its codes and scales are buffers, so
-`to_jax` places them like any frozen tensor (the sharding rules do not name them yet, so on a
-mesh they take the rule for other matrices: fsdp over their largest dimension), and its forward
+`to_jax` places them like any frozen tensor (split on a mesh as the weight they stand for would
+be, `runtime.sharding`), and its forward
 dequantizes them with torch ops that torchax traces into the compiled step. Dequantizing
 happens inside each layer's forward, so remat recomputes it with the layer and no whole
 dequantized base is ever held. Per weight, the base then takes 1 + 2/64 bytes (int8) or
@@ -45,30 +45,57 @@ def quantize(weight: torch.Tensor, scheme: str, block: int = BLOCK) -> tuple[tor
     return nibbles[..., 0] | (nibbles[..., 1] << 4), scales
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
-    """The (out, in) weight in `dtype` that `quantize`'s codes and scales stand for."""
-    if scheme == "int4":
-        low, high = codes & 0x0F, codes >> 4
-        codes = torch.stack((low, high), dim=-1).reshape(codes.shape[0], -1).to(torch.int8) - 8
-    out_features, in_features = codes.shape
-    blocks = codes.to(dtype).reshape(out_features, scales.shape[1], in_features // scales.shape[1])
-    return (blocks * scales.to(dtype).unsqueeze(-1)).reshape(out_features, in_features)
+# GGUF's own blocks of 32 values (ggml's layouts), kept as the file holds them, each block's bytes
+# split into fields: `scales` (float16 d), `mins` (float16 m), `codes` (the low nibbles' bytes, or
+# int8 values), `high` (Q5_0's fifth bits, 4 bytes a block). Q4: a block's 16 bytes hold values
+# 0-15 in their low nibbles and 16-31 in their high ones.
+GGUF_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0")
+GGUF_BLOCK = 32
+
+
+def dequantize(tensors: dict[str, torch.Tensor], scheme: str, dtype: torch.dtype) -> torch.Tensor:
+    """The (out, in) weight in `dtype` that a layer's `tensors` (codes, scales, and per scheme mins
+    or high bits) stand for."""
+    codes, scales = tensors["codes"], tensors["scales"].to(dtype)
+    out_features, blocks = scales.shape
+    if scheme in ("int8", "q8_0"):  # one int8 per value
+        values = codes.to(dtype).reshape(out_features, blocks, -1)
+    elif scheme == "int4":  # pairs packed low nibble first, stored plus 8
+        values = torch.stack((codes & 0x0F, codes >> 4), dim=-1).to(dtype).reshape(out_features, blocks, -1) - 8
+    else:  # GGUF Q4_0, Q4_1, Q5_0: each block's 16 bytes, low nibbles then high
+        packed = codes.reshape(out_features, blocks, GGUF_BLOCK // 2)
+        values = torch.cat((packed & 0x0F, packed >> 4), dim=-1)
+        if scheme == "q5_0":  # bit j of the block's 4 high bytes (little-endian) is value j's fifth bit
+            high = tensors["high"].reshape(out_features, blocks, 4)
+            bits = torch.stack([(high >> shift) & 1 for shift in range(8)], dim=-1)  # (.., byte, bit)
+            values = values | (bits.reshape(out_features, blocks, GGUF_BLOCK) << 4)
+        values = values.to(dtype) - {"q4_0": 8, "q4_1": 0, "q5_0": 16}[scheme]
+    weight = values * scales.unsqueeze(-1)
+    if scheme == "q4_1":
+        weight = weight + tensors["mins"].to(dtype).unsqueeze(-1)
+    return weight.reshape(out_features, -1)
 
 
 class QuantizedLinear(torch.nn.Module):
-    """A frozen `nn.Linear` whose weight is held as blockwise codes and scales (buffers)."""
+    """A frozen `nn.Linear` whose weight is held as blockwise codes and scales (buffers): made from
+    the layer's weight by `quantize` (int8, int4), or from tensors stored before (a GGUF file's blocks too)."""
 
-    def __init__(self, linear: torch.nn.Linear, scheme: str, block: int = BLOCK):
+    def __init__(self, linear: torch.nn.Linear, scheme: str, tensors: dict[str, torch.Tensor] | None = None,
+                 block: int = BLOCK):
         super().__init__()
         self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
         self.compute_dtype = linear.weight.dtype
-        codes, scales = quantize(linear.weight, scheme, block)
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
+        if tensors is None:
+            tensors = dict(zip(("codes", "scales"), quantize(linear.weight, scheme, block)))
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_buffers())
+
     def weight_dequantized(self) -> torch.Tensor:
-        return dequantize(self.codes, self.scales, self.scheme, self.compute_dtype)
+        return dequantize(self.tensors(), self.scheme, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight_dequantized().to(x.dtype), self.bias)
@@ -95,7 +122,61 @@ def quantize_base(module: torch.nn.Module, scheme: str, block: int = BLOCK) -> l
     `QuantizedLinear`; returns their names. LoRA's adapters and other trained tensors stay as they are."""
     names = quantizable(module, block)
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child, QuantizedLinear(getattr(parent, child), scheme, block))
+        _replace(module, name, lambda linear: QuantizedLinear(linear, scheme, block=block))
     return names
+
+
+def plain_name(name: str) -> str:
+    """A layer's name in the plain model, without PEFT's wrappers: what a stored base is keyed by."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer", "").replace(".original_module", "")
+
+
+def load_base(module: torch.nn.Module, stored: dict[str, torch.Tensor], schemes: dict[str, str]) -> list[str]:
+    """Replace, in place, every frozen linear layer of `module` that `schemes` names (by `plain_name`)
+    by a `QuantizedLinear` of the `stored` tensors ('<name>.codes', '<name>.scales', ...) made
+    before; returns their names. A layer the stored base does not name stays as it is (a GGUF
+    tensor of a type held dequantized)."""
+    names = [name for name in quantizable(module, block=1) if plain_name(name) in schemes]
+    for name in names:
+        key = plain_name(name)
+        _replace(module, name, lambda linear: QuantizedLinear(linear, schemes[key], _fields(stored, key)))
+    return names
+
+
+def dequantize_base(module: torch.nn.Module, stored: dict[str, torch.Tensor], schemes: dict[str, str]) -> list[str]:
+    """Set, in place, the weight of every frozen linear layer `schemes` names to what its stored
+    codes stand for (computed in float32): the base a LoRA adapter was trained against, into which
+    an export merges it. Returns their names."""
+    names = [name for name in quantizable(module, block=1) if plain_name(name) in schemes]
+    with torch.no_grad():
+        for name in names:
+            key, linear = plain_name(name), module.get_submodule(name)
+            linear.weight.copy_(dequantize(_fields(stored, key), schemes[key], torch.float32))
+    return names
+
+
+def _fields(stored: dict[str, torch.Tensor], layer: str) -> dict[str, torch.Tensor]:
+    """A layer's stored tensors by field: {'codes': ..., 'scales': ..., ...}."""
+    return {name.rpartition(".")[2]: tensor for name, tensor in stored.items() if name.rpartition(".")[0] == layer}
+
+
+def _replace(module: torch.nn.Module, name: str, make) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    setattr(parent, child, make(getattr(parent, child)))
+
+
+def base_layers(module: torch.nn.Module) -> list[tuple[tuple[str, ...], int]]:
+    """The frozen base's linear layers that a quantized base holds quantized, each as (the names of
+    the tensors that hold it: `codes` and `scales` once quantized, else `weight`; its weight's
+    element count): what the memory plans count as the base."""
+    found = [((f"{name}.codes", f"{name}.scales"), sub.in_features * sub.out_features)
+             for name, sub in module.named_modules() if isinstance(sub, QuantizedLinear)]
+    found += [((f"{name}.weight",), module.get_submodule(name).weight.numel()) for name in quantizable(module)]
+    return found
+
+
+def scheme_of(module: torch.nn.Module) -> str:
+    """'int8' or 'int4' for a module whose base `quantize_base` quantized, else 'none'."""
+    return next((sub.scheme for sub in module.modules() if isinstance(sub, QuantizedLinear)), "none")

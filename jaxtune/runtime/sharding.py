@@ -14,7 +14,10 @@ torchprime's Llama table; a torch Linear weight is (out, in)):
   each device looks tokens up in its own columns, and the update is exact;
 - an untied LM head (vocab, hidden): (tensor, fsdp), so logits come out split over vocabulary;
 - norms, and every other vector but a column layer's bias: replicated;
-- any other matrix: fsdp over its largest dimension that divides evenly.
+- any other matrix: fsdp over its largest dimension that divides evenly;
+- a quantized base layer's codes (out, in or in / 2) and scales (out, in / block), which stand
+  for its weight (`runtime.quantize`): split as that weight, so each device dequantizes its own
+  shard of it.
 
 LoRA follows its base layer: A (r, in) splits `in` like the base, B (out, r) splits `out`
 like the base; PEFT's copies of modules_to_save follow the module they copy. A dimension that
@@ -35,6 +38,7 @@ COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gat
 ROW = {"o_proj", "down_proj", "c_proj", "dense", "out_proj", "dense_4h_to_h", "fc2", "fc_out", "w2"}
 EMBEDDING = {"embed_tokens", "wte", "wpe", "embed_in", "word_embeddings", "embed_positions"}
 HEAD = {"lm_head", "embed_out"}
+WEIGHT_LIKE = {"weight", "codes", "scales"}  # a layer's (out, in) matrix, or a quantized one's codes and scales
 
 # Wrappers PEFT puts between a module and its tensors; dropped to find the layer a tensor belongs to.
 _PEFT_PARTS = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
@@ -69,7 +73,7 @@ def rule_spec(name: str, shape: Sequence[int], sizes: Mapping[str, int], transpo
         out_in = ("tensor", "fsdp")
     elif layer in EMBEDDING and kind == "weight" and len(shape) == 2 and lora is None:
         return _fit((None, ("fsdp", "tensor")), shape, sizes)
-    if out_in is not None and kind == "weight" and len(shape) == 2:
+    if out_in is not None and kind in WEIGHT_LIKE and len(shape) == 2:
         out_axis, in_axis = out_in
         if lora == "A":  # (r, in)
             axes = (None, in_axis)

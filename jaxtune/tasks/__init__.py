@@ -6,5 +6,6 @@ input artifact refs, writing one verified artifact folder and returning its `Art
 # `reference` runs for train.objective=dpo alone.
 STAGES = ("tokenize", "reference", "baseline_eval", "train", "final_eval", "export", "generate", "report")
 # Before `tokenize`, making the base model: the offline model's tokenizer and weights, a GGUF
-# file's import into an HF folder, or a LoRA adapter merged into its base. `--refresh` names these too.
-BUILD_STAGES = ("build_tokenizer", "build_model", "import_gguf", "merge_adapter")
+# file's import into an HF folder, or a LoRA adapter merged into its base; then, with
+# model.base_quantization, its frozen layers quantized. `--refresh` names these too.
+BUILD_STAGES = ("build_tokenizer", "build_model", "import_gguf", "merge_adapter", "quantize_base")

@@ -25,10 +25,14 @@ class ExportSection(Section):
 
 
 def trained_torch_model(inputs: dict[str, ArtifactRef], model_cfg: ModelConfig):
-    """The PyTorch module (PEFT-wrapped for LoRA) holding the trained weights."""
+    """The PyTorch module (PEFT-wrapped for LoRA) holding the trained weights. Over a quantized base
+    (a `base` input), the frozen layers are the dequantized base the adapter was trained against,
+    so a merge is that base plus the adapter."""
     import torch
 
     from jaxtune.runtime.model import attach_lora, load_torch_model, load_weights
+    from jaxtune.runtime.quantize import dequantize_base
+    from jaxtune.tasks.trained import held_base
 
     method, lora = method_of(inputs["train"])
     name, revision = pretrained_location(inputs["model"])
@@ -40,6 +44,8 @@ def trained_torch_model(inputs: dict[str, ArtifactRef], model_cfg: ModelConfig):
     if missing:
         raise KeyError(f"trained weights name parameters the model lacks: {sorted(missing)[:5]}")
     module.load_state_dict(trained, strict=False)
+    if (base := held_base(inputs)) is not None:
+        dequantize_base(module, *base)
     return module, method
 
 
@@ -104,7 +110,7 @@ def save_gguf(folder: Path, section: ExportSection, inputs: dict[str, ArtifactRe
 
 @task(name=STAGE, result_serializer="json")
 def export(section: ExportSection, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
-    """inputs: `model`, `train`."""
+    """inputs: `model`, `train`; `base`, the quantize_base stage's, for LoRA over a quantized base."""
 
     def build(folder: Path) -> None:
         module, method = trained_torch_model(inputs, section.model)
@@ -113,6 +119,8 @@ def export(section: ExportSection, inputs: dict[str, ArtifactRef], store_root: s
         del module  # before a merge loads a second copy
         name, _ = pretrained_location(inputs["model"])
         info = {"kind": "peft_adapter" if method == "lora" else "hf_model", "subfolder": sub, "base_model": name}
+        if inputs.get("base") is not None:  # the adapter learned against the base as the quantize_base stage held it
+            info["trained_on_quantized_base"] = inputs["base"].read_json("quantize.json")["scheme"]
         if method == "lora" and section.export.merge:
             save_merged(folder / "merged", section, inputs)
             info["merged"] = "merged"

@@ -39,7 +39,7 @@ def reference(section: ReferenceSection, inputs: dict[str, ArtifactRef], store_r
         from jaxtune.tasks.trained import open_trained_model
 
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]
-        model = open_trained_model({"model": inputs["model"], "train": None}, section.model, mesh)
+        model = open_trained_model({**inputs, "train": None}, section.model, mesh)
         logger = get_run_logger()
         for split in ("train", "eval"):
             table = TokenTable(inputs["data"].file(f"{split}.arrow"))

@@ -39,7 +39,27 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "parity": final["parity"],
         "trust_remote_code": ran_remote_code(inputs["train"]),
         **_preference(baseline, final, train),
+        **({"quantized_base": _quantized_base(inputs["base"])} if inputs.get("base") is not None else {}),
     }
+
+
+def _quantized_base(ref: ArtifactRef) -> dict:
+    info = ref.read_json("quantize.json")
+    return {key: info[key] for key in ("scheme", "kinds", "held_bytes", "unquantized_bytes", "compute_dtype")} | {
+        "layers": len(info["layers"]), "left_unquantized": len(info["left_unquantized"])}
+
+
+def _quantized_base_lines(base: dict | None) -> list[str]:
+    """What the adapter was trained against, when the base was held quantized."""
+    if not base:
+        return []
+    kinds = ", ".join(f"{n} {kind}" for kind, n in base["kinds"].items())
+    left = f"; {base['left_unquantized']} left as float weights" if base["left_unquantized"] else ""
+    return [f"**Trained against a quantized base** (`model.base_quantization: {base['scheme']}`): {base['layers']} "
+            f"frozen linear layers held as {kinds}{left}, {base['held_bytes'] / 2**20:,.1f} MiB "
+            f"({base['held_bytes'] / max(base['unquantized_bytes'], 1):.2f}x of {base['unquantized_bytes'] / 2**20:,.1f} "
+            f"MiB in {base['compute_dtype']}). The evals, generations and merged export use that base dequantized; "
+            "the adapter alone also loads on the original base, which it was not trained against.", ""]
 
 
 PAIR_METRICS = ("loss", "preference_loss", "chosen_nll", "accuracy", "margin", "chosen_logp", "rejected_logp",
@@ -152,6 +172,7 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         *(["**trust_remote_code was on**: model code shipped with the checkpoint ran.", ""]
           if summary.get("trust_remote_code") else []),
         *_preference_lines(summary.get("preference")),
+        *_quantized_base_lines(summary.get("quantized_base")),
         "| metric | before | after |", "|---|---|---|",
         f"| eval loss{' (chosen answers)' * ('preference' in summary)} | {b['loss']:.4f} | {f['loss']:.4f} |",
         f"| perplexity | {b['perplexity']:.2f} | {f['perplexity']:.2f} |",
@@ -216,7 +237,7 @@ def _quote(text: str) -> str:
 
 @task(name=STAGE, result_serializer="json")
 def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
-    """inputs: `tokenize`, `baseline_eval`, `train`, `final_eval`, `export`, `generate`."""
+    """inputs: `tokenize`, `baseline_eval`, `train`, `final_eval`, `export`, `generate`; `base` over a quantized base."""
 
     def build(folder: Path) -> None:
         summary = summarize(inputs)

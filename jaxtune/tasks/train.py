@@ -49,11 +49,12 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         from jaxtune.runtime.mesh import make_placement
         from jaxtune.runtime.preference import objective_of
         from jaxtune.tasks.reference import read_reference
+        from jaxtune.tasks.trained import held_base
 
         name, revision = pretrained_location(inputs["model"])
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]
         model = rt_model.open_model(name, revision, section.model, make_placement(mesh), lora=section.lora,
-                                    train_all=section.lora is None)
+                                    train_all=section.lora is None, base=held_base(inputs))
         _require_space(model, section, checkpoints, folder)
         rows = TokenTable(inputs["data"].file("train.arrow"))  # memory-mapped: rows are read as batches take them
         evals = TokenTable(inputs["data"].file("eval.arrow"))

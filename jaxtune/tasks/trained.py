@@ -28,4 +28,11 @@ def open_trained_model(inputs: dict[str, ArtifactRef | None], model_cfg: ModelCo
     _, lora = method_of(train_ref)
     name, revision = pretrained_location(inputs["model"])
     trained = train_ref.file("params.safetensors") if train_ref is not None else None
-    return open_model(name, revision, model_cfg, make_placement(mesh), lora=lora, trained=trained)
+    return open_model(name, revision, model_cfg, make_placement(mesh), lora=lora, trained=trained, base=held_base(inputs))
+
+
+def held_base(inputs: dict[str, ArtifactRef | None]) -> tuple[dict, dict[str, str]] | None:
+    """The quantized base's tensors and schemes, from the `base` input (a quantize_base artifact), if any."""
+    from jaxtune.tasks.quantize_base import stored_base
+
+    return stored_base(inputs["base"]) if inputs.get("base") is not None else None

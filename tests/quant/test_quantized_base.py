@@ -55,7 +55,7 @@ def test_each_value_is_within_half_a_step_of_its_block_and_codes_are_packed_as_s
         low, high = (codes & 0x0F).int() - 8, (codes >> 4).int() - 8
         assert low.abs().max() <= top and high.abs().max() <= top
     ours = numpy_dequantized(codes.numpy(), scales.float().numpy(), scheme)
-    np.testing.assert_array_equal(quantize.dequantize(codes, scales, scheme, torch.float32).numpy(), ours.astype(np.float32))
+    np.testing.assert_array_equal(quantize.dequantize({"codes": codes, "scales": scales}, scheme, torch.float32).numpy(), ours.astype(np.float32))
     step = np.repeat(scales.float().numpy(), quantize.BLOCK, axis=1)
     error = np.abs(ours - weight.double().numpy())
     assert np.all(error <= 0.5 * step + 1e-7 * np.abs(weight.numpy()))
@@ -144,3 +144,36 @@ def test_a_full_fine_tune_over_a_quantized_base_is_refused():
     with pytest.raises(ConfigError, match="model.base_quantization=int4 needs train.method=lora: a full fine-tune "
                                           "trains the base weights, which a quantized base holds frozen"):
         load_config(None, ["model.base_quantization=int4", "train.method=full"])
+
+
+@pytest.mark.parametrize("layer", ["q_proj", "down_proj"])
+def test_codes_and_scales_are_split_over_the_mesh_as_the_weight_they_stand_for(layer):
+    from jax.sharding import PartitionSpec
+
+    from jaxtune.runtime.sharding import rule_spec
+
+    sizes = {"data": 1, "fsdp": 2, "tensor": 2}
+    prefix = f"base_model.model.model.layers.0.{'self_attn' if layer == 'q_proj' else 'mlp'}.{layer}.base_layer"
+    weight = rule_spec(f"{prefix}.weight", (256, 512), sizes)
+    assert weight == (PartitionSpec("tensor", "fsdp") if layer == "q_proj" else PartitionSpec("fsdp", "tensor"))
+    assert rule_spec(f"{prefix}.codes", (256, 256), sizes) == weight  # int4: two codes a byte
+    assert rule_spec(f"{prefix}.scales", (256, 512 // quantize.BLOCK), sizes) == weight
+
+
+@pytest.mark.parametrize("scheme, ratio", [("none", 1.0), ("int8", (1 + 2 / 64) / 2), ("int4", (0.5 + 2 / 64) / 2)])
+def test_the_memory_plan_counts_the_base_layers_as_held(scheme, ratio):
+    """A bfloat16 base: 2 bytes a weight, against 1 (int8) or 1/2 (int4) plus a 2-byte scale per 64."""
+    from jaxtune.doctor import base_text
+    from jaxtune.runtime.memory import base_bytes
+
+    module = lora_model("llama").to(torch.bfloat16)
+    if scheme != "none":
+        quantize.quantize_base(module, scheme)
+    base = base_bytes(rt_model.to_jax(module, make_placement(MeshConfig()), shapes_only=True))
+    # 2 layers of q, k, v, o (64 x 64 each: 4 heads of 16 over 64 inputs, 2 kv heads: k, v 32 x 64) and the MLP (3 x 64 x 128)
+    weights = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128)
+    assert base["unquantized"] == 2 * weights and base["scheme"] == scheme and base["compute_dtype"] == "bfloat16"
+    assert base["held"] == pytest.approx(ratio * base["unquantized"], abs=0)
+    text = base_text(base)
+    assert text == (f"{2 * weights / 2**20:.1f} MiB in bfloat16" if scheme == "none" else
+                    f"{ratio * 2 * weights / 2**20:.1f} MiB as {scheme} ({ratio:.2f}x of {2 * weights / 2**20:.1f} MiB in bfloat16)")
