@@ -188,11 +188,14 @@ def part_rows(plan: dict) -> list[Row]:
 
 
 def base_text(base: dict) -> str:
-    """'1.21 GiB as int4 (0.27x of 4.46 GiB in bfloat16)', or '4.46 GiB in bfloat16'."""
+    """'1.21 GiB as int4 (0.27x of 4.46 GiB in bfloat16); int8 would hold 2.30 GiB', or '4.46 GiB in
+    bfloat16; int8 would hold 2.30 GiB, int4 1.19 GiB' (model.base_quantization; by the layers' shapes)."""
     unquantized = f"{size_text(base['unquantized'])} in {base['compute_dtype']}"
+    others = [f"{scheme} {size_text(n)}" for scheme, n in base.get("by_scheme", {}).items() if scheme != base["scheme"]]
+    would = f"; {others[0].replace(' ', ' would hold ', 1)}{''.join(', ' + o for o in others[1:])}" if others else ""
     if base["scheme"] == "none":
-        return unquantized
-    return f"{size_text(base['held'])} as {base['scheme']} ({base['held'] / base['unquantized']:.2f}x of {unquantized})"
+        return unquantized + would
+    return f"{size_text(base['held'])} as {base['scheme']} ({base['held'] / base['unquantized']:.2f}x of {unquantized}){would}"
 
 
 def size_text(n: int) -> str:

@@ -59,21 +59,22 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
 def base_bytes(model) -> dict:
     """What one device holds of the frozen base's linear layers (those `model.base_quantization`
     quantizes): `held`, their codes and scales or their weights as placed; `unquantized`, the same
-    layers as weights in the compute dtype, split alike; and the `scheme` they are held in."""
-    from jaxtune.runtime.quantize import base_layers, scheme_of
+    layers as weights in the compute dtype, split alike; `by_scheme`, what int8 and int4 blocks of
+    them would hold (from their shapes); and the `scheme` they are held in."""
+    from jaxtune.runtime.quantize import BLOCK, base_layers, scheme_of
 
-    held = unquantized = 0
-    itemsize = np.dtype(model.dtype).itemsize
+    held = weights = 0
     for names, elements in base_layers(model.module):
         arrays = [model.buffers[name] for name in names if name in model.buffers]
         if not arrays:  # trained rather than frozen (a full fine-tune): not a frozen base
             continue
         held += device_bytes(arrays)
         first = arrays[0]
-        shards = np.prod(first.shape) // np.prod(first.sharding.shard_shape(first.shape))
-        unquantized += int(elements // shards * itemsize)
-    return {"held": held, "unquantized": unquantized, "scheme": scheme_of(model.module),
-            "compute_dtype": str(np.dtype(model.dtype))}
+        weights += elements // (np.prod(first.shape) // np.prod(first.sharding.shard_shape(first.shape)))
+    scale = 2 / BLOCK  # a bfloat16 scale per block
+    return {"held": held, "unquantized": int(weights * np.dtype(model.dtype).itemsize), "scheme": scheme_of(model.module),
+            "compute_dtype": str(np.dtype(model.dtype)),
+            "by_scheme": {"int8": int(weights * (1 + scale)), "int4": int(weights * (0.5 + scale))}}
 
 
 def device_limit() -> int | None:

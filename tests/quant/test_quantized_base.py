@@ -174,9 +174,13 @@ def test_the_memory_plan_counts_the_base_layers_as_held(scheme, ratio):
     weights = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128)
     assert base["unquantized"] == 2 * weights and base["scheme"] == scheme and base["compute_dtype"] == "bfloat16"
     assert base["held"] == pytest.approx(ratio * base["unquantized"], abs=0)
-    text = base_text(base)
-    assert text == (f"{2 * weights / 2**20:.1f} MiB in bfloat16" if scheme == "none" else
-                    f"{ratio * 2 * weights / 2**20:.1f} MiB as {scheme} ({ratio:.2f}x of {2 * weights / 2**20:.1f} MiB in bfloat16)")
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    int8, int4 = (1 + 2 / 64) * weights, (0.5 + 2 / 64) * weights
+    assert base["by_scheme"] == {"int8": int8, "int4": int4}
+    assert base_text(base) == {
+        "none": f"{mib(2 * weights)} in bfloat16; int8 would hold {mib(int8)}, int4 {mib(int4)}",
+        "int8": f"{mib(int8)} as int8 (0.52x of {mib(2 * weights)} in bfloat16); int4 would hold {mib(int4)}",
+        "int4": f"{mib(int4)} as int4 (0.27x of {mib(2 * weights)} in bfloat16); int8 would hold {mib(int8)}"}[scheme]
 
 
 @pytest.mark.slow
