@@ -161,11 +161,11 @@ class ModelConfig(Section):
         description="the chat template to format rows and prompts with: 'gemma' (Gemma's own, for base checkpoints "
         "that ship none), a Jinja template string, or null for the tokenizer's own",
     )
-    base_quantization: Literal["none", "int8", "int4", "gguf"] = Field(
+    base_quantization: Literal["none", "int8", "int4", "nf4", "gguf"] = Field(
         "none",
         description="LoRA only: hold the frozen base's linear layers (all but the output head) on the device as "
-        "int8 or int4 codes with one bfloat16 scale per block of 64 inputs, dequantized inside each layer's "
-        "forward: 0.52x (int8) or 0.27x (int4) of a bfloat16 base's bytes; gguf (model.name a .gguf file): "
+        "int8, int4 or nf4 (QLoRA's NormalFloat4) codes with one bfloat16 scale per block of 64 inputs, dequantized "
+        "inside each layer's forward: 0.52x (int8) or 0.27x (int4, nf4) of a bfloat16 base's bytes; gguf (model.name a .gguf file): "
         "as the file's own Q8_0, Q4_0, Q4_1 and Q5_0 blocks, byte for byte (layers of other types as float weights)")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
 
@@ -398,7 +398,7 @@ class JaxtuneConfig(Section):
                              "fine-tune trains the base weights, which a quantized base holds frozen")
         if self.model.base_quantization == "gguf" and not self.model.name.lower().endswith(".gguf"):
             raise ValueError(f"model.base_quantization=gguf keeps a GGUF file's own blocks: model.name must be a .gguf "
-                             f"file (got {self.model.name!r}); int8 or int4 quantize any model")
+                             f"file (got {self.model.name!r}); int8, int4 or nf4 quantize any model")
         if (self.preference.label_smoothing and self.train.objective == "dpo"
                 and self.preference.loss_type != "robust"):
             raise ValueError(f"preference.label_smoothing applies to preference.loss_type=robust (got "

@@ -1,11 +1,14 @@
-"""A frozen base held quantized on the device: LoRA's base linear layers as int8 or int4 blocks.
+"""A frozen base held quantized on the device: LoRA's base linear layers as int8, int4 or nf4 blocks.
 
 Under LoRA the base weights never change, so they can live on the device in fewer bits and be
 dequantized where they are used. Each frozen linear layer's weight (out, in) is cut along `in`
 into blocks of `BLOCK` consecutive values; each block keeps one scale, its largest magnitude
 over the largest code (127 for int8, 7 for int4), and its values rounded to the nearest code:
 symmetric absmax quantization, as bitsandbytes' and qwix's blockwise schemes. int4 codes
-(-7..7, stored plus 8) are packed two to a byte, the first of each pair in the low nibble.
+(-7..7, stored plus 8) are packed two to a byte, the first of each pair in the low nibble. nf4
+(QLoRA's NormalFloat4) packs alike the index of the nearest of 16 levels, spaced as a normal
+distribution's quantiles (dense near zero, where most weights are), of the block scaled to its
+largest magnitude.
 
 `QuantizedLinear` replaces the layer's `nn.Linear`: its codes and scales are buffers, so
 `to_jax` places them like any frozen tensor (split on a mesh as the weight they stand for would
@@ -21,14 +24,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SCHEMES = {"int8": 127, "int4": 7}  # scheme -> largest code
+SCHEMES = {"int8": 127, "int4": 7, "nf4": 1}  # scheme -> largest code (nf4: of the normalized levels)
 BLOCK = 64  # values per scale, along the layer's input dimension
 SCALE_DTYPE = torch.bfloat16  # as bitsandbytes' and qwix's scales: the base's bytes, not its precision, matter
+# QLoRA's NormalFloat4: the 16 levels (of a block scaled by its largest magnitude) that split a
+# normal distribution into equal shares, zero exact; bitsandbytes' table.
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
 
 
-def quantize(weight: torch.Tensor, scheme: str, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of a (out, in) weight: int8 codes (out, in), or for int4 uint8 (out, in / 2)
-    two codes a byte; scales (out, in / block) in SCALE_DTYPE. `in` must divide by `block`."""
+def quantize(weight: torch.Tensor, scheme: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
+    """The fields of a (out, in) weight's blocks: `codes`, int8 (out, in) for int8, or uint8
+    (out, in / 2) two codes a byte for int4 and nf4; `scales` (out, in / block) in SCALE_DTYPE;
+    for nf4 also `levels`, its 16 values. `in` must divide by `block`."""
     out_features, in_features = weight.shape
     if in_features % block:
         raise ValueError(f"a weight of {in_features} inputs does not split into blocks of {block}")
@@ -37,12 +47,17 @@ def quantize(weight: torch.Tensor, scheme: str, block: int = BLOCK) -> tuple[tor
     scales = (blocks.abs().amax(dim=-1) / top).to(SCALE_DTYPE)
     # Divide by the scale as stored, so the codes are those of the stored scale.
     divisor = scales.float().unsqueeze(-1)
-    codes = torch.where(divisor > 0, blocks / torch.where(divisor > 0, divisor, 1.0), 0.0)
-    codes = codes.round().clamp(-top, top).to(torch.int8).reshape(out_features, in_features)
+    normalized = torch.where(divisor > 0, blocks / torch.where(divisor > 0, divisor, 1.0), 0.0)
+    if scheme == "nf4":  # the nearest level: its index among the midpoints between levels
+        levels = torch.tensor(NF4_LEVELS)
+        nibbles = torch.bucketize(normalized.clamp(-1, 1), (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
+        nibbles = nibbles.reshape(out_features, in_features // 2, 2)
+        return {"codes": nibbles[..., 0] | (nibbles[..., 1] << 4), "scales": scales, "levels": levels}
+    codes = normalized.round().clamp(-top, top).to(torch.int8).reshape(out_features, in_features)
     if scheme == "int8":
-        return codes, scales
+        return {"codes": codes, "scales": scales}
     nibbles = (codes + 8).to(torch.uint8).reshape(out_features, in_features // 2, 2)
-    return nibbles[..., 0] | (nibbles[..., 1] << 4), scales
+    return {"codes": nibbles[..., 0] | (nibbles[..., 1] << 4), "scales": scales}
 
 
 # GGUF's own blocks of 32 values (ggml's layouts), kept as the file holds them, each block's bytes
@@ -62,6 +77,9 @@ def dequantize(tensors: dict[str, torch.Tensor], scheme: str, dtype: torch.dtype
         values = codes.to(dtype).reshape(out_features, blocks, -1)
     elif scheme == "int4":  # pairs packed low nibble first, stored plus 8
         values = torch.stack((codes & 0x0F, codes >> 4), dim=-1).to(dtype).reshape(out_features, blocks, -1) - 8
+    elif scheme == "nf4":  # pairs packed low nibble first, each the index of its level
+        index = torch.stack((codes & 0x0F, codes >> 4), dim=-1).reshape(out_features, blocks, -1)
+        values = tensors["levels"].to(dtype)[index.long()]
     else:  # GGUF Q4_0, Q4_1, Q5_0: each block's 16 bytes, low nibbles then high
         packed = codes.reshape(out_features, blocks, GGUF_BLOCK // 2)
         values = torch.cat((packed & 0x0F, packed >> 4), dim=-1)
@@ -86,7 +104,7 @@ class QuantizedLinear(torch.nn.Module):
         self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
         self.compute_dtype = linear.weight.dtype
         if tensors is None:
-            tensors = dict(zip(("codes", "scales"), quantize(linear.weight, scheme, block)))
+            tensors = quantize(linear.weight, scheme, block)
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
@@ -178,5 +196,5 @@ def base_layers(module: torch.nn.Module) -> list[tuple[tuple[str, ...], int]]:
 
 
 def scheme_of(module: torch.nn.Module) -> str:
-    """'int8' or 'int4' for a module whose base `quantize_base` quantized, else 'none'."""
+    """The scheme of a module whose base `quantize_base` quantized (int8, int4, nf4), else 'none'."""
     return next((sub.scheme for sub in module.modules() if isinstance(sub, QuantizedLinear)), "none")
