@@ -116,10 +116,37 @@ class QuantizedLinear(torch.nn.Module):
         return dequantize(self.tensors(), self.scheme, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_dequantized().to(x.dtype), self.bias)
+        tensors = self.tensors()
+        if _traced(x):
+            x, tensors = _tied_to_input(x, tensors)
+        return F.linear(x, dequantize(tensors, self.scheme, self.compute_dtype).to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+def _traced(x: torch.Tensor) -> bool:
+    """Whether `x` is torchax's (a step being traced into JAX) rather than plain PyTorch's."""
+    from torchax.tensor import Tensor
+
+    return isinstance(x, Tensor)
+
+
+def _tied_to_input(x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """`x` and the layer's codes and scales, unchanged, through one optimization barrier, and the
+    codes and scales with no gradient. The barrier makes the dequantizing wait for the layer's
+    input: a dequantized weight depends on no activation, so XLA would otherwise dequantize every
+    layer's weights ahead of time, or keep the forward pass's for the backward pass, all live
+    together (Gemma 3 4B's int4 LoRA step on v5e with remat=layer: 11.2 GiB of temporaries,
+    against 1.4 GiB with its bfloat16 base). Without a gradient, autodiff keeps no unpacked
+    codes for the scales' (which nothing asks for)."""
+    import jax
+    from torchax import interop
+
+    def tie(x, tensors):
+        return jax.lax.optimization_barrier((x, jax.tree.map(jax.lax.stop_gradient, tensors)))
+
+    return interop.call_jax(tie, x, tensors)
 
 
 def quantizable(module: torch.nn.Module, block: int = BLOCK) -> list[str]:
