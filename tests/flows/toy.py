@@ -29,6 +29,18 @@ def run_toy(store: Path, *overrides: str, refresh=(), until: str = "report") -> 
     return finetune(overrides=[*TOY, f"store.root={store}", *overrides], refresh=list(refresh), until=until)
 
 
+def run_in_new_store(tmp_path_factory, *overrides: str) -> tuple[Path, dict]:
+    """(a new store, the toy run in it with `overrides`): what a module's shared run fixture returns."""
+    store = tmp_path_factory.mktemp("store")
+    return store, run_toy(store, *overrides)
+
+
 def states(result: dict) -> dict[str, str]:
     """{stage: Completed | Cached} of a flow result."""
     return dict(result["stages"])
+
+
+def artifact(store: Path, stage: str) -> Path:
+    """The one artifact folder of `stage` in `store`."""
+    (folder,) = [p for p in (store / stage).iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return folder

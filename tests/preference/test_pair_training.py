@@ -70,18 +70,9 @@ def test_the_nan_guard_stops_a_dpo_run_naming_the_step_and_the_kept_checkpoint(t
 
 def test_dpo_on_a_mesh_of_four_devices_trains_as_on_one():
     """A process of its own: JAX fixes its device count when it starts."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.fake_devices import run_with_devices
 
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    done = subprocess.run([sys.executable, "-m", "tests.preference.pair_mesh_runs"], cwd=Path(__file__).parents[2],
-                          env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    runs = run_with_devices("tests.preference.pair_mesh_runs", 4)
     assert runs["one"][0] == pytest.approx(math.log(2), abs=1e-6) and runs["one"][-1] < runs["one"][0]
     # As tests/mesh: the log's 6-decimal rounding, and float32 sums in another order.
     np.testing.assert_allclose(runs["mesh"], runs["one"], rtol=1e-6, atol=1e-6)

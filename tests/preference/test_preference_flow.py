@@ -10,7 +10,7 @@ import numpy as np
 
 import pytest
 
-from tests.flows.toy import run_toy, states
+from tests.flows.toy import artifact, run_in_new_store, run_toy, states
 
 pytestmark = [pytest.mark.preference, pytest.mark.slow]
 DPO = ("data.format=preference", "train.objective=dpo", "train.eval_every=2")
@@ -18,13 +18,7 @@ DPO = ("data.format=preference", "train.objective=dpo", "train.eval_every=2")
 
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    return store, run_toy(store, *DPO)
-
-
-def artifact(store, stage: str):
-    (folder,) = [p for p in (store / stage).iterdir() if p.is_dir() and not p.name.startswith(".")]
-    return folder
+    return run_in_new_store(tmp_path_factory, *DPO)
 
 
 def test_dpo_runs_the_reference_stage_and_starts_at_ln_2(dpo_run):

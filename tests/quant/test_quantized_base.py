@@ -209,18 +209,9 @@ def test_the_memory_plan_counts_the_base_layers_as_held(scheme, ratio):
 @pytest.mark.slow
 def test_on_a_mesh_the_codes_are_split_and_loss_and_gradients_are_one_devices():
     """In a child process with 4 fake CPU devices (JAX reads the device count once): (1, 2, 2) against one device."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.fake_devices import run_with_devices
 
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-    done = subprocess.run([sys.executable, "-m", "tests.quant.quant_mesh_runs"], cwd=Path(__file__).parents[2],
-                          env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    runs = run_with_devices("tests.quant.quant_mesh_runs", 4)
     # q_proj is column-parallel: its (64, 32) int4 codes and (64, 1) scales split out over tensor, in over fsdp
     # where the dimension divides (one scale a row: its in dimension stays whole).
     assert runs["mesh"]["specs"] == {"codes": ["tensor", "fsdp"], "scales": ["tensor"]}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.flows.toy import run_toy, states
+from tests.flows.toy import artifact, run_in_new_store, run_toy, states
 
 pytestmark = [pytest.mark.quant, pytest.mark.slow]
 # Width 64, so q, k, v, gate and up (64 inputs) and down (128) split into blocks of 64; o_proj's
@@ -20,13 +20,7 @@ INT4 = ("model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.
 
 @pytest.fixture(scope="module")
 def int4_run(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    return store, run_toy(store, *INT4)
-
-
-def artifact(store, stage: str):
-    (folder,) = [p for p in (store / stage).iterdir() if p.is_dir() and not p.name.startswith(".")]
-    return folder
+    return run_in_new_store(tmp_path_factory, *INT4)
 
 
 def test_the_base_is_quantized_once_and_the_report_says_the_adapter_learned_against_it(int4_run):
