@@ -67,7 +67,7 @@ def test_a_missing_or_malformed_config_file_is_refused(jaxtune, tmp_path):
     assert done.stderr == f"jaxtune: {broken}: line 2, column 1: expected ',' or ']', but got '<stream end>'\n", done.stderr
 
 
-@pytest.mark.parametrize(("flag", "stages"), [("--refresh", "build_tokenizer, build_model, import_gguf, merge_adapter, tokenize"), ("--until", "stages: tokenize, reference, baseline_eval")])
+@pytest.mark.parametrize(("flag", "stages"), [("--refresh", "build_tokenizer, build_model, import_gguf, merge_adapter, quantize_base, tokenize"), ("--until", "stages: tokenize, reference, baseline_eval")])
 def test_an_unknown_stage_gets_a_did_you_mean(jaxtune, flag, stages):
     done = jaxtune.run(flag, "trian")
     assert (done.status, done.flow_started) == (2, False)
