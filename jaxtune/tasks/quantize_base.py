@@ -44,7 +44,7 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
         from safetensors.torch import save_file
 
         from jaxtune.runtime.model import load_torch_model
-        from jaxtune.runtime.quantize import QuantizedLinear, quantize_base
+        from jaxtune.runtime.quantize import quantize_base
 
         name, revision = pretrained_location(inputs["model"])
         module = load_torch_model(name, revision, section.trust_remote_code, section.dtype).requires_grad_(False)
@@ -58,7 +58,6 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
             schemes = dict.fromkeys(quantize_base(module, section.scheme), section.scheme)
             tensors = {f"{layer}.{field}": tensor.contiguous() for layer in schemes
                        for field, tensor in module.get_submodule(layer).tensors().items()}
-            assert all(isinstance(module.get_submodule(layer), QuantizedLinear) for layer in schemes)
         save_file(tensors, str(folder / STORED))
         itemsize = torch.empty((), dtype=getattr(torch, section.dtype)).element_size()
         weights = sum(_weight_elements(module, layer) for layer in schemes)
