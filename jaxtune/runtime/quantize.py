@@ -112,9 +112,6 @@ class QuantizedLinear(torch.nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_buffers())
 
-    def weight_dequantized(self) -> torch.Tensor:
-        return dequantize(self.tensors(), self.scheme, self.compute_dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tensors = self.tensors()
         if _traced(x):
@@ -182,7 +179,7 @@ def load_base(module: torch.nn.Module, stored: dict[str, torch.Tensor], schemes:
     by a `QuantizedLinear` of the `stored` tensors ('<name>.codes', '<name>.scales', ...) made
     before; returns their names. A layer the stored base does not name stays as it is (a GGUF
     tensor of a type held dequantized)."""
-    names = [name for name in quantizable(module, block=1) if plain_name(name) in schemes]
+    names = _stored_layers(module, schemes)
     for name in names:
         key = plain_name(name)
         _replace(module, name, lambda linear: QuantizedLinear(linear, schemes[key], _fields(stored, key)))
@@ -193,12 +190,17 @@ def dequantize_base(module: torch.nn.Module, stored: dict[str, torch.Tensor], sc
     """Set, in place, the weight of every frozen linear layer `schemes` names to what its stored
     codes stand for (computed in float32): the base a LoRA adapter was trained against, into which
     an export merges it. Returns their names."""
-    names = [name for name in quantizable(module, block=1) if plain_name(name) in schemes]
+    names = _stored_layers(module, schemes)
     with torch.no_grad():
         for name in names:
             key, linear = plain_name(name), module.get_submodule(name)
             linear.weight.copy_(dequantize(_fields(stored, key), schemes[key], torch.float32))
     return names
+
+
+def _stored_layers(module: torch.nn.Module, schemes: dict[str, str]) -> list[str]:
+    """The frozen linear layers of `module` (PEFT's names) that a stored base holds (by `plain_name`)."""
+    return [name for name in quantizable(module, block=1) if plain_name(name) in schemes]
 
 
 def _fields(stored: dict[str, torch.Tensor], layer: str) -> dict[str, torch.Tensor]:
