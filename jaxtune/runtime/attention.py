@@ -12,14 +12,16 @@ row is ever fully masked (no NaN) and a padded row computes what it computes alo
 are segments too. transformers builds no (b, 1, t, t) mask for it: `ATTENTION` is absent from
 its mask registry on purpose.
 
-The scores never outlive one layer. On a TPU mesh the core is Pallas's splash-attention kernel
-(`splash`), which never forms them. Elsewhere, and on TPU where the kernel does not apply
-(attention dropout, a sequence not a whole number of its tiles), the core runs under
+The scores never outlive one layer. On accelerators the core is a Pallas kernel that never
+forms them: splash attention on a TPU mesh (`splash`), flash attention on NVIDIA GPUs
+(`gpu_flash`). Elsewhere, and where the kernel does not apply (attention dropout; a sequence not
+a whole number of its tiles; on GPUs a head size that is not a power of two), the core runs under
 `tied_checkpoint`, so the backward pass recomputes the scores from q, k and v instead of keeping
 (b, heads, t, t) per layer: `jax.nn.dot_product_attention` (XLA's on every backend: given no
 `implementation`, JAX 0.10 never picks cuDNN's), or, for soft-capped scores (Gemma 2) and
 attention dropout, which that function cannot express, the same math written out in JAX, still
-checkpointed.
+checkpointed. A kernel passed over says why, once per reason, as a warning of the
+`jaxtune.attention` logger.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,18 +37,22 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jaxtune.runtime import splash
+from jaxtune.runtime import gpu_flash, splash
 from jaxtune.runtime.remat import next_key, tied_checkpoint
 
 ATTENTION = "jaxtune_fused"
+KERNELS = {"splash": splash, "gpu-flash": gpu_flash}  # each has `refusal(length, head, dropout)` and `attention`
+DEFAULT_KERNEL = {"tpu": "splash", "gpu": "gpu-flash"}  # by the mesh's platform; XLA's attention elsewhere
+logger = logging.getLogger("jaxtune.attention")
+_REPORTED: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """Which core a traced step's attention runs: "xla" or "splash", on what mesh."""
+    """Which core a traced step's attention runs: "xla", "splash" or "gpu-flash", on what mesh."""
     name: str = "xla"
     mesh: object = None
-    interpret: bool = False  # splash in Pallas's interpreter: its exact arithmetic on any backend (tests)
+    interpret: bool = False  # a Pallas kernel in Pallas's interpreter: its exact arithmetic on any backend (tests)
 
 
 _KERNEL: contextvars.ContextVar[Kernel] = contextvars.ContextVar("jaxtune_attention_kernel", default=Kernel())
@@ -53,19 +60,20 @@ _CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxtune_at
 
 
 def kernel_for(mesh) -> Kernel:
-    """Splash attention for a mesh of TPUs (real or compile-only), XLA's attention otherwise;
-    `choose` overrides it."""
+    """Splash attention for a mesh of TPUs, flash attention for one of NVIDIA GPUs (real or
+    compile-only), XLA's attention otherwise; `choose` overrides it."""
     chosen = _CHOSEN.get()
-    if chosen == "splash-interpret":
-        return Kernel("splash", mesh, interpret=True)
+    if chosen and chosen.endswith("-interpret"):
+        return Kernel(chosen.removesuffix("-interpret"), mesh, interpret=True)
     platform = mesh.devices.flat[0].platform if mesh is not None else None
-    return Kernel(chosen or ("splash" if platform == "tpu" else "xla"), mesh)
+    return Kernel(chosen or DEFAULT_KERNEL.get(platform, "xla"), mesh)
 
 
 @contextlib.contextmanager
 def choose(name: str) -> Iterator[None]:
-    """Steps traced inside run `name` ("xla", "splash", or "splash-interpret": splash on the CPU,
-    interpreted) whatever their devices: to compare the two cores on one target."""
+    """Steps traced inside run `name` ("xla", "splash", "gpu-flash", or a kernel's name with
+    "-interpret": that kernel on the CPU, interpreted) whatever their devices: to compare cores
+    on one target."""
     token = _CHOSEN.set(name)
     try:
         yield
@@ -111,13 +119,14 @@ def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         raise ValueError(f"{ATTENTION} attention needs the segment_ids keyword; it runs only inside jaxtune's steps")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kernel = _KERNEL.get()
-    if kernel.name == "splash" and splash.supports(query.shape[2], float(dropout)):
-        def run_splash(q, k, v, segments):
+    pallas = KERNELS.get(kernel.name)
+    if pallas is not None and _applies(kernel.name, pallas.refusal(query.shape[2], query.shape[3], float(dropout))):
+        def run_kernel(q, k, v, segments):
             q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (b, t, heads, h)
-            return splash.attention(q, k, v, segments, scale=float(scale), window=sliding_window, softcap=softcap,
+            return pallas.attention(q, k, v, segments, scale=float(scale), window=sliding_window, softcap=softcap,
                                     mesh=kernel.mesh, interpret=kernel.interpret)
 
-        return interop.call_jax(run_splash, query, key, value, segment_ids), None
+        return interop.call_jax(run_kernel, query, key, value, segment_ids), None
     dropout_key = next_key() if dropout else jnp.zeros((2,), jnp.uint32)
     core = functools.partial(_core, scale=float(scale), window=sliding_window, softcap=softcap, dropout=float(dropout))
 
@@ -127,6 +136,14 @@ def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 
     out = interop.call_jax(run, query, key, value, segment_ids, interop.torch_view(dropout_key))
     return out, None
+
+
+def _applies(name: str, refusal: str | None) -> bool:
+    """Whether the kernel runs; where it does not, say why (once per reason)."""
+    if refusal is not None and (name, refusal) not in _REPORTED:
+        _REPORTED.add((name, refusal))
+        logger.warning("attention: %s does not take %s; XLA's attention runs instead", name, refusal)
+    return refusal is None
 
 
 def register() -> None:

@@ -124,3 +124,17 @@ def make_placement(cfg: MeshConfig, devices: Sequence | None = None) -> Placemen
     mesh = jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                          devices=devices[:used])
     return Placement(mesh=mesh, overrides=dict(cfg.shardings))
+
+
+def per_device(kernel, mesh, query, key, value, segment_ids):
+    """`kernel(q, k, v, segment ids)` for attention, run on each device's shard of a mesh under
+    `shard_map` (XLA cannot split a Pallas call itself): rows split over the batch axes, heads over
+    the tensor axis where they divide. q (b, t, n, h), k/v (b, t, kv, h), segment ids (b, t)."""
+    if mesh is None or mesh.size == 1:
+        return kernel(query, key, value, segment_ids)
+    rows = BATCH_AXES if query.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
+    tensor = mesh.shape["tensor"]
+    heads = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 and key.shape[2] % tensor == 0 else None
+    spec = PartitionSpec(rows, None, heads, None)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(rows, None)), out_specs=spec,
+                         check_vma=False)(query, key, value, segment_ids)

@@ -7,12 +7,11 @@ of temporaries on a v5e against 768.6 MiB for XLA's attention (checkpointed, as
 `attention._core` runs). It takes
 segment ids (packed rows and padding, as `attention.segment_mask`) and Gemma 2's soft-capped
 logits; attention dropout it cannot express, and sequences that are not a whole number of its
-128-token tiles it does not take: `supports` says when it applies.
+128-token tiles it does not take: `refusal` says why it does not apply.
 
 Grouped-query attention runs the kernel's multi-query form once per key/value head, over that
-head's group of query heads. On a mesh of several devices the kernel runs per device under
-`shard_map` (XLA cannot split a Pallas call itself): rows split over the batch axes, heads over
-the tensor axis where they divide.
+head's group of query heads. On a mesh of several devices the kernel runs per device
+(`mesh.per_device`).
 """
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.sharding import PartitionSpec
-
-from jaxtune.runtime.mesh import BATCH_AXES
 
 BLOCKS = (512, 256, 128)  # tile lengths tried, largest first: a tile must divide the sequence
 
@@ -31,22 +27,22 @@ def block_for(length: int) -> int | None:
     return next((block for block in BLOCKS if length % block == 0), None)
 
 
-def supports(length: int, dropout: float) -> bool:
-    return dropout == 0.0 and block_for(length) is not None
+def refusal(length: int, head: int, dropout: float) -> str | None:
+    """Why the kernel does not apply (None when it does)."""
+    if dropout:
+        return "attention dropout"
+    if block_for(length) is None:
+        return f"sequence length {length}, not a multiple of the kernel's {BLOCKS[-1]}-token tiles"
+    return None
 
 
 def attention(query, key, value, segment_ids, *, scale: float, window: int | None, softcap: float | None,
               mesh=None, interpret: bool = False):
     """q (b, t, n, h), k/v (b, t, kv, h), segment ids (b, t) -> (b, t, n, h), as `attention._core` computes it."""
+    from jaxtune.runtime.mesh import per_device
+
     local = functools.partial(_local, scale=scale, window=window, softcap=softcap, interpret=interpret)
-    if mesh is None or mesh.size == 1:
-        return local(query, key, value, segment_ids)
-    rows = BATCH_AXES if query.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
-    tensor = mesh.shape["tensor"]
-    heads = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 and key.shape[2] % tensor == 0 else None
-    spec = PartitionSpec(rows, None, heads, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(rows, None)), out_specs=spec,
-                         check_vma=False)(query, key, value, segment_ids)
+    return per_device(local, mesh, query, key, value, segment_ids)
 
 
 def _local(query, key, value, segment_ids, *, scale, window, softcap, interpret):

@@ -46,7 +46,9 @@ def test_splash_attention_computes_xlas_attention_and_its_gradients(window, soft
 
 def test_splash_takes_whole_tiles_and_no_dropout():
     assert [splash.block_for(t) for t in (2048, 768, 384, 128, 96, 1000)] == [512, 256, 128, 128, None, None]
-    assert splash.supports(512, 0.0) and not splash.supports(512, 0.1) and not splash.supports(100, 0.0)
+    assert splash.refusal(512, 256, 0.0) is None
+    assert splash.refusal(512, 256, 0.1) == "attention dropout"
+    assert splash.refusal(100, 256, 0.0) == "sequence length 100, not a multiple of the kernel's 128-token tiles"
 
 
 def test_a_models_loss_and_gradients_are_the_same_through_splash(tmp_path):

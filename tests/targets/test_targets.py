@@ -163,16 +163,16 @@ def test_the_eval_and_decode_steps_compile_for_v5e_2x2_holding_the_weight_shards
     assert decoded["temp_bytes"] >= 2 * 4 * 2 * (64 + 8) * 64 * 2
 
 
-def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device(tiny_folder):
+def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device_and_on_a_gpu_flash(tiny_folder):
     """Each of the two layers' attention calls the splash kernel (a Pallas call for Mosaic, TPU's
-    kernel compiler) inside a shard_map over the fsdp mesh; forced to XLA's attention, nothing
-    does. A GPU keeps XLA's."""
+    kernel compiler) inside a shard_map over the fsdp mesh; on one GPU, the flash kernel (a Pallas
+    call for Triton) once per layer; forced to XLA's attention, neither does."""
     import jax
     import jax.numpy as jnp
 
     from jaxtune.runtime import attention, steps
 
-    def kernels(target: str, choice: str | None = None) -> tuple[int, int, int]:
+    def kernels(target: str, choice: str | None = None) -> tuple[int, int, int, int]:
         config, model = _placed_model(tiny_folder, FSDP4 if target == "v5e:2x2" else [], target)
         rows = model.placement.batch_sharding
         batch = {name: jax.ShapeDtypeStruct((4, 128), jnp.int32, sharding=rows) for name in steps.BATCH_KEYS}
@@ -180,11 +180,13 @@ def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device(tiny_folder
             lowered = steps.make_eval_step(model).jitted.lower(steps.shapes_of(model.weights), steps.shapes_of(model.buffers),
                                                                batch, batch["input_ids"])
         text = lowered.as_text()
-        return text.count("func.call @_splash_attention("), text.count("manual_computation"), text.count("@tpu_custom_call(")
+        return (text.count("func.call @_splash_attention("), text.count("manual_computation"), text.count("@tpu_custom_call("),
+                text.count("@__gpu$xla.gpu.triton("))
 
-    calls, per_device, pallas = kernels("v5e:2x2")
-    assert (calls, per_device) == (2, 2) and pallas >= 1
-    assert kernels("v5e:2x2", "xla") == kernels("h100") == (0, 0, 0)
+    calls, per_device, pallas, triton = kernels("v5e:2x2")
+    assert (calls, per_device, triton) == (2, 2, 0) and pallas >= 1
+    assert kernels("h100") == (0, 0, 0, 2)
+    assert kernels("v5e:2x2", "xla") == kernels("h100", "xla") == (0, 0, 0, 0)
 
 
 def _tiny_plan(folder, capsys, target: str) -> str:
