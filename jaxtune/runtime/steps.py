@@ -228,9 +228,17 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     `batch_size` is the whole micro-batch's rows, split over the mesh as training splits it; the
     bytes are one device's: of arguments (weights, frozen tensors, optimizer state, batch), of
     outputs, of temporaries (activations kept for the backward pass, gradients), and their peak.
-    The step is the one training calls (`shared_train_step`), so that its first call at these
-    shapes reuses this trace instead of tracing the model again.
     """
+    return compiled_memory(compiled_train_step(model, optimizer, micro_batches, batch_size, length, remat, fused,
+                                               objective, segments))
+
+
+def compiled_train_step(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
+                        length: int, remat: str = "none", fused: bool = True, objective: Objective = SFT,
+                        segments: int = 0):
+    """The train step XLA compiles for (micro_batches, batch_size, length) on the model's devices, from
+    shapes alone. The step is the one training calls (`shared_train_step`), so that its first call at
+    these shapes reuses this trace instead of tracing the model again."""
     program = shared_train_step(model, optimizer, remat, fused, objective)
     weights = shapes_of(model.weights)
     opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)
@@ -243,8 +251,7 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
     with model.env:
-        compiled = program.lower(model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr).compile()
-    return compiled_memory(compiled)
+        return program.lower(model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr).compile()
 
 
 def shapes_of(tree) -> Any:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxtune.data.tokenize import IGNORE_INDEX
-from jaxtune.runtime.loss import chunk_tokens_for, head_token_nll, linear_token_nll
+from jaxtune.runtime.loss import chunk_tokens_for, chunk_tokens_on, head_token_nll, linear_token_nll
 
 pytestmark = pytest.mark.training
 
@@ -139,6 +139,11 @@ def test_chunk_tokens_for():
     assert chunk_tokens_for(32_000) == 520
     assert chunk_tokens_for(10**9) == 8
     assert all(chunk_tokens_for(v) % 8 == 0 for v in (1000, 49_152, 151_936))
+
+
+def test_gpus_take_chunks_of_at_least_512_tokens():
+    assert [chunk_tokens_on(platform, 262_144) for platform in ("cpu", None, "tpu", "gpu")] == [64, 64, 64, 512]
+    assert chunk_tokens_on("gpu", 32_000) == 520 and chunk_tokens_on("gpu", 1000) == chunk_tokens_for(1000) == 16776
 
 
 def count_dots(fn, *args):
