@@ -130,3 +130,19 @@ def test_a_models_loss_and_gradients_are_the_same_through_the_kernel(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.name == "jaxtune.attention"]
     assert warnings == ["attention: gpu-flash does not take sequence length 100, not a multiple of the kernel's "
                         "smallest tile, 16 tokens; XLA's attention runs instead"]
+
+
+def test_in_bfloat16_the_kernel_is_as_near_float32_as_xlas_attention_in_bfloat16():
+    """Training runs bf16: the kernel's error against float32 attention is bf16 rounding, of XLA's
+    own size. Measured: forward max |Δ| 0.0117 (XLA's bf16: 0.0133), gradients 0.0039, 0.0039 and
+    0.0023 relative (XLA's: 0.0040, 0.0039, 0.0023)."""
+    q, k, v, segments = _inputs()
+    xla, kernel = _cores(segments, 16, None)
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    exact = xla(q, k, v)
+    got, xla_low = kernel(*low), xla(*low)
+    assert got.dtype == jnp.bfloat16
+    assert float(jnp.abs(got.astype(jnp.float32) - exact).max()) <= 1.5 * float(jnp.abs(xla_low.astype(jnp.float32) - exact).max())
+    for got, want, xla_got in zip(_gradients(kernel, *low), _gradients(xla, q, k, v), _gradients(xla, *low)):
+        assert got.dtype == jnp.bfloat16
+        assert _gap(got.astype(jnp.float32), want) <= 1.5 * _gap(xla_got.astype(jnp.float32), want)
