@@ -125,7 +125,7 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
                           {"model": model, "data": "tokenize", **base}, mesh))
     return steps + [
         Step("baseline_eval", evaluate.baseline_eval, evaluation, scored, mesh),
-        Step("train", train.train, _train_section(config), scored, (config.mesh, restart)),
+        Step("train", train.train, _train_section(config), scored, (config.mesh, restart, config.tracking)),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
         Step("export", export.export, export.ExportSection(model=model_section, export=config.export),
              {"model": model, "train": "train", **base}),

@@ -12,6 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from jaxtune import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
 from jaxtune.tasks.stage import build_artifact
+from jaxtune.tracking.curves import plot_loss
 
 STAGE = "report"
 EXAMPLES = 6
@@ -121,27 +122,6 @@ def ran_remote_code(train_ref: ArtifactRef) -> bool:
 
 def _log(train_ref: ArtifactRef) -> list[dict]:
     return [json.loads(line) for line in train_ref.file("log.jsonl").read_text().splitlines()]
-
-
-def plot_loss(log: list[dict], baseline: float, final: float, path: Path) -> None:
-    """Train loss per step, eval loss where it was measured during training, and the eval loss before and after."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [r for r in log if "loss" in r]
-    evals = [r for r in log if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", linewidth=1)
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
-    ax.axhline(baseline, color="grey", linestyle="--", label=f"eval before ({baseline:.2f})")
-    ax.axhline(final, color="green", linestyle="--", label=f"eval after ({final:.2f})")
-    ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.legend(), ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def _speed_lines(t: dict) -> list[str]:
