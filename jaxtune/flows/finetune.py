@@ -132,7 +132,7 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
              {"model": model, "train": "train", **base}),
         Step("generate", generate.generate, generate.GenerateSection(model=model_section, generate=config.generate),
              {"model": model, "data": "tokenize", "train": "train", **base}, mesh),
-        Step("report", report.report, {"examples": report.EXAMPLES},
+        Step("report", report.report, {"examples": report.EXAMPLES, "hardest": report.HARDEST},
              {**{stage: stage for stage in STAGES[:-1] if stage != reference.STAGE}, **base}),
     ]
 

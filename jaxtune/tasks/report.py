@@ -11,6 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from jaxtune import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
+from jaxtune.tasks.hardest import HARDEST, hardest_examples, hardest_lines
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tracking.curves import plot_loss
 
@@ -18,8 +19,8 @@ STAGE = "report"
 EXAMPLES = 6
 
 
-def summarize(inputs: dict[str, ArtifactRef]) -> dict:
-    """The numbers a reader checks first, gathered from every upstream artifact."""
+def summarize(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
+    """The numbers a reader checks first, gathered from every upstream artifact (`count`: hardest examples)."""
     baseline = inputs["baseline_eval"].read_json("metrics.json")
     final = inputs["final_eval"].read_json("metrics.json")
     train = inputs["train"].read_json("summary.json")
@@ -41,6 +42,7 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "trust_remote_code": ran_remote_code(inputs["train"]),
         **_preference(baseline, final, train),
         **({"quantized_base": _quantized_base(inputs["base"])} if inputs.get("base") is not None else {}),
+        **({"hardest": hardest} if (hardest := hardest_examples(inputs, count)) else {}),
     }
 
 
@@ -169,6 +171,7 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         f"Exported {summary['export']['kind']}: `{summary['export']['path']}`", "",
         *_gguf_lines(summary["export"].get("gguf") or []),
         *_parity_section(summary["parity"]),
+        *hardest_lines(summary.get("hardest")),
         "## Generations", "",
     ]
     for ex in examples:
@@ -220,7 +223,7 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
     """inputs: `tokenize`, `baseline_eval`, `train`, `final_eval`, `export`, `generate`; `base` over a quantized base."""
 
     def build(folder: Path) -> None:
-        summary = summarize(inputs)
+        summary = summarize(inputs, section.get("hardest", HARDEST))
         log = _log(inputs["train"])
         plot_loss(log, *curve_levels(summary), folder / "loss.png")
         generations = inputs["generate"].file("generations.jsonl").read_text().splitlines()
