@@ -14,6 +14,7 @@ import json
 import os
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from jaxtune.artifacts import ArtifactRef
@@ -25,6 +26,8 @@ CHECK_SECONDS = 3.0  # the reachability check before anything is logged
 # MLflow's client retries a failed request 7 times with backoff (minutes); the server has just
 # answered the check, so a few quick tries are enough, unless the user set their own.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+# Whatever the user set: the client prints the run's address to stdout, credentials and all.
+CLIENT_SETTINGS = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 STEP_METRICS = {"loss": "loss", "eval_loss": "eval_loss", "lr": "learning_rate", "grad_norm": "grad_norm",
                 "tokens_per_second": "tokens_per_second", "mfu": "mfu"}
 REPORT_FILES = ("report.md", "report.json", "loss.png")
@@ -47,13 +50,29 @@ def log_run(config: JaxtuneConfig, done: Mapping[str, ArtifactRef], states: Mapp
         logger.warning("MLflow: not logged: the tracking server %s cannot be reached (%s); the run is complete without it",
                        shown, problem)
         return None
-    for name, value in HTTP_DEFAULTS.items():
-        os.environ.setdefault(name, value)
     try:
-        return _log(uri, config, done, states, logger)
+        with _client_settings():
+            return _log(uri, config, done, states, logger)
     except Exception as error:  # noqa: BLE001 - a tracker's failure is a warning: the run's artifacts are complete
         logger.warning("MLflow: logging to %s failed: %s", shown, without_credentials(first_line(error)))
         return None
+
+
+@contextmanager
+def _client_settings() -> Iterator[None]:
+    """MLflow's client settings while it logs (`HTTP_DEFAULTS` where unset, `CLIENT_SETTINGS`); then
+    those variables as they were, the rest of the environment untouched."""
+    settings = {**HTTP_DEFAULTS, **{k: os.environ[k] for k in HTTP_DEFAULTS if k in os.environ}, **CLIENT_SETTINGS}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def unreachable(uri: str) -> str | None:
@@ -92,8 +111,9 @@ def _log(uri: str, config: JaxtuneConfig, done: Mapping[str, ArtifactRef], state
         client.log_batch(run_id, metrics=chunk)
     logged = _log_files(client, run_id, done)
     client.set_terminated(run_id)
-    logger.info("MLflow: logged run %s to %s (experiment %s): %d params, %d metric values, %s",
-                run_id, without_credentials(uri), name, len(params), len(metrics), ", ".join(logged) or "no files")
+    logger.info("MLflow: logged run %s (%s/#/experiments/%s/runs/%s): %d params, %d metric values, %s",
+                run_id, without_credentials(uri).rstrip("/"), experiment_id, run_id, len(params), len(metrics),
+                ", ".join(logged) or "no files")
     return run_id
 
 
