@@ -14,11 +14,11 @@ import json
 import os
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import JaxtuneConfig, without_credentials
+from jaxtune.environment import temporary_environment
 from jaxtune.errors import first_line
 
 KEY_TAG = "jaxtune.run_key"
@@ -58,21 +58,10 @@ def log_run(config: JaxtuneConfig, done: Mapping[str, ArtifactRef], states: Mapp
         return None
 
 
-@contextmanager
-def _client_settings() -> Iterator[None]:
-    """MLflow's client settings while it logs (`HTTP_DEFAULTS` where unset, `CLIENT_SETTINGS`); then
-    those variables as they were, the rest of the environment untouched."""
-    settings = {**HTTP_DEFAULTS, **{k: os.environ[k] for k in HTTP_DEFAULTS if k in os.environ}, **CLIENT_SETTINGS}
-    saved = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def _client_settings():
+    """MLflow's client settings while it logs: `HTTP_DEFAULTS` where the user set none, `CLIENT_SETTINGS` always."""
+    return temporary_environment({**HTTP_DEFAULTS, **{k: os.environ[k] for k in HTTP_DEFAULTS if k in os.environ},
+                                  **CLIENT_SETTINGS})
 
 
 def unreachable(uri: str) -> str | None:
