@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ui
 
 RUN_NAME = "offline · tiny gemma3 · lora r64"
 REPORT_KEY = "offline-nightly-report"
-CURVE_KEY = "offline-nightly-train-curve"  # the live training curve, made again at each host sync of the toy's 4 steps
+CURVE_KEY = "offline-nightly-train-curve"  # the live training curve, made again at each eval (steps 2 and 4)
 DOCS = ROOT / "docs"
 # --virtual-time-budget lets the SPA fetch and render before the DOM is dumped or the page is shot;
 # without --run-all-compositor-stages-before-draw, screenshots miss lazily shown parts (the artifact timeline).
@@ -65,7 +65,7 @@ def run(tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     with PrefectServer() as server:
         server.deploy()
-        flow_run_id = server.run_deployment("offline-nightly", overrides=[*TOY, f"store.root={store}"])
+        flow_run_id = server.run_deployment("offline-nightly", overrides=[*TOY, "train.eval_every=2", f"store.root={store}"])
         server.work_once()
         with server.client_settings(), get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(flow_run_id)
@@ -95,11 +95,11 @@ def _curve_versions(server, flow_run) -> list:
 
 
 def test_the_live_curve_shows_fewer_steps_mid_run_and_all_at_the_end(run, tmp_path):
-    """What the curve's page showed while training ran (an early version), and what it shows after."""
+    """What the curve's page showed while training ran (the version made at its first eval, step 2 of 4), and what it shows after."""
     server, flow_run, _, _ = run
     versions = _curve_versions(server, flow_run)
     assert len(versions) >= 2, "the curve was made again as training went"
-    for version, screenshot, step in ((versions[0], "ui-train-curve-mid-run.png", 1), (versions[-1], "ui-train-curve.png", 4)):
+    for version, screenshot, step in ((versions[0], "ui-train-curve-mid-run.png", 2), (versions[-1], "ui-train-curve.png", 4)):
         dom = render(f"{server.url}/artifacts/artifact/{version.id}", screenshot, tmp_path)
         assert f"Training, step {step} of 4" in dom, f"the curve at step {step} is not on its page (see docs/{screenshot})"
         [image] = re.findall(r'<img[^>]*\bsrc="data:image/png;base64,([^"]+)"', dom)
