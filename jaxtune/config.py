@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -369,6 +370,40 @@ class PlanConfig(Section):
         "another); the plan flow does the same before it queues a run on the chips")
 
 
+CREDENTIALS_IN_URI = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^/@\s]+)@", re.IGNORECASE)
+
+
+def without_credentials(text: str) -> str:
+    """`text` with the user and password of every URI in it (`http://user:secret@host`) replaced by ***."""
+    return CREDENTIALS_IN_URI.sub(r"\g<scheme>***@", text)
+
+
+class TrackingConfig(Section):
+    """Where a run's curves and numbers also go while and after it trains; none of it is in a cache key."""
+
+    tensorboard: bool = Field(
+        False, description="write TensorBoard event files (every train scalar, the config, the final figures) into "
+        "the train stage's artifact, under tensorboard/")
+    mlflow_uri: str | None = Field(
+        None, description="an MLflow tracking server to log the run to (params, metrics per step, the report and "
+        "adapter, the stage keys); unset: $MLFLOW_TRACKING_URI if set, else no MLflow. Credentials belong in "
+        "$MLFLOW_TRACKING_URI or $MLFLOW_TRACKING_USERNAME and $MLFLOW_TRACKING_PASSWORD, not here")
+    mlflow_experiment: str = Field("jaxtune", min_length=1, description="the MLflow experiment the runs go to")
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> TrackingConfig:
+        # The config is a flow parameter, which Prefect records and shows: a password there would leak.
+        if self.mlflow_uri and without_credentials(self.mlflow_uri) != self.mlflow_uri:
+            raise ValueError("tracking.mlflow_uri holds a user or password, which the run's recorded parameters would "
+                             "show: give the URI with them in $MLFLOW_TRACKING_URI, or set $MLFLOW_TRACKING_USERNAME "
+                             "and $MLFLOW_TRACKING_PASSWORD")
+        return self
+
+    def mlflow_target(self) -> str | None:
+        """The MLflow tracking URI this run logs to, or None for no MLflow."""
+        return self.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
 class JaxtuneConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -380,6 +415,7 @@ class JaxtuneConfig(Section):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
 
     @model_validator(mode="after")

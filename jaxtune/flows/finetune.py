@@ -48,6 +48,7 @@ from jaxtune.tasks import (BUILD_STAGES, STAGES, build_model, build_tokenizer, e
 from jaxtune.tasks.downloads import retry_options
 from jaxtune.tasks.sources import ADAPTER, GGUF, adapter_base, dataset_refs, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
+from jaxtune.tracking import mlflow_run
 
 Stage = Literal[STAGES]
 STAGE_NOTE = "in stage "  # the note a stage's error carries out of the flow
@@ -125,13 +126,13 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
                           {"model": model, "data": "tokenize", **base}, mesh))
     return steps + [
         Step("baseline_eval", evaluate.baseline_eval, evaluation, scored, mesh),
-        Step("train", train.train, _train_section(config), scored, (config.mesh, restart)),
+        Step("train", train.train, _train_section(config), scored, (config.mesh, restart, config.tracking)),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
         Step("export", export.export, export.ExportSection(model=model_section, export=config.export),
              {"model": model, "train": "train", **base}),
         Step("generate", generate.generate, generate.GenerateSection(model=model_section, generate=config.generate),
              {"model": model, "data": "tokenize", "train": "train", **base}, mesh),
-        Step("report", report.report, {"examples": report.EXAMPLES},
+        Step("report", report.report, {"examples": report.EXAMPLES, "hardest": report.HARDEST},
              {**{stage: stage for stage in STAGES[:-1] if stage != reference.STAGE}, **base}),
     ]
 
@@ -290,7 +291,8 @@ def finetune(
         restart_of: the crashed flow run this one starts again (set by prefect.yaml's restart
             automation; `train` resumes from its checkpoint, and gives up if restarts are stuck).
 
-    Returns {"path": the last stage's artifact folder, "stages": {stage: "Completed" | "Cached"}}.
+    Returns {"path": the last stage's artifact folder, "stages": {stage: "Completed" | "Cached"}}, and
+    with an MLflow server configured "mlflow_run": the MLflow run that holds it (None if not logged).
     A run that a stop signal ended during `train` (checkpointed) ends Crashed, as Prefect marks
     any run a termination signal ends, so the restart automation starts it again; or Cancelled,
     if it was being cancelled.
@@ -328,7 +330,10 @@ def finetune(
             report.publish_report(done["report"])
         browse.publish_stages(done, run.states)
     get_run_logger().info("stages: %s", ", ".join(f"{k}={v}" for k, v in run.states.items()))
-    return {"path": done[until].path, "stages": run.states}
+    result = {"path": done[until].path, "stages": run.states}
+    if processes.writes() and config.tracking.mlflow_target():
+        result["mlflow_run"] = mlflow_run.log_run(config, done, run.states, get_run_logger())
+    return result
 
 
 def _stopped_state(stopped: TrainingStopped) -> State:

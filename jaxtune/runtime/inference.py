@@ -28,6 +28,11 @@ def evaluate(
 ) -> dict:
     """Token-weighted loss and perplexity over all rows, and the same per category (see `row_nll`)."""
     nll, count = row_nll(model, input_ids, labels, batch_size, pad_id, eval_step, progress)
+    return loss_summary(nll, count, categories)
+
+
+def loss_summary(nll: np.ndarray, count: np.ndarray, categories: Sequence[str]) -> dict:
+    """`evaluate`'s figures from each row's summed NLL and scored tokens (`row_nll`)."""
     return {**_loss_summary(nll, count), "per_category": _per_category(nll, count, categories)}
 
 

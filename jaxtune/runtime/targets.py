@@ -29,6 +29,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from jaxtune.environment import temporary_environment
 from jaxtune.errors import TargetError
 
 GiB = 2**30
@@ -225,12 +226,5 @@ def _no_host_lookup():
     never drive one chip, which would keep a second plan from compiling while a first one does:
     compile-only devices drive no chip. A real TPU VM's own settings are kept."""
     settings = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    found = {key: os.environ.get(key) for key in settings}
-    for key, value in settings.items():
-        os.environ.setdefault(key, value)
-    try:
+    with temporary_environment({key: os.environ.get(key, value) for key, value in settings.items()}):
         yield
-    finally:
-        for key, value in found.items():
-            if value is None:
-                os.environ.pop(key, None)

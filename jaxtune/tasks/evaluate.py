@@ -3,7 +3,8 @@
 For preference pairs (train.objective dpo or simpo), also the objective's loss, preference
 accuracy, reward margin and the chosen and rejected answers' log-probabilities
 (`inference.pair_summary`), against the `reference` stage's log-probabilities for DPO; loss and
-perplexity are then those of the chosen answers."""
+perplexity are then those of the chosen answers. An SFT eval also writes each row's loss
+(rows.json), from which the report finds the rows training helped least."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.trained import open_trained_model
 
 PARITY_ROWS = 4  # eval rows whose logits are also computed in PyTorch, to certify the numerics
+ROWS = "rows.json"  # each eval row's loss, in eval.arrow's order (SFT evals)
 
 
 class EvalSection(Section):
@@ -40,10 +42,16 @@ def _loss_parts(p: dict, section: PairEvalSection) -> str:
     return f" (of which {section.objective} {p['preference_loss']:.4f}; chosen answers' mean NLL {p['chosen_nll']:.4f})"
 
 
+def row_losses(nll, count) -> dict:
+    """Each row's mean token loss (None for a row with no scored token) and its scored tokens."""
+    return {"loss": [round(float(n / c), 6) if c else None for n, c in zip(nll, count)],
+            "tokens": [int(c) for c in count]}
+
+
 def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, mesh: MeshConfig) -> ArtifactRef:
     def build(folder: Path) -> None:
         from jaxtune.data.token_table import TokenTable
-        from jaxtune.runtime.inference import evaluate
+        from jaxtune.runtime.inference import loss_summary, row_nll
         from jaxtune.runtime.parity import logits_parity
 
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]
@@ -57,7 +65,9 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
                         "rejected %.3f over %d pairs", stage, section.objective, p["loss"], _loss_parts(p, section),
                         p["accuracy"], p["margin"], p["chosen_logp"], p["rejected_logp"], p["pairs"])
         else:
-            metrics = evaluate(model, table.input_ids, table.labels, table.column("category"), section.eval.batch_size, pad_id)
+            nll, count = row_nll(model, table.input_ids, table.labels, section.eval.batch_size, pad_id)
+            metrics = loss_summary(nll, count, table.column("category"))
+            (folder / ROWS).write_text(json.dumps(row_losses(nll, count)))
         metrics["parity"] = logits_parity(model, table.input_ids[:PARITY_ROWS], pad_id)
         (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
         logger.info("%s: loss %.4f perplexity %.2f over %d tokens", stage, metrics["loss"], metrics["perplexity"], metrics["tokens"])

@@ -11,14 +11,16 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from jaxtune import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
+from jaxtune.tasks.hardest import HARDEST, hardest_examples, hardest_lines
 from jaxtune.tasks.stage import build_artifact
+from jaxtune.tracking.curves import plot_loss
 
 STAGE = "report"
 EXAMPLES = 6
 
 
-def summarize(inputs: dict[str, ArtifactRef]) -> dict:
-    """The numbers a reader checks first, gathered from every upstream artifact."""
+def summarize(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
+    """The numbers a reader checks first, gathered from every upstream artifact (`count`: hardest examples)."""
     baseline = inputs["baseline_eval"].read_json("metrics.json")
     final = inputs["final_eval"].read_json("metrics.json")
     train = inputs["train"].read_json("summary.json")
@@ -40,6 +42,7 @@ def summarize(inputs: dict[str, ArtifactRef]) -> dict:
         "trust_remote_code": ran_remote_code(inputs["train"]),
         **_preference(baseline, final, train),
         **({"quantized_base": _quantized_base(inputs["base"])} if inputs.get("base") is not None else {}),
+        **({"hardest": hardest} if (hardest := hardest_examples(inputs, count)) else {}),
     }
 
 
@@ -123,27 +126,6 @@ def _log(train_ref: ArtifactRef) -> list[dict]:
     return [json.loads(line) for line in train_ref.file("log.jsonl").read_text().splitlines()]
 
 
-def plot_loss(log: list[dict], baseline: float, final: float, path: Path) -> None:
-    """Train loss per step, eval loss where it was measured during training, and the eval loss before and after."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [r for r in log if "loss" in r]
-    evals = [r for r in log if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", linewidth=1)
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
-    ax.axhline(baseline, color="grey", linestyle="--", label=f"eval before ({baseline:.2f})")
-    ax.axhline(final, color="green", linestyle="--", label=f"eval after ({final:.2f})")
-    ax.set_xlabel("step"), ax.set_ylabel("loss"), ax.legend(), ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def _speed_lines(t: dict) -> list[str]:
     """Batch shape, the share of it that was real tokens, and model-FLOPs utilisation with its derivation."""
     if t.get("batch_shape") is None:
@@ -189,6 +171,7 @@ def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
         f"Exported {summary['export']['kind']}: `{summary['export']['path']}`", "",
         *_gguf_lines(summary["export"].get("gguf") or []),
         *_parity_section(summary["parity"]),
+        *hardest_lines(summary.get("hardest")),
         "## Generations", "",
     ]
     for ex in examples:
@@ -240,7 +223,7 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
     """inputs: `tokenize`, `baseline_eval`, `train`, `final_eval`, `export`, `generate`; `base` over a quantized base."""
 
     def build(folder: Path) -> None:
-        summary = summarize(inputs)
+        summary = summarize(inputs, section.get("hardest", HARDEST))
         log = _log(inputs["train"])
         plot_loss(log, *curve_levels(summary), folder / "loss.png")
         generations = inputs["generate"].file("generations.jsonl").read_text().splitlines()

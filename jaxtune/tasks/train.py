@@ -7,11 +7,15 @@ import json
 import shutil
 from pathlib import Path
 
+import yaml
+
 from prefect import get_run_logger, task
 
 from jaxtune import processes, ui
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
-from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, Section, TrainConfig
+from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, Section, TrackingConfig, TrainConfig,
+                            without_credentials)
+from jaxtune.errors import first_line
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
 
@@ -28,7 +32,7 @@ class TrainSection(Section):
 
 @task(name=STAGE, result_serializer="json")
 def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig,
-          restart: bool = False) -> ArtifactRef:
+          restart: bool = False, tracking: TrackingConfig = TrackingConfig()) -> ArtifactRef:
     """inputs: `model` (base weights and tokenizer), `data` (the tokenize artifact) and, for DPO,
     `reference` (the reference stage's log-probabilities).
 
@@ -36,6 +40,8 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
     crash resumes from the newest one; they are removed once the artifact is complete.
     `restart`: the flow run is an automatic restart of a crashed one (it may give up, see
     `jaxtune.runtime.training.GIVE_UP_AFTER`).
+    `tracking`: where the curves also go as training runs (the Prefect UI always; TensorBoard
+    event files in the artifact's tensorboard/ with `tracking.tensorboard`); not in the key.
     """
     checkpoints = ArtifactStore(store_root).scratch(STAGE, stage_key(STAGE, __name__, section, input_keys(inputs)))
 
@@ -60,7 +66,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         evals = TokenTable(inputs["data"].file("eval.arrow"))
         objective = objective_of(section.train.objective, section.preference)
         feed = training.feed_for(model, rows.lengths, section.train, rows.longest, section.packing, objective.pairs)
-        log = TrainLog(folder / "log.jsonl", training.total_steps(section.train, feed))
+        log = TrainLog(folder / "log.jsonl", training.total_steps(section.train, feed), section, tracking)
         reference = None
         if inputs.get("reference") is not None:
             reference = (read_reference(inputs["reference"], "train"), read_reference(inputs["reference"], "eval"))
@@ -69,6 +75,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
                                     rows.longest, log, eval_data=(evals.input_ids, evals.labels),
                                     checkpoint_dir=checkpoints, packing=section.packing, feed=feed, restart=restart,
                                     objective=objective, reference=reference)
+            log.finish(result.summary)
         finally:
             log.close()
         rt_model.save_weights(result.weights, folder / "params.safetensors")
@@ -102,19 +109,28 @@ def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path
 
 
 class TrainLog:
-    """Where training records go: log.jsonl (one JSON line each), the Prefect log, and a Prefect
-    progress artifact that the UI shows as a bar (in a multi-process job, process 0's alone)."""
+    """Where training records go: log.jsonl (one JSON line each), the Prefect log, a Prefect progress
+    artifact that the UI shows as a bar, the live curve and latest figures (at each periodic eval,
+    or each host sync without one), and TensorBoard when asked (in a multi-process job, process 0's alone)."""
 
-    def __init__(self, path: Path, total_steps: int):
+    def __init__(self, path: Path, total_steps: int, section: TrainSection, tracking: TrackingConfig):
         from prefect.artifacts import create_progress_artifact
+
+        from jaxtune.tracking.live import LiveCurve
+        from jaxtune.tracking.tensorboard import TensorBoardWriter
 
         self.file = path.open("w")
         self.total = total_steps
         self.logger = get_run_logger()
-        self.progress = None
+        self.progress = self.live = self.tensorboard = None
+        self.live_at_evals = section.train.eval_every is not None
         if processes.writes():
             self.progress = create_progress_artifact(0.0, key=ui.artifact_key("train-progress"),
                                                      description=f"training, {total_steps} steps")
+            self.live = LiveCurve(total_steps)
+            if tracking.tensorboard:
+                text = without_credentials(yaml.safe_dump(section.model_dump(mode="json"), sort_keys=False))
+                self.tensorboard = TensorBoardWriter(path.parent / "tensorboard", text)
 
     def __call__(self, records: list[dict]) -> None:
         from prefect.artifacts import update_progress_artifact
@@ -125,13 +141,33 @@ class TrainLog:
                 continue
             self.file.write(json.dumps(record) + "\n")
         self.file.flush()  # a crash keeps every record up to the last sync
-        last = records[-1]
+        records = [r for r in records if "message" not in r]
+        if self.tensorboard is not None:
+            self.tensorboard.write(records)
+        last = records[-1] if records else {}
         if "eval_loss" in last:
             self.logger.info("step %(step)d eval loss %(eval_loss).4f", last)
         elif "loss" in last:
             self.logger.info("step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f", last)
             if self.progress is not None:
                 update_progress_artifact(self.progress, 100.0 * last["step"] / self.total)
+        if self.live is not None and last:
+            self.live.add(records)
+            if "eval_loss" in last or not self.live_at_evals:
+                self._publish_live()
+
+    def _publish_live(self) -> None:
+        """The live curve and figures; a failure to show them is a warning, never the end of training."""
+        try:
+            self.live.publish()
+        except Exception as error:  # noqa: BLE001 - the UI's copy must not stop the run
+            self.logger.warning("the live training curve could not be published: %s", first_line(error))
+
+    def finish(self, summary: dict) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.finish(summary, self.total)
 
     def close(self) -> None:
         self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

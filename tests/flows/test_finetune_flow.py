@@ -59,6 +59,35 @@ def test_exact_match_is_what_the_generations_say(store, first, report):
     assert report["exact_match"]["before"] == 0.0
 
 
+def test_the_report_names_the_eval_rows_training_helped_least(store, report, first):
+    """Both evals record each row's loss; the report's hardest rows are those whose loss fell
+    least or rose, and its per-category shares of rows that got worse agree with the same numbers."""
+    def rows(stage: str) -> list[float]:
+        return json.loads(next((store / stage).glob("*/rows.json")).read_text())["loss"]
+
+    before, after = rows("baseline_eval"), rows("final_eval")
+    hardest = report["hardest"]
+    assert len(before) == len(after) == hardest["compared"] == 24
+    changes = sorted((a - b for b, a in zip(before, after)), reverse=True)
+    assert [r["change"] for r in hardest["rows"]] == pytest.approx(changes[:5], abs=2e-6)
+    for r in hardest["rows"]:
+        assert (r["baseline_loss"], r["final_loss"]) == (before[r["row"]], after[r["row"]])
+    generations = [json.loads(line) for line in next((store / "generate").glob("*/generations.jsonl")).read_text().splitlines()]
+    assert [r["generation"] for r in hardest["rows"]] == [
+        generations[r["row"]]["after"] if r["row"] < 4 else None for r in hardest["rows"]]
+    assert [r["prompt"] for r in hardest["rows"] if r["row"] < 4] == [
+        generations[r["row"]]["prompt"] for r in hardest["rows"] if r["row"] < 4]
+    worse = hardest["worse_by_category"]
+    assert sum(m["rows"] for m in worse.values()) == 24
+    assert sum(m["worse"] for m in worse.values()) == sum(a > b for b, a in zip(before, after))
+    assert all(m["share"] == m["worse"] / m["rows"] for m in worse.values())
+    # Weighted by their scored tokens, the rows' losses give back the eval loss.
+    tokens = json.loads(next((store / "final_eval").glob("*/rows.json")).read_text())["tokens"]
+    assert sum(a * t for a, t in zip(after, tokens)) / sum(tokens) == pytest.approx(report["final"]["loss"], rel=1e-5)
+    text = (Path(first["path"]) / "report.md").read_text()
+    assert "## Hardest examples" in text and f"| {hardest['rows'][0]['row']} |" in text
+
+
 def test_training_shows_progress_in_the_prefect_ui(store, first):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey

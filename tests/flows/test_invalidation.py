@@ -28,6 +28,9 @@ FLIPS = {
     "export": ("export.dtype=bfloat16", {"export", "report"}),
     # How the batch is laid over devices does not change what is computed.
     "mesh": ("mesh.data=1", set()),
+    # Where the curves also go (TensorBoard files, an MLflow server) is no stage's business.
+    "tracking": ("tracking.tensorboard=true", set()),
+    "mlflow": ("tracking.mlflow_experiment=other", set()),
 }
 
 

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.ui
 
 RUN_NAME = "offline · tiny gemma3 · lora r64"
 REPORT_KEY = "offline-nightly-report"
+CURVE_KEY = "offline-nightly-train-curve"  # the live training curve, made again at each eval (steps 2 and 4)
 DOCS = ROOT / "docs"
 # --virtual-time-budget lets the SPA fetch and render before the DOM is dumped or the page is shot;
 # without --run-all-compositor-stages-before-draw, screenshots miss lazily shown parts (the artifact timeline).
@@ -64,7 +65,7 @@ def run(tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     with PrefectServer() as server:
         server.deploy()
-        flow_run_id = server.run_deployment("offline-nightly", overrides=[*TOY, f"store.root={store}"])
+        flow_run_id = server.run_deployment("offline-nightly", overrides=[*TOY, "train.eval_every=2", f"store.root={store}"])
         server.work_once()
         with server.client_settings(), get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(flow_run_id)
@@ -80,6 +81,31 @@ def run(tmp_path_factory):
 def test_report_page_shows_text_and_loss_curve(run, tmp_path):
     server, _, artifact_id, _ = run
     assert_report(render(f"{server.url}/artifacts/artifact/{artifact_id}", "ui-report.png", tmp_path))
+
+
+def _curve_versions(server, flow_run) -> list:
+    """The live curve's versions in this run, oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+
+    with server.client_settings(), get_client(sync_client=True) as client:
+        versions = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[CURVE_KEY])),
+                                         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    return sorted(versions, key=lambda a: a.created)
+
+
+def test_the_live_curve_shows_fewer_steps_mid_run_and_all_at_the_end(run, tmp_path):
+    """What the curve's page showed while training ran (the version made at its first eval, step 2 of 4), and what it shows after."""
+    server, flow_run, _, _ = run
+    versions = _curve_versions(server, flow_run)
+    assert len(versions) >= 2, "the curve was made again as training went"
+    for version, screenshot, step in ((versions[0], "ui-train-curve-mid-run.png", 2), (versions[-1], "ui-train-curve.png", 4)):
+        dom = render(f"{server.url}/artifacts/artifact/{version.id}", screenshot, tmp_path)
+        assert f"Training, step {step} of 4" in dom, f"the curve at step {step} is not on its page (see docs/{screenshot})"
+        [image] = re.findall(r'<img[^>]*\bsrc="data:image/png;base64,([^"]+)"', dom)
+        assert base64.b64decode(image).startswith(b"\x89PNG\r\n\x1a\n")
+    dom = render(f"{server.url}/artifacts/key/{CURVE_KEY}", "ui-train-curve-key.png", tmp_path)
+    assert all(f'href="/artifacts/artifact/{v.id}"' in dom for v in versions), "the curve's versions are not listed"
 
 
 def test_flow_run_page_shows_run_state_and_stages(run, tmp_path):
@@ -99,7 +125,7 @@ def test_artifact_pages_list_the_run_s_artifacts(run, tmp_path):
     assert f'href="/artifacts/artifact/{artifact_id}"' in dom and RUN_NAME in dom, "report's versions not listed"
     dom = render(f"{server.url}/artifacts", "ui-artifacts.png", tmp_path)
     for key in (REPORT_KEY, "offline-nightly-metrics", "offline-nightly-train-progress", "offline-nightly-stages",
-                "offline-nightly-stage-train"):
+                "offline-nightly-stage-train", CURVE_KEY, "offline-nightly-train-latest"):
         assert key in dom, f"{key} missing from the artifacts page"
 
 

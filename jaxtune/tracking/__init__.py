@@ -1,0 +1,7 @@
+"""Where a run's curves and figures go besides the store: Prefect artifacts updated as it trains
+(`live`), TensorBoard event files (`tensorboard`) and an MLflow server (`mlflow_run`).
+
+Nothing here changes what a stage computes or its key: the stages and the flow hand these
+writers what they already have (log records, summaries, artifact folders), and `tracking.*`
+settings are in no config section a key hashes.
+"""
