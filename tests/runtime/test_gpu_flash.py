@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxtune.runtime import attention, gpu_flash
+from tests.runtime.attention_cores import loss_and_gradients, tiny_gemma_and_batch, worst_gradient_gap
 
 # float32 on this CPU, measured: forward max |Δ| 3.9e-7 (outputs of size ~1), gradients 2.3e-7
 # relative. The kernel sums each row's softmax over 64-token tiles, rescaling as it goes, where
@@ -98,35 +99,17 @@ def test_a_models_loss_and_gradients_are_the_same_through_the_kernel(caplog):
     to `fused_attention`, which transposes and scales for the kernel. Measured: loss 8.6e-8
     relative, the worst weight's gradient 7.3e-7 relative. A sequence the tiles do not divide
     falls back to XLA's attention, and says so once."""
-    from jaxtune.config import MeshConfig
-    from jaxtune.runtime import steps
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
-    from tests.conftest import tiny_model
-
-    model = to_jax(tiny_model("gemma3", layers=2, sliding_window=16), make_placement(MeshConfig()))
-    rng = np.random.default_rng(1)
-    ids = rng.integers(3, 256, (2, 128)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[1, 90:] = 0
-    batch = {"input_ids": ids, "attention_mask": mask}
-    labels = np.where(mask == 1, ids, -100).astype(np.int32)
-    loss, grads, found = {}, {}, {}
-    for name in ("xla", "gpu-flash-interpret"):
-        with attention.choose(name):
-            loss[name], grads[name] = steps.make_loss_and_grad(model)(model.weights, model.buffers, batch, labels)
-    assert abs(float(loss["gpu-flash-interpret"]) / float(loss["xla"]) - 1) <= FORWARD_TOLERANCE
-    for key, want in grads["xla"].items():
-        found[key] = float(jnp.linalg.norm(grads["gpu-flash-interpret"][key] - want) / jnp.linalg.norm(want))
-    assert max(found.values()) <= GRADIENT_TOLERANCE, found
+    model, batch, labels = tiny_gemma_and_batch()
+    xla_loss, xla_grads = loss_and_gradients(model, batch, labels, "xla")
+    loss, grads = loss_and_gradients(model, batch, labels, "gpu-flash-interpret")
+    assert abs(float(loss) / float(xla_loss) - 1) <= FORWARD_TOLERANCE
+    assert worst_gradient_gap(grads, xla_grads) <= GRADIENT_TOLERANCE
 
     short = {name: value[:, :100] for name, value in batch.items()}
     attention._REPORTED.clear()
-    with caplog.at_level(logging.WARNING, logger="jaxtune.attention"), attention.choose("gpu-flash-interpret"):
-        fallback, _ = steps.make_loss_and_grad(model)(model.weights, model.buffers, short, labels[:, :100])
-    with attention.choose("xla"):
-        assert float(fallback) == pytest.approx(float(steps.make_loss_and_grad(model)(model.weights, model.buffers, short,
-                                                                                        labels[:, :100])[0]), rel=1e-6)
+    with caplog.at_level(logging.WARNING, logger="jaxtune.attention"):
+        fallback, _ = loss_and_gradients(model, short, labels[:, :100], "gpu-flash-interpret")
+    assert float(fallback) == pytest.approx(float(loss_and_gradients(model, short, labels[:, :100], "xla")[0]), rel=1e-6)
     warnings = [r.getMessage() for r in caplog.records if r.name == "jaxtune.attention"]
     assert warnings == ["attention: gpu-flash does not take sequence length 100, not a multiple of the kernel's "
                         "smallest tile, 16 tokens; XLA's attention runs instead"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtune.runtime import attention, splash
+from tests.runtime.attention_cores import loss_and_gradients, tiny_gemma_and_batch, worst_gradient_gap
 
 # float32 on this CPU, measured: forward max |Δ| 5.4e-7 (outputs of size ~1), gradients 3.2e-7
 # relative. The kernel's online softmax sums each row in 128-token tiles where XLA's softmax sums
@@ -56,24 +57,8 @@ def test_a_models_loss_and_gradients_are_the_same_through_splash(tmp_path):
     to `fused_attention`, which transposes, scales and groups for the kernel. Measured: loss 9e-8
     relative, the worst weight's gradient 9.3e-7 relative; bounded as the core is. Splash with
     the window dropped fails this and the sliding-window case above."""
-    from jaxtune.runtime import steps
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.config import MeshConfig
-    from jaxtune.runtime.model import to_jax
-    from tests.conftest import tiny_model
-
-    model = to_jax(tiny_model("gemma3", layers=2, sliding_window=16), make_placement(MeshConfig()))
-    rng = np.random.default_rng(1)
-    ids = rng.integers(3, 256, (2, 128)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[1, 90:] = 0
-    batch = {"input_ids": ids, "attention_mask": mask}
-    labels = np.where(mask == 1, ids, -100).astype(np.int32)
-    loss, grads, found = {}, {}, {}
-    for name in ("xla", "splash-interpret"):
-        with attention.choose(name):
-            loss[name], grads[name] = steps.make_loss_and_grad(model)(model.weights, model.buffers, batch, labels)
-    assert abs(float(loss["splash-interpret"]) / float(loss["xla"]) - 1) <= FORWARD_TOLERANCE
-    for key, want in grads["xla"].items():
-        found[key] = float(jnp.linalg.norm(grads["splash-interpret"][key] - want) / jnp.linalg.norm(want))
-    assert max(found.values()) <= GRADIENT_TOLERANCE, found
+    model, batch, labels = tiny_gemma_and_batch()
+    xla_loss, xla_grads = loss_and_gradients(model, batch, labels, "xla")
+    loss, grads = loss_and_gradients(model, batch, labels, "splash-interpret")
+    assert abs(float(loss) / float(xla_loss) - 1) <= FORWARD_TOLERANCE
+    assert worst_gradient_gap(grads, xla_grads) <= GRADIENT_TOLERANCE
