@@ -29,10 +29,11 @@ from pathlib import Path
 from accelerator_setup import CONFIGS, DEFAULT_MODEL, Settings, build_weights
 from harness import RESULTS, ROOT, log, say
 
-# Parts in the order they run, with their shares of the time left when each starts (a part that ends
-# early leaves its time to those after it). From the issue's H200 run of the Gemma 3 1B shape: jaxtune's
-# first LoRA step takes 54 s, torch.compile's 107 s, PyTorch eager's 6 s.
-PARTS = {"jaxtune-lora": 0.30, "torch-eager": 0.08, "torch-compile": 0.30, "jaxtune-full": 0.18, "jaxtune-decode": 0.14}
+# Parts in the order they run, each with the seconds it needs on one H200 for the Gemma 3 1B shape's
+# first cases (from the issue's run: jaxtune's first LoRA step 54 s at 8 x 512, torch.compile's 107 s,
+# PyTorch eager's 6 s, plus each process's imports and loading). A part's limit is the time left
+# shared in these proportions among the parts still to run: one that ends early leaves its time to the rest.
+PARTS = {"jaxtune-lora": 130, "torch-eager": 35, "torch-compile": 125, "jaxtune-full": 80, "jaxtune-decode": 45}
 MINIMUM_PART_SECONDS = 10  # less than this left: the part is skipped, not started
 DEVICE_MINUTES, TINY_MINUTES = 7.0, 10.0
 
@@ -92,7 +93,7 @@ def run_part(part: str, work: Path, limit: float) -> dict:
 
 
 def run_parts(parts: list[str], work: Path, deadline: float) -> dict:
-    """Every part in turn, each limited to its share of the time left."""
+    """Every part in turn, each limited to its share of the time left (`PARTS`)."""
     out = {}
     for i, part in enumerate(parts):
         left = deadline - time.perf_counter()

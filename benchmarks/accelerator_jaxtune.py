@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from accelerator_setup import (RECIPES, Results, Settings, case_name, measure_case, process_rss, prompts,
+from accelerator_setup import (RECIPES, Results, Settings, case_name, measure_cases, process_rss, prompts,
                                train_batch)
 from harness import log
 
@@ -50,10 +50,12 @@ def run_train(settings: Settings, folder: Path, work: Path, method: str) -> None
         per_token = flops.train_flops_per_token(model, length / 2)  # causal: a token attends over half the row on average
         results.add(event="flops", method=method, case=case_name(rows, length), per_token=per_token["total"], detail=per_token)
     initial = jax.device_get(model.weights)  # each case starts from these, with one copy on the device at a time
-    for case in settings.cases:
+
+    def prepare(case):
         step, plan = train_case(settings, cfg, model, initial, case)
-        measure_case(results, settings, f"jaxtune-{method}", case, step, lambda: {**plan(), **jax_memory(model)})
-        del step, plan
+        return step, lambda: {**plan(), **jax_memory(model)}
+
+    measure_cases(results, settings, f"jaxtune-{method}", prepare)
 
 
 def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, int]):

@@ -59,7 +59,9 @@ def train_results(settings: Settings, lines: dict, parts: dict, peak: float | No
             if side not in parts:
                 continue
             figures = side_figures(lines.get(side, []), case, flops.get(method, {}).get(case), peak, matmul)
-            if "tokens_per_second" not in figures:
+            if "error" in figures and "tokens_per_second" not in figures:
+                figures["missing"] = f"failed: {figures['error']}"
+            elif "tokens_per_second" not in figures:
                 figures["missing"] = f"not measured: {side} {parts[side]['status']}"
             sides[side] = figures
         out[case] = {"sides": sides, **comparisons(sides)}

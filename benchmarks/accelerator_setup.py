@@ -129,6 +129,24 @@ class Results:
         return lines
 
 
+def measure_cases(results: Results, settings: Settings, side: str, prepare) -> None:
+    """Every case of the run on one side, in order: `prepare(case)` -> (step, memory) (see `measure_case`).
+    A case that fails (out of memory, say) is recorded as such, and the next one runs."""
+    import gc
+    import traceback
+
+    from harness import log
+
+    for case in settings.cases:
+        try:
+            measure_case(results, settings, side, case, *prepare(case))
+        except Exception as e:  # noqa: BLE001  (one case's failure must not lose the cases after it)
+            traceback.print_exc()
+            results.add(case=case_name(*case), side=side, error=f"{type(e).__name__}: {e}"[:300])
+            log(f"{side} {case_name(*case)}: failed ({type(e).__name__})")
+        gc.collect()
+
+
 def measure_case(results: Results, settings: Settings, side: str, case: tuple[int, int], step, memory) -> None:
     """Time one train case on one side: `step(i)` runs synchronously on batch i (returning the loss
     as a float at i = 0). The first step's time is trace + compile + run; then `warmups` untimed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from accelerator_setup import RECIPES, Results, Settings, measure_case, process_rss, prompts, train_batch
+from accelerator_setup import RECIPES, Results, Settings, measure_cases, process_rss, prompts, train_batch
 from harness import log
 
 
@@ -43,13 +43,17 @@ def run_train(settings: Settings, folder: Path, work: Path, compiled: bool) -> N
     results.add(event="loaded")
     initial = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
     run = torch.compile(module, backend=settings.compile_backend) if compiled else module
-    for case in settings.cases:
+
+    def prepare(case):
         with torch.no_grad():
             for name, p in module.named_parameters():
                 if name in initial:
                     p.copy_(initial[name])
-        step = train_case(settings, cfg.train, run, case)
-        measure_case(results, settings, part, case, step, torch_memory)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what an earlier case (or its failure) left cached
+        return train_case(settings, cfg.train, run, case), torch_memory
+
+    measure_cases(results, settings, part, prepare)
 
 
 def peft_model(folder: Path, lora, dtype: str):
