@@ -3,7 +3,7 @@ whatever accelerator JAX and torch see, with the same weights and batches on eac
 
     python benchmarks/accelerator.py                        # Gemma 3 1B's shape: results/accelerator-latest.{json,md}
     python benchmarks/accelerator.py --model qwen2.5-0.5b   # another shape of benchmarks/configs
-    python benchmarks/accelerator.py --minutes 15 --parts jaxtune-lora --parts torch-compile
+    python benchmarks/accelerator.py --minutes 15 --parts jaxtune --parts torch-compile
     python benchmarks/accelerator.py --tiny --out /tmp/acc  # every part on the CPU with a toy model (make test runs it)
 
 The driver builds the model's random weights once (one seed) from a config-only folder and saves
@@ -29,32 +29,29 @@ from pathlib import Path
 from accelerator_setup import CONFIGS, DEFAULT_MODEL, Settings, build_weights
 from harness import RESULTS, ROOT, log, say
 
-# Parts in the order they run, each with the seconds it needs on one H200 for the Gemma 3 1B shape's
-# first cases (from the issue's run: jaxtune's first LoRA step 54 s at 8 x 512, torch.compile's 107 s,
-# PyTorch eager's 6 s, plus each process's imports and loading). A part's limit is the time left
-# shared in these proportions among the parts still to run: one that ends early leaves its time to the rest.
-PARTS = {"jaxtune-lora": 130, "torch-eager": 35, "torch-compile": 125, "jaxtune-full": 80, "jaxtune-decode": 45}
+# Parts (child processes) in the order they run, each with the seconds it needs on one H200 for the
+# Gemma 3 1B shape's first cases (from the issue's run: jaxtune's first LoRA step 54 s at 8 x 512,
+# torch.compile's 107 s, PyTorch eager's 6 s, plus each process's imports and loading; jaxtune's is the
+# sum of its sections, accelerator_jaxtune.SECTIONS). A part's limit is the time left shared in these
+# proportions among the parts still to run: one that ends early leaves its time to the rest.
+PARTS = {"jaxtune": 255, "torch-eager": 35, "torch-compile": 125}
 MINIMUM_PART_SECONDS = 10  # less than this left: the part is skipped, not started
 DEVICE_MINUTES, TINY_MINUTES = 7.0, 10.0
 
 
-def run_child(part: str, work: Path) -> None:
-    """One part, in this process."""
+def run_child(part: str, work: Path, limit: float) -> None:
+    """One part, in this process, which its parent kills `limit` seconds after starting it."""
     import jaxtune  # noqa: F401  (first: where no accelerator is present, JAX stays on the CPU, quietly)
 
     settings, folder = Settings.load(work), work / "model"
-    if part.startswith("torch-"):
-        from accelerator_torch import run_train
+    if part == "jaxtune":
+        import accelerator_jaxtune
 
-        run_train(settings, folder, work, compiled=part == "torch-compile")
-    elif part == "jaxtune-decode":
-        from accelerator_jaxtune import run_decode
-
-        run_decode(settings, folder, work)
+        accelerator_jaxtune.run(settings, folder, work, limit)
     else:
-        from accelerator_jaxtune import run_train
+        import accelerator_torch
 
-        run_train(settings, folder, work, part.removeprefix("jaxtune-"))
+        accelerator_torch.run_train(settings, folder, work, compiled=part == "torch-compile")
 
 
 
@@ -63,7 +60,8 @@ def run_part(part: str, work: Path, limit: float) -> dict:
     """Run `part` in a child process for at most `limit` seconds; its output goes to stderr as it comes."""
     start = time.perf_counter()
     tail: collections.deque[str] = collections.deque(maxlen=15)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", part, "--work", str(work)],
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", part, "--work", str(work),
+                             "--limit", f"{limit:.1f}"],
                             cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)  # its own group: a kill takes its compile workers too
 
@@ -123,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output stem (default benchmarks/results/accelerator-latest, or accelerator-tiny)")
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--limit", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        run_child(args.child, Path(args.work))
+        run_child(args.child, Path(args.work), args.limit)
         return 0
 
     from accelerator_report import write_report

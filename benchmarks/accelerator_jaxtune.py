@@ -1,6 +1,7 @@
-"""jaxtune's side of the accelerator benchmark, one child process per part: the recipes' train steps
-(`train`, LoRA or full) and greedy decoding (`decode`), built as the pipeline's stages build them:
-the recipe's config, `open_model`, `make_optimizer`, `make_train_step`, `greedy_generate`."""
+"""jaxtune's side of the accelerator benchmark, one child process (`jaxtune`): the recipes' train steps
+(LoRA, then full), then greedy decoding, built as the pipeline's stages build them: the recipe's
+config, `open_model`, `make_optimizer`, `make_train_step`, `greedy_generate`. Each section gets its
+share of the process's time (`SECTIONS`); a case is not started past its section's share."""
 
 from __future__ import annotations
 
@@ -33,19 +34,38 @@ def open_benchmark_model(settings: Settings, folder: Path, method: str | None):
     return cfg, open_model(str(folder), None, cfg.model, placement, lora=lora, train_all=method == "full")
 
 
-def run_train(settings: Settings, folder: Path, work: Path, method: str) -> None:
-    """Every case of `method`'s train step, in order; each line is written as soon as it is known."""
+# The sections in order, with the seconds each needs on one H200 for the Gemma 3 1B shape's first cases:
+# the time left is shared among the sections still to run in these proportions.
+SECTIONS = {"lora": 130, "full": 80, "decode": 45}
+
+
+def run(settings: Settings, folder: Path, work: Path, limit: float) -> None:
+    """Every section within `limit` seconds from now; each line is written as soon as it is known."""
+    from jaxtune.runtime import flops
+
+    end = time.perf_counter() + limit
+    results = Results(work, "jaxtune")
+    results.add(event="device", **device_info(), peak=flops.chip_peak())
+    results.add(event="matmul", **measured_matmul(settings))
+    names = list(SECTIONS)
+    for i, section in enumerate(names):
+        left = end - time.perf_counter()
+        deadline = time.perf_counter() + left * SECTIONS[section] / sum(SECTIONS[n] for n in names[i:])
+        if section == "decode":
+            run_decode(settings, folder, results)
+        else:
+            run_train(settings, folder, results, section, deadline)
+
+
+def run_train(settings: Settings, folder: Path, results: Results, method: str, deadline: float) -> None:
+    """`method`'s train step on every case, in order, none started after `deadline`."""
     import jax
 
     from jaxtune.runtime import flops
 
-    results = Results(work, f"jaxtune-{method}")
-    results.add(event="device", **device_info(), peak=flops.chip_peak())
-    if method == "lora":
-        results.add(event="matmul", **measured_matmul(settings))
     start = time.perf_counter()
     cfg, model = open_benchmark_model(settings, folder, method)
-    results.add(event="loaded", seconds=time.perf_counter() - start)
+    results.add(event="loaded", method=method, seconds=time.perf_counter() - start)
     for rows, length in settings.cases:  # counted before any case runs, so a cut case's other sides still get an MFU
         per_token = flops.train_flops_per_token(model, length / 2)  # causal: a token attends over half the row on average
         results.add(event="flops", method=method, case=case_name(rows, length), per_token=per_token["total"], detail=per_token)
@@ -55,7 +75,7 @@ def run_train(settings: Settings, folder: Path, work: Path, method: str) -> None
         step, plan = train_case(settings, cfg, model, initial, case)
         return step, lambda: {**plan(), **jax_memory(model)}
 
-    measure_cases(results, settings, f"jaxtune-{method}", prepare)
+    measure_cases(results, settings, f"jaxtune-{method}", prepare, deadline)
 
 
 def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, int]):
@@ -133,14 +153,13 @@ def measured_matmul(settings: Settings) -> dict:
     return {"n": n, "dtype": settings.dtype, "seconds": seconds, "flops_per_second": 2 * n**3 / seconds}
 
 
-def run_decode(settings: Settings, folder: Path, work: Path) -> None:
+def run_decode(settings: Settings, folder: Path, results: Results) -> None:
     """Greedy decoding of the prompts as the generate stage decodes them (`greedy_generate`, no end-of-sequence
     stop): the first call compiles, then the median of `decode_repeats` calls."""
     import statistics
 
     from jaxtune.runtime.inference import greedy_generate
 
-    results = Results(work, "jaxtune-decode")
     _, model = open_benchmark_model(settings, folder, None)
     batch = prompts(settings, model.config.vocab_size).tolist()
 

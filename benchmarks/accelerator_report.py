@@ -11,35 +11,36 @@ from accelerator_setup import Results, Settings, case_name
 from harness import fmt, machine_info
 
 SIDES = {"jaxtune-lora": "lora", "jaxtune-full": "full", "torch-eager": "lora", "torch-compile": "lora"}
+PART_OF = {"jaxtune-lora": "jaxtune", "jaxtune-full": "jaxtune", "torch-eager": "torch-eager", "torch-compile": "torch-compile"}
 BASELINES = ("torch-eager", "torch-compile")  # each compared with jaxtune-lora, case by case
 GiB = 2**30
 
 
-def gather(work: Path, parts: dict) -> dict:
-    """{part: [its result lines]} for every part that ran."""
-    return {part: Results.read(work, part) for part in parts}
+def gather(work: Path, parts: dict) -> list[dict]:
+    """The result lines of every part that ran, each with its part's name."""
+    return [{**line, "part": part} for part in parts for line in Results.read(work, part)]
 
 
-def first_event(lines: dict, event: str, parts=("jaxtune-lora", "jaxtune-full", "jaxtune-decode")) -> dict | None:
-    return next((line for part in parts for line in lines.get(part, []) if line.get("event") == event), None)
+def first_event(lines: list[dict], event: str, part: str | None = None) -> dict | None:
+    return next((line for line in lines if line.get("event") == event and part in (None, line["part"])), None)
 
 
-def flops_per_token(lines: dict) -> dict:
-    """{method: {case: model FLOPs per token}}, as the jaxtune children counted them (`flops.train_flops_per_token`)."""
+def flops_per_token(lines: list[dict]) -> dict:
+    """{method: {case: model FLOPs per token}}, as jaxtune's child counted them (`flops.train_flops_per_token`)."""
     out: dict = {}
-    for part in ("jaxtune-lora", "jaxtune-full"):
-        for line in lines.get(part, []):
-            if line.get("event") == "flops":
-                out.setdefault(line["method"], {})[line["case"]] = line["per_token"]
+    for line in lines:
+        if line.get("event") == "flops":
+            out.setdefault(line["method"], {})[line["case"]] = line["per_token"]
     return out
 
 
-def side_figures(lines: list[dict], case: str, per_token: float | None, peak: float | None, matmul: float | None) -> dict:
+def side_figures(lines: list[dict], side: str, case: str, per_token: float | None, peak: float | None,
+                 matmul: float | None) -> dict:
     """One side's figures for one case, its lines merged; MFU = tokens/s x FLOPs per token / peak FLOP/s."""
     merged: dict = {}
     for line in lines:
-        if line.get("case") == case and "side" in line:
-            merged.update({k: v for k, v in line.items() if k not in ("case", "side")})
+        if line.get("case") == case and line.get("side") == side:
+            merged.update({k: v for k, v in line.items() if k not in ("case", "side", "part")})
     if "tokens_per_second" in merged and per_token:
         achieved = merged["tokens_per_second"] * per_token
         merged["flops_per_token"] = per_token
@@ -48,7 +49,15 @@ def side_figures(lines: list[dict], case: str, per_token: float | None, peak: fl
     return merged
 
 
-def train_results(settings: Settings, lines: dict, parts: dict, peak: float | None, matmul: float | None) -> dict:
+def why_missing(figures: dict, side: str, parts: dict) -> str:
+    if "error" in figures:
+        return f"failed: {figures['error']}"
+    if "skipped" in figures:
+        return figures["skipped"]
+    return f"not measured: {PART_OF[side]} {parts[PART_OF[side]]['status']}"
+
+
+def train_results(settings: Settings, lines: list[dict], parts: dict, peak: float | None, matmul: float | None) -> dict:
     """{case: {side: figures, or {"missing": why}}, ratios and step-0 loss agreement}."""
     flops = flops_per_token(lines)
     out = {}
@@ -56,13 +65,11 @@ def train_results(settings: Settings, lines: dict, parts: dict, peak: float | No
         case = case_name(rows, length)
         sides = {}
         for side, method in SIDES.items():
-            if side not in parts:
+            if PART_OF[side] not in parts:
                 continue
-            figures = side_figures(lines.get(side, []), case, flops.get(method, {}).get(case), peak, matmul)
-            if "error" in figures and "tokens_per_second" not in figures:
-                figures["missing"] = f"failed: {figures['error']}"
-            elif "tokens_per_second" not in figures:
-                figures["missing"] = f"not measured: {side} {parts[side]['status']}"
+            figures = side_figures(lines, side, case, flops.get(method, {}).get(case), peak, matmul)
+            if "tokens_per_second" not in figures:
+                figures["missing"] = why_missing(figures, side, parts)
             sides[side] = figures
         out[case] = {"sides": sides, **comparisons(sides)}
     return out
@@ -81,11 +88,14 @@ def comparisons(sides: dict) -> dict:
     return {"ratios": ratios, "step0_loss_rel_diff": loss}
 
 
-def decode_results(lines: dict, parts: dict) -> dict:
-    ours = {k: v for line in lines.get("jaxtune-decode", []) if line.get("event") == "decode" for k, v in line.items()}
-    theirs = {k: v for line in lines.get("torch-eager", []) if line.get("event") == "decode" for k, v in line.items()}
-    out = {"jaxtune": ours or {"missing": f"not measured: jaxtune-decode {parts.get('jaxtune-decode', {}).get('status', 'not run')}"},
-           "torch_generate": theirs or {"missing": f"not measured: torch-eager {parts.get('torch-eager', {}).get('status', 'not run')}"}}
+def decode_results(lines: list[dict], parts: dict) -> dict:
+    def merged(side: str, part: str) -> dict:
+        found = {k: v for line in lines if line.get("event") == "decode" and line.get("side") == side for k, v in line.items()}
+        found.pop("part", None)
+        return found or {"missing": f"not measured: {part} {parts.get(part, {}).get('status', 'not run')}"}
+
+    ours, theirs = merged("jaxtune", "jaxtune"), merged("torch", "torch-eager")
+    out = {"jaxtune": ours, "torch_generate": theirs}
     if ours.get("tokens") is not None and theirs.get("tokens") is not None:
         pairs = [(a, b) for row_a, row_b in zip(ours["tokens"], theirs["tokens"]) for a, b in zip(row_a, row_b)]
         out["tokens_identical"] = ours["tokens"] == theirs["tokens"]
@@ -97,8 +107,8 @@ def decode_results(lines: dict, parts: dict) -> dict:
 
 def build_report(settings: Settings, weights: dict, parts: dict, work: Path, date: str, seconds: float, minutes: float) -> dict:
     lines = gather(work, parts)
-    device = first_event(lines, "device") or {}
-    torch_device = first_event(lines, "device", parts=("torch-eager", "torch-compile")) or {}
+    device = first_event(lines, "device", "jaxtune") or {}
+    torch_device = first_event(lines, "device", "torch-eager") or first_event(lines, "device", "torch-compile") or {}
     peak = device.get("peak", {}).get("peak_flops")
     matmul = first_event(lines, "matmul") or {}
     return {

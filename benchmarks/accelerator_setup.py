@@ -129,15 +129,18 @@ class Results:
         return lines
 
 
-def measure_cases(results: Results, settings: Settings, side: str, prepare) -> None:
+def measure_cases(results: Results, settings: Settings, side: str, prepare, deadline: float | None = None) -> None:
     """Every case of the run on one side, in order: `prepare(case)` -> (step, memory) (see `measure_case`).
-    A case that fails (out of memory, say) is recorded as such, and the next one runs."""
+    A case that fails (out of memory, say) is recorded as such, and the next one runs; none starts after `deadline`."""
     import gc
     import traceback
 
     from harness import log
 
     for case in settings.cases:
+        if deadline is not None and time.perf_counter() > deadline:
+            results.add(case=case_name(*case), side=side, skipped=f"not started: {side}'s share of the time was used")
+            continue
         try:
             measure_case(results, settings, side, case, *prepare(case))
         except Exception as e:  # noqa: BLE001  (one case's failure must not lose the cases after it)

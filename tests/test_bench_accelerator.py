@@ -34,7 +34,7 @@ def tiny(tmp_path_factory) -> tuple[dict, str]:
 def test_every_part_runs_and_measures_every_case(tiny):
     report, md = tiny
     assert {name: part["status"] for name, part in report["parts"].items()} == dict.fromkeys(
-        ("jaxtune-lora", "torch-eager", "torch-compile", "jaxtune-full", "jaxtune-decode"), "done")
+        ("jaxtune", "torch-eager", "torch-compile"), "done")
     assert len(report["train"]) == len(report["settings"]["cases"])
     for case, result in report["train"].items():
         for side in SIDES:
