@@ -35,19 +35,19 @@ from harness import RESULTS, ROOT, log, say
 # sum of its sections, accelerator_jaxtune.SECTIONS). A part's limit is the time left shared in these
 # proportions among the parts still to run: one that ends early leaves its time to the rest.
 PARTS = {"jaxtune": 255, "torch-eager": 35, "torch-compile": 125}
-MINIMUM_PART_SECONDS = 10  # less than this left: the part is skipped, not started
+MINIMUM_PART_SECONDS = 10  # the least a part is given; with less left, it is not started
 DEVICE_MINUTES, TINY_MINUTES = 7.0, 10.0
 
 
-def run_child(part: str, work: Path, limit: float) -> None:
-    """One part, in this process, which its parent kills `limit` seconds after starting it."""
+def run_child(part: str, work: Path, until: float) -> None:
+    """One part, in this process, which its parent kills at `until` (seconds since the epoch)."""
     import jaxtune  # noqa: F401  (first: where no accelerator is present, JAX stays on the CPU, quietly)
 
     settings, folder = Settings.load(work), work / "model"
     if part == "jaxtune":
         import accelerator_jaxtune
 
-        accelerator_jaxtune.run(settings, folder, work, limit)
+        accelerator_jaxtune.run(settings, folder, work, until)
     else:
         import accelerator_torch
 
@@ -58,10 +58,11 @@ def run_child(part: str, work: Path, limit: float) -> None:
 
 def run_part(part: str, work: Path, limit: float) -> dict:
     """Run `part` in a child process for at most `limit` seconds; its output goes to stderr as it comes."""
+    limit = round(limit)
     start = time.perf_counter()
     tail: collections.deque[str] = collections.deque(maxlen=15)
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", part, "--work", str(work),
-                             "--limit", f"{limit:.1f}"],
+                             "--until", f"{time.time() + limit:.1f}"],
                             cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)  # its own group: a kill takes its compile workers too
 
@@ -83,10 +84,10 @@ def run_part(part: str, work: Path, limit: float) -> dict:
     if code == 0:
         status = "done"
     elif code is None:
-        status = f"cut at its limit of {limit:.0f} s"
+        status = f"cut at its limit of {limit} s"
     else:
         status = f"failed (exit {code}): {next((t for t in reversed(tail) if t.strip()), '')[:300]}"
-    return {"status": status, "seconds": round(seconds, 1), "limit_seconds": round(limit, 1),
+    return {"status": status, "seconds": round(seconds, 1), "limit_seconds": limit,
             **({"output_tail": list(tail)} if code != 0 else {})}
 
 
@@ -95,10 +96,10 @@ def run_parts(parts: list[str], work: Path, deadline: float) -> dict:
     out = {}
     for i, part in enumerate(parts):
         left = deadline - time.perf_counter()
-        limit = left * PARTS[part] / sum(PARTS[p] for p in parts[i:])
-        if limit < MINIMUM_PART_SECONDS:
+        if left < MINIMUM_PART_SECONDS:
             out[part] = {"status": f"not started: {left:.0f} s of the run's time left", "seconds": 0, "limit_seconds": 0}
             continue
+        limit = max(left * PARTS[part] / sum(PARTS[p] for p in parts[i:]), MINIMUM_PART_SECONDS)
         log(f"[bold]{part}[/bold]: up to {limit:.0f} s")
         out[part] = run_part(part, work, limit)
         log(f"{part}: {out[part]['status']} after {out[part]['seconds']:.0f} s")
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output stem (default benchmarks/results/accelerator-latest, or accelerator-tiny)")
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
-    parser.add_argument("--limit", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--until", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        run_child(args.child, Path(args.work), args.limit)
+        run_child(args.child, Path(args.work), args.until)
         return 0
 
     from accelerator_report import write_report

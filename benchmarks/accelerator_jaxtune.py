@@ -39,17 +39,16 @@ def open_benchmark_model(settings: Settings, folder: Path, method: str | None):
 SECTIONS = {"lora": 130, "full": 80, "decode": 45}
 
 
-def run(settings: Settings, folder: Path, work: Path, limit: float) -> None:
-    """Every section within `limit` seconds from now; each line is written as soon as it is known."""
+def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
+    """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
     from jaxtune.runtime import flops
 
-    end = time.perf_counter() + limit
     results = Results(work, "jaxtune")
     results.add(event="device", **device_info(), peak=flops.chip_peak())
     results.add(event="matmul", **measured_matmul(settings))
     names = list(SECTIONS)
     for i, section in enumerate(names):
-        left = end - time.perf_counter()
+        left = until - time.time()
         deadline = time.perf_counter() + left * SECTIONS[section] / sum(SECTIONS[n] for n in names[i:])
         if section == "decode":
             run_decode(settings, folder, results)
