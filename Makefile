@@ -3,6 +3,9 @@
 # `make test`: create .venv, install with test extras, run the suite (one worker per core, a
 # test module per worker in the order tests/conftest.py sorts them, longest kinds first: the suite
 # is mostly single-threaded compiling), listing its 25 slowest steps.
+# `make bench-accelerator`: jaxtune's train step and decoder against PyTorch eager and torch.compile on this
+# machine's accelerator (benchmarks/accelerator.py, 7 minutes; ARGS='--model qwen2.5-0.5b' and the like); with
+# no accelerator, its --tiny mode on the CPU.
 # `make ui-check`: install Chromium if missing, check the Prefect UI renders a real run's report in it.
 # `make gguf-check`: build llama-cpp-python if missing, check llama.cpp runs fine-tuned SmolLM2's and Gemma 3's
 # GGUF export as jaxtune does (prints the agreement and both decoders' tokens/s).
@@ -46,7 +49,7 @@ SMOKE := tests/runtime/test_compat.py tests/flows/test_finetune_flow.py tests/pa
 ACCELERATOR := $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0)
 ON_CPU := $(if $(ACCELERATOR)$(JAX_PLATFORMS),,JAX_PLATFORMS=cpu)
 
-.PHONY: demo demo-real test test-latest ui-check gguf-check install clean bench
+.PHONY: demo demo-real test test-latest ui-check gguf-check install clean bench bench-accelerator
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +94,9 @@ gguf-check: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(ON_CPU) $(BIN)/python benchmarks/bench.py
+
+bench-accelerator: $(VENV)/.installed
+	$(ON_CPU) $(BIN)/python benchmarks/accelerator.py $(if $(ACCELERATOR),,--tiny) $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) .jaxtune

@@ -35,13 +35,14 @@ def packed_epoch(ids, labels, pad_id: int, batch_size: int = 8, max_length: int 
     return shape, batches
 
 
-def matmul_run(n: int) -> Callable[[], None]:
-    """One float32 (n, n) @ (n, n) jnp.dot, compiled and warmed up: the measured peak of the MFU."""
+def matmul_run(n: int, dtype=None) -> Callable[[], None]:
+    """One (n, n) @ (n, n) jnp.dot (float32 unless `dtype`), compiled and warmed up: the measured peak of the MFU."""
     import jax
     import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    dtype = dtype or jnp.float32
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
     dot = jax.jit(jnp.dot)
     jax.block_until_ready(dot(a, b))
     return lambda: jax.block_until_ready(dot(a, b))

@@ -18,10 +18,23 @@ import numpy as np
 
 from jaxtune.runtime.model import JaxModel
 
-# Dense bf16 peak FLOP/s per chip, from the vendors' data sheets.
+# Dense (no sparsity) bf16 peak FLOP/s of one chip, by the device kind JAX reports: the first key
+# the kind starts with. The data sheets quote NVIDIA's figures with sparsity, twice the dense ones.
 ACCELERATOR_PEAK = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
-    "TPU v6 lite": 918e12, "TPU v6e": 918e12, "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,
+    "TPU v4": 275e12,  # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16 per chip
+    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16 per chip; JAX calls the chip "TPU v5 lite"
+    "TPU v5 lite": 197e12, "TPU v5e": 197e12,
+    "TPU v5p": 459e12, "TPU v5": 459e12,  # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16 per chip
+    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16 per chip; JAX calls the chip "TPU v6 lite"
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+    # NVIDIA H100 data sheet (https://www.nvidia.com/en-us/data-center/h100/): bf16 Tensor Core 1,979 TFLOP/s
+    # with sparsity on the SXM part ("NVIDIA H100 80GB HBM3"), 1,513 on the PCIe card, 1,671 on the NVL card
+    "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100": 989e12,
+    # NVIDIA H200 data sheet (https://www.nvidia.com/en-us/data-center/h200/): 1,979 TFLOP/s with sparsity on
+    # the SXM part ("NVIDIA H200"), 1,671 on the NVL card
+    "NVIDIA H200 NVL": 835e12, "NVIDIA H200": 989e12,
+    # NVIDIA A100 data sheet (https://www.nvidia.com/en-us/data-center/a100/): 312 TFLOP/s dense, SXM and PCIe
+    "NVIDIA A100": 312e12,
 }
 
 
@@ -80,14 +93,22 @@ def cpu_peak() -> dict:
                                               f"(2 FMA pipes x 8 lanes x 2) = {peak / 1e9:.1f} GFLOP/s"}
 
 
-def device_peak() -> dict:
-    """Peak FLOP/s of all local devices together, and how it was found."""
-    device = jax.devices()[0]
+def chip_peak(device=None) -> dict:
+    """Peak FLOP/s of one device (the first local one unless given), and how it was found."""
+    device = device or jax.devices()[0]
     if device.platform == "cpu":
         return cpu_peak()
     kind = device.device_kind
     per_chip = next((v for k, v in ACCELERATOR_PEAK.items() if kind.startswith(k)), None)
     if per_chip is None:
         return {"peak_flops": None, "derivation": f"no peak known for {kind}"}
+    return {"peak_flops": per_chip, "derivation": f"{kind} at {per_chip / 1e12:.0f} TFLOP/s dense bf16"}
+
+
+def device_peak() -> dict:
+    """Peak FLOP/s of all local devices together, and how it was found."""
+    one = chip_peak()
+    if jax.devices()[0].platform == "cpu" or one["peak_flops"] is None:
+        return one
     n = jax.local_device_count()
-    return {"peak_flops": per_chip * n, "derivation": f"{n} x {kind} at {per_chip / 1e12:.0f} TFLOP/s dense bf16"}
+    return {"peak_flops": one["peak_flops"] * n, "derivation": f"{n} x {one['derivation']}"}

@@ -1,0 +1,152 @@
+"""`make bench-accelerator`: jaxtune's train step and decoder against PyTorch eager and torch.compile, on
+whatever accelerator JAX and torch see, with the same weights and batches on each side.
+
+    python benchmarks/accelerator.py                        # Gemma 3 1B's shape: results/accelerator-latest.{json,md}
+    python benchmarks/accelerator.py --model qwen2.5-0.5b   # another shape of benchmarks/configs
+    python benchmarks/accelerator.py --minutes 15 --parts jaxtune --parts torch-compile
+    python benchmarks/accelerator.py --tiny --out /tmp/acc  # every part on the CPU with a toy model (make test runs it)
+
+The driver builds the model's random weights once (one seed) from a config-only folder and saves
+them; then each part runs in a child process of its own (`--child PART`), one after another, each
+within its share of the run's time: a child past its limit is killed, and keeps every result line
+it wrote. The report is computed from those lines (accelerator_report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from accelerator_setup import CONFIGS, DEFAULT_MODEL, Settings, build_weights
+from harness import RESULTS, ROOT, log, say
+
+# Parts (child processes) in the order they run, each with the seconds it needs on one H200 for the
+# Gemma 3 1B shape's first cases (from the issue's run: jaxtune's first LoRA step 54 s at 8 x 512,
+# torch.compile's 107 s, PyTorch eager's 6 s, plus each process's imports and loading; jaxtune's is the
+# sum of its sections, accelerator_jaxtune.SECTIONS). A part's limit is the time left shared in these
+# proportions among the parts still to run: one that ends early leaves its time to the rest.
+PARTS = {"jaxtune": 255, "torch-eager": 35, "torch-compile": 125}
+MINIMUM_PART_SECONDS = 10  # the least a part is given; with less left, it is not started
+DEVICE_MINUTES, TINY_MINUTES = 7.0, 10.0
+
+
+def run_child(part: str, work: Path, until: float) -> None:
+    """One part, in this process, which its parent kills at `until` (seconds since the epoch)."""
+    import jaxtune  # noqa: F401  (first: where no accelerator is present, JAX stays on the CPU, quietly)
+
+    settings, folder = Settings.load(work), work / "model"
+    if part == "jaxtune":
+        import accelerator_jaxtune
+
+        accelerator_jaxtune.run(settings, folder, work, until)
+    else:
+        import accelerator_torch
+
+        accelerator_torch.run_train(settings, folder, work, compiled=part == "torch-compile")
+
+
+
+
+def run_part(part: str, work: Path, limit: float) -> dict:
+    """Run `part` in a child process for at most `limit` seconds; its output goes to stderr as it comes."""
+    limit = round(limit)
+    start = time.perf_counter()
+    tail: collections.deque[str] = collections.deque(maxlen=15)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", part, "--work", str(work),
+                             "--until", f"{time.time() + limit:.1f}"],
+                            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)  # its own group: a kill takes its compile workers too
+
+    def relay() -> None:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            tail.append(line.rstrip())
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = None
+    reader.join(timeout=10)
+    seconds = time.perf_counter() - start
+    if code == 0:
+        status = "done"
+    elif code is None:
+        status = f"cut at its limit of {limit} s"
+    else:
+        status = f"failed (exit {code}): {next((t for t in reversed(tail) if t.strip()), '')[:300]}"
+    return {"status": status, "seconds": round(seconds, 1), "limit_seconds": limit,
+            **({"output_tail": list(tail)} if code != 0 else {})}
+
+
+def run_parts(parts: list[str], work: Path, deadline: float) -> dict:
+    """Every part in turn, each limited to its share of the time left (`PARTS`)."""
+    out = {}
+    for i, part in enumerate(parts):
+        left = deadline - time.perf_counter()
+        if left < MINIMUM_PART_SECONDS:
+            out[part] = {"status": f"not started: {left:.0f} s of the run's time left", "seconds": 0, "limit_seconds": 0}
+            continue
+        limit = max(left * PARTS[part] / sum(PARTS[p] for p in parts[i:]), MINIMUM_PART_SECONDS)
+        log(f"[bold]{part}[/bold]: up to {limit:.0f} s")
+        out[part] = run_part(part, work, limit)
+        log(f"{part}: {out[part]['status']} after {out[part]['seconds']:.0f} s")
+    return out
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    rows, _, length = text.partition("x")
+    return int(rows), int(length)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(p.name for p in CONFIGS.iterdir()),
+                        help="the shape: a config-only folder of benchmarks/configs")
+    parser.add_argument("--tiny", action="store_true", help="a toy model of the family, on the CPU, in float32 (make test)")
+    parser.add_argument("--parts", action="append", choices=list(PARTS), help="run only these parts (repeatable)")
+    parser.add_argument("--cases", action="append", type=parse_case, help="train cases ROWSxLENGTH, in order (repeatable)")
+    parser.add_argument("--minutes", type=float, help=f"the whole run's time (default {DEVICE_MINUTES:g}; --tiny {TINY_MINUTES:g})")
+    parser.add_argument("--out", help="output stem (default benchmarks/results/accelerator-latest, or accelerator-tiny)")
+    parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--until", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        run_child(args.child, Path(args.work), args.until)
+        return 0
+
+    from accelerator_report import write_report
+
+    began = time.perf_counter()
+    minutes = args.minutes or (TINY_MINUTES if args.tiny else DEVICE_MINUTES)
+    deadline = began + 60 * minutes
+    settings = Settings.make(args.model, args.tiny, tuple(args.cases) if args.cases else None)
+    stem = Path(args.out) if args.out else RESULTS / ("accelerator-tiny" if args.tiny else "accelerator-latest")
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    with tempfile.TemporaryDirectory(prefix="jaxtune-accelerator-") as folder:
+        work = Path(folder)
+        settings.save(work)
+        log(f"building {settings.model}{' (tiny)' if settings.tiny else ''} weights, {settings.dtype}")
+        weights = build_weights(settings, work / "model")
+        parts = run_parts(args.parts or list(PARTS), work, deadline)
+        md = write_report(stem, settings, weights, parts, work, date, time.perf_counter() - began, minutes)
+    say(md)
+    log(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""jaxtune's side of the accelerator benchmark, one child process (`jaxtune`): the recipes' train steps
+(LoRA, then full), then greedy decoding, built as the pipeline's stages build them: the recipe's
+config, `open_model`, `make_optimizer`, `make_train_step`, `greedy_generate`. Each section gets its
+share of the process's time (`SECTIONS`); a case is not started past its section's share."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from accelerator_setup import (RECIPES, Results, Settings, case_name, measure_cases, process_rss, prompts,
+                               train_batch)
+from harness import log
+
+
+def recipe(settings: Settings, method: str):
+    """The published recipe's config (configs/gemma3-1b-dolly-*.yaml), computing in the run's dtype."""
+    from jaxtune.config import load_config
+
+    return load_config(RECIPES[method], overrides=[f"model.dtype={settings.dtype}"])
+
+
+def open_benchmark_model(settings: Settings, folder: Path, method: str | None):
+    """The model as the train stage opens it (`method` None: the base, as the generate stage does), on one device:
+    the other side runs on one too."""
+    import jax
+
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import open_model
+
+    cfg = recipe(settings, method or "lora")
+    placement = make_placement(cfg.mesh, devices=jax.devices()[:1])
+    lora = cfg.lora if method == "lora" else None
+    return cfg, open_model(str(folder), None, cfg.model, placement, lora=lora, train_all=method == "full")
+
+
+# The sections in order, with the seconds each needs on one H200 for the Gemma 3 1B shape's first cases:
+# the time left is shared among the sections still to run in these proportions.
+SECTIONS = {"lora": 130, "full": 80, "decode": 45}
+
+
+def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
+    """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
+    from jaxtune.runtime import flops
+
+    results = Results(work, "jaxtune")
+    results.add(event="device", **device_info(), peak=flops.chip_peak())
+    results.add(event="matmul", **measured_matmul(settings))
+    names = list(SECTIONS)
+    for i, section in enumerate(names):
+        left = until - time.time()
+        deadline = time.perf_counter() + left * SECTIONS[section] / sum(SECTIONS[n] for n in names[i:])
+        if section == "decode":
+            run_decode(settings, folder, results)
+        else:
+            run_train(settings, folder, results, section, deadline)
+
+
+def run_train(settings: Settings, folder: Path, results: Results, method: str, deadline: float) -> None:
+    """`method`'s train step on every case, in order, none started after `deadline`."""
+    import jax
+
+    from jaxtune.runtime import flops
+
+    start = time.perf_counter()
+    cfg, model = open_benchmark_model(settings, folder, method)
+    results.add(event="loaded", method=method, seconds=time.perf_counter() - start)
+    for rows, length in settings.cases:  # counted before any case runs, so a cut case's other sides still get an MFU
+        per_token = flops.train_flops_per_token(model, length / 2)  # causal: a token attends over half the row on average
+        results.add(event="flops", method=method, case=case_name(rows, length), per_token=per_token["total"], detail=per_token)
+    initial = jax.device_get(model.weights)  # each case starts from these, with one copy on the device at a time
+
+    def prepare(case):
+        step, plan = train_case(settings, cfg, model, initial, case)
+        return step, lambda: {**plan(), **jax_memory(model)}
+
+    measure_cases(results, settings, f"jaxtune-{method}", prepare, deadline)
+
+
+def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, int]):
+    """(step, plan): step(i) -> loss at i = 0, jaxtune's train step on batch i of `case` from the `initial` weights
+    (the step donates the weights it is given, so the model gets a fresh copy of them for each case); plan() ->
+    XLA's memory plan of that step, read from the compiled program once it has run (no second compile)."""
+    import jax
+    import numpy as np
+
+    from jaxtune.runtime import steps
+    from jaxtune.runtime.packing import unpacked_segments
+
+    rows, length = case
+    model.weights = jax.device_put(initial, jax.tree.map(lambda a: a.sharding, model.weights))
+    optimizer = steps.make_optimizer(cfg.train)
+    train_step = steps.make_train_step(model, optimizer, remat=cfg.train.remat)
+    schedule = steps.learning_rate_schedule(cfg.train, cfg.train.max_steps)
+    state = {"weights": model.weights}
+    state["opt"] = steps.init_optimizer(model, optimizer, state["weights"])
+    vocab = model.config.vocab_size
+    feed = []
+    for i in range(1 + settings.warmups + settings.steps):  # on the device before timing, as the other side's
+        batch = train_batch(settings, vocab, rows, length, i)
+        batch = {**batch, **unpacked_segments(batch["attention_mask"])}
+        feed.append(model.placement.shard_micro_batches({k: np.asarray(v, np.int32)[None] for k, v in batch.items()}))
+
+    def step(i: int):
+        batch = dict(feed[i])
+        labels = batch.pop("labels")
+        loss, state["weights"], state["opt"] = train_step(state["weights"], model.buffers, state["opt"], batch, labels,
+                                                          steps.step_key(cfg.train.seed, i), schedule(i))
+        jax.block_until_ready((loss, state["weights"], state["opt"]))
+        return float(loss) if i == 0 else None
+
+    def plan() -> dict:
+        return {"plan_peak_bytes": steps.train_step_memory(model, optimizer, 1, rows, length, cfg.train.remat)["peak_bytes"]}
+
+    return step, plan
+
+
+def jax_memory(model) -> dict:
+    """The device's peak bytes so far in this process (cases run one after another, so a case that needs
+    less than an earlier one shows the earlier peak), or the process's peak RSS where JAX keeps no count (CPU)."""
+    stats = model.placement.mesh.devices.flat[0].memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return {"peak_bytes": int(stats["peak_bytes_in_use"]), "memory_source": "jax peak_bytes_in_use (process so far)"}
+    return process_rss()
+
+
+def device_info() -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    return {"platform": device.platform, "device_kind": device.device_kind, "devices": jax.device_count(),
+            "jax": jax.__version__}
+
+
+def measured_matmul(settings: Settings) -> dict:
+    """FLOP/s of an (n, n) @ (n, n) matmul in the weights' dtype, median of 10 after a warm-up: the
+    measured peak MFU is also taken against."""
+    import statistics
+
+    import jax.numpy as jnp
+    from training import matmul_run
+
+    n = settings.matmul_n
+    run = matmul_run(n, jnp.dtype(settings.dtype))
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    log(f"matmul {n}^3 {settings.dtype}: {2 * n**3 / seconds / 1e12:.1f} TFLOP/s")
+    return {"n": n, "dtype": settings.dtype, "seconds": seconds, "flops_per_second": 2 * n**3 / seconds}
+
+
+def run_decode(settings: Settings, folder: Path, results: Results) -> None:
+    """Greedy decoding of the prompts as the generate stage decodes them (`greedy_generate`, no end-of-sequence
+    stop): the first call compiles, then the median of `decode_repeats` calls."""
+    import statistics
+
+    from jaxtune.runtime.inference import greedy_generate
+
+    _, model = open_benchmark_model(settings, folder, None)
+    batch = prompts(settings, model.config.vocab_size).tolist()
+
+    def generate():
+        return greedy_generate(model, batch, len(batch), settings.new_tokens, eos_ids=(), pad_id=0)
+
+    start = time.perf_counter()
+    tokens = generate()
+    first = time.perf_counter() - start
+    results.add(event="decode", side="jaxtune", first_call_seconds=first, tokens=tokens)
+    times = []
+    for _ in range(settings.decode_repeats):
+        start = time.perf_counter()
+        generate()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    new = len(batch) * settings.new_tokens
+    results.add(event="decode", side="jaxtune", seconds=seconds, times=times, new_tokens_per_second=new / seconds,
+                **jax_memory(model))
+    log(f"jaxtune decode: {new / seconds:,.0f} new tokens/s (first call {first:.1f} s)")

@@ -1,0 +1,231 @@
+"""The accelerator benchmark's report: its children's result lines gathered into figures per case and
+side (tokens/s, MFU, memory, first step, step-0 loss), the ratios between sides, and the JSON and
+Markdown files. A figure a part did not reach says why (the part's status) instead."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from accelerator_setup import Results, Settings, case_name
+from harness import fmt, machine_info
+
+SIDES = {"jaxtune-lora": "lora", "jaxtune-full": "full", "torch-eager": "lora", "torch-compile": "lora"}
+PART_OF = {"jaxtune-lora": "jaxtune", "jaxtune-full": "jaxtune", "torch-eager": "torch-eager", "torch-compile": "torch-compile"}
+BASELINES = ("torch-eager", "torch-compile")  # each compared with jaxtune-lora, case by case
+GiB = 2**30
+
+
+def gather(work: Path, parts: dict) -> list[dict]:
+    """The result lines of every part that ran, each with its part's name."""
+    return [{**line, "part": part} for part in parts for line in Results.read(work, part)]
+
+
+def first_event(lines: list[dict], event: str, part: str | None = None) -> dict | None:
+    return next((line for line in lines if line.get("event") == event and part in (None, line["part"])), None)
+
+
+def flops_per_token(lines: list[dict]) -> dict:
+    """{method: {case: model FLOPs per token}}, as jaxtune's child counted them (`flops.train_flops_per_token`)."""
+    out: dict = {}
+    for line in lines:
+        if line.get("event") == "flops":
+            out.setdefault(line["method"], {})[line["case"]] = line["per_token"]
+    return out
+
+
+def side_figures(lines: list[dict], side: str, case: str, per_token: float | None, peak: float | None,
+                 matmul: float | None) -> dict:
+    """One side's figures for one case, its lines merged; MFU = tokens/s x FLOPs per token / peak FLOP/s."""
+    merged: dict = {}
+    for line in lines:
+        if line.get("case") == case and line.get("side") == side:
+            merged.update({k: v for k, v in line.items() if k not in ("case", "side", "part")})
+    if "tokens_per_second" in merged and per_token:
+        achieved = merged["tokens_per_second"] * per_token
+        merged["flops_per_token"] = per_token
+        merged["mfu"] = achieved / peak if peak else None
+        merged["mfu_vs_matmul"] = achieved / matmul if matmul else None
+    return merged
+
+
+def why_missing(figures: dict, side: str, parts: dict) -> str:
+    if "error" in figures:
+        return f"failed: {figures['error']}"
+    if "skipped" in figures:
+        return figures["skipped"]
+    return f"not measured: {PART_OF[side]} {parts[PART_OF[side]]['status']}"
+
+
+def train_results(settings: Settings, lines: list[dict], parts: dict, peak: float | None, matmul: float | None) -> dict:
+    """{case: {side: figures, or {"missing": why}}, ratios and step-0 loss agreement}."""
+    flops = flops_per_token(lines)
+    out = {}
+    for rows, length in settings.cases:
+        case = case_name(rows, length)
+        sides = {}
+        for side, method in SIDES.items():
+            if PART_OF[side] not in parts:
+                continue
+            figures = side_figures(lines, side, case, flops.get(method, {}).get(case), peak, matmul)
+            if "tokens_per_second" not in figures:
+                figures["missing"] = why_missing(figures, side, parts)
+            sides[side] = figures
+        out[case] = {"sides": sides, **comparisons(sides)}
+    return out
+
+
+def comparisons(sides: dict) -> dict:
+    """jaxtune's LoRA tokens/s over each baseline's, and their step-0 losses' relative difference."""
+    ours = sides.get("jaxtune-lora", {})
+    ratios, loss = {}, {}
+    for side in BASELINES:
+        theirs = sides.get(side, {})
+        if ours.get("tokens_per_second") and theirs.get("tokens_per_second"):
+            ratios[f"jaxtune_vs_{side}"] = ours["tokens_per_second"] / theirs["tokens_per_second"]
+        if ours.get("step0_loss") is not None and theirs.get("step0_loss") is not None:
+            loss[side] = abs(ours["step0_loss"] - theirs["step0_loss"]) / abs(theirs["step0_loss"])
+    return {"ratios": ratios, "step0_loss_rel_diff": loss}
+
+
+def decode_results(lines: list[dict], parts: dict) -> dict:
+    def merged(side: str, part: str) -> dict:
+        found = {k: v for line in lines if line.get("event") == "decode" and line.get("side") == side for k, v in line.items()}
+        found.pop("part", None)
+        return found or {"missing": f"not measured: {part} {parts.get(part, {}).get('status', 'not run')}"}
+
+    ours, theirs = merged("jaxtune", "jaxtune"), merged("torch", "torch-eager")
+    out = {"jaxtune": ours, "torch_generate": theirs}
+    if ours.get("tokens") is not None and theirs.get("tokens") is not None:
+        pairs = [(a, b) for row_a, row_b in zip(ours["tokens"], theirs["tokens"]) for a, b in zip(row_a, row_b)]
+        out["tokens_identical"] = ours["tokens"] == theirs["tokens"]
+        out["tokens_agreeing"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+    if ours.get("new_tokens_per_second") and theirs.get("new_tokens_per_second"):
+        out["jaxtune_vs_generate"] = ours["new_tokens_per_second"] / theirs["new_tokens_per_second"]
+    return out
+
+
+def build_report(settings: Settings, weights: dict, parts: dict, work: Path, date: str, seconds: float, minutes: float) -> dict:
+    lines = gather(work, parts)
+    device = first_event(lines, "device", "jaxtune") or {}
+    torch_device = first_event(lines, "device", "torch-eager") or first_event(lines, "device", "torch-compile") or {}
+    peak = device.get("peak", {}).get("peak_flops")
+    matmul = first_event(lines, "matmul") or {}
+    return {
+        "date": date, "seconds": round(seconds, 1), "time_limit_minutes": minutes, "tiny": settings.tiny,
+        "model": settings.model, "parameters": weights["parameters"], "vocab_size": weights["vocab_size"],
+        "settings": {**settings.__dict__, "weights": f"random {settings.dtype}, torch.manual_seed({settings.seed}), "
+                                                      "AutoModelForCausalLM.from_config"},
+        "machine": {**machine_info(), "jax_device": device, "torch_device": torch_device},
+        "peak": device.get("peak"), "measured_matmul": matmul or None,
+        "mfu_derivation": "tokens/s x flops.train_flops_per_token (attention over half the row) / peak FLOP/s of one device",
+        "parts": parts,
+        "train": train_results(settings, lines, parts, peak, matmul.get("flops_per_second")),
+        "decode": decode_results(lines, parts),
+    }
+
+
+def write_report(stem: Path, settings: Settings, weights: dict, parts: dict, work: Path, date: str, seconds: float,
+                 minutes: float) -> str:
+    report = build_report(settings, weights, parts, work, date, seconds, minutes)
+    md = markdown(report)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    Path(f"{stem}.md").write_text(md)
+    return md
+
+
+# --------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------
+
+
+def percent(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def throughput(fig: dict, ours: dict | None = None) -> str:
+    if "tokens_per_second" not in fig:
+        return fig.get("missing", "")
+    text = f"{fig['tokens_per_second']:,.0f} ({fig['step_seconds'] * 1e3:,.1f} ms"
+    text += f", MFU {percent(fig.get('mfu'))}, {percent(fig.get('mfu_vs_matmul'))} of the matmul)"
+    if ours and ours.get("tokens_per_second"):
+        text += f": jaxtune {ours['tokens_per_second'] / fig['tokens_per_second']:.2f}x"
+    return text
+
+
+def size(n: int | None) -> str:
+    return "" if n is None else f"{n / GiB:,.1f} GiB" if n >= GiB else f"{n / 2**20:,.1f} MiB"
+
+
+def memory(fig: dict) -> str:
+    """A side's peak; jaxtune's is XLA's plan of the step, with the device's peak so far in its process."""
+    measured = size(fig.get("peak_bytes"))
+    if fig.get("plan_peak_bytes") is None:
+        return measured
+    return size(fig["plan_peak_bytes"]) + (f" ({measured} so far)" if measured else "")
+
+
+def train_rows(report: dict) -> list[str]:
+    rows = []
+    for case, result in report["train"].items():
+        sides = result["sides"]
+        ours = sides.get("jaxtune-lora", {})
+        cells = lambda f: [f(sides.get(s, {})) for s in ("jaxtune-lora", *BASELINES)]  # noqa: E731
+        rows.append(f"| LoRA {case}: tokens/s | {throughput(ours)} | "
+                    + " | ".join(throughput(sides.get(s, {}), ours) for s in BASELINES) + " |")
+        rows.append(f"| LoRA {case}: peak memory | " + " | ".join(cells(memory)) + " |")
+        rows.append(f"| LoRA {case}: first step (trace + compile + run) | "
+                    + " | ".join(cells(lambda f: fmt_seconds(f.get("first_step_seconds")))) + " |")
+        losses = [fmt(sides.get(s, {}).get("step0_loss")) for s in ("jaxtune-lora", *BASELINES)]
+        for i, side in enumerate(BASELINES, start=1):
+            diff = result["step0_loss_rel_diff"].get(side)
+            losses[i] += f" (rel. diff {diff:.1e})" if diff is not None else ""
+        rows.append(f"| LoRA {case}: step-0 loss | " + " | ".join(losses) + " |")
+    for case, result in report["train"].items():
+        full = result["sides"].get("jaxtune-full")
+        if full is not None:
+            extra = f"; {memory(full)}, first step {fmt_seconds(full.get('first_step_seconds'))}" if "tokens_per_second" in full else ""
+            rows.append(f"| full fine-tune {case}: tokens/s | {throughput(full)}{extra} | | |")
+    return rows
+
+
+def fmt_seconds(x) -> str:
+    return "" if x is None else f"{x:,.3g} s" if x < 100 else f"{x:,.0f} s"
+
+
+def decode_row(report: dict) -> str:
+    d, s = report["decode"], report["settings"]
+    ours, theirs = d["jaxtune"], d["torch_generate"]
+    left = ours.get("missing") or f"{ours['new_tokens_per_second']:,.0f} new tokens/s (first call {ours['first_call_seconds']:.1f} s)"
+    right = theirs.get("missing") or f"`generate`: {theirs['new_tokens_per_second']:,.0f}"
+    if "jaxtune_vs_generate" in d:
+        right += f" (jaxtune {d['jaxtune_vs_generate']:.2f}x)"
+    if "tokens_identical" in d:
+        right += "; tokens identical" if d["tokens_identical"] else f"; {d['tokens_agreeing']:.1%} of tokens agree"
+    return f"| greedy decode, {s['prompts']} prompts x {s['new_tokens']} new tokens | {left} | {right} | |"
+
+
+def markdown(report: dict) -> str:
+    s, m = report["settings"], report["machine"]
+    device = m["jax_device"].get("device_kind") or m["torch_device"].get("device_kind") or "unknown device"
+    peak, matmul = report["peak"] or {}, report["measured_matmul"] or {}
+    versions = m["versions"]
+    header = [
+        f"# jaxtune on {device}: {report['model']}{' (TINY: a toy model of its family)' if report['tiny'] else ''} ({report['date']})", "",
+        f"{report['parameters']:,} parameters, {s['weights']}, the same on every side; random tokens, "
+        f"{s['steps']} timed synchronised steps (median) after {s['warmups']} warm-ups. jax {versions.get('jax')}, "
+        f"torch {versions.get('torch')}, transformers {versions.get('transformers')}, torchax {versions.get('torchax')}; "
+        f"torch.compile backend {s['compile_backend']}.", "",
+        f"MFU: {report['mfu_derivation']}; peak {peak.get('derivation', 'unknown')}. Measured matmul: "
+        + (f"{matmul['n']}^3 {matmul['dtype']} at {matmul['flops_per_second'] / 1e12:,.3g} TFLOP/s." if matmul else "not measured."),
+        "",
+        "| case | jaxtune | PyTorch eager | torch.compile |", "|---|---|---|---|",
+    ]
+    sources = {side: fig.get("memory_source") for result in report["train"].values() for side, fig in result["sides"].items()}
+    notes = ["Peak memory: jaxtune's is XLA's memory plan of the step (arguments + outputs + temporaries - donated), "
+             "then in parentheses the process's measured peak so far (its cases run one after another); "
+             f"{'; '.join(f'{side}: {source}' for side, source in sources.items() if source)}."]
+    parts = ["", *notes, "", "| part | status | seconds | limit |", "|---|---|---|---|"]
+    parts += [f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |" for name, p in report["parts"].items()]
+    return "\n".join(header + train_rows(report) + [decode_row(report)] + parts) + "\n"

@@ -1,0 +1,121 @@
+"""benchmarks/accelerator.py --tiny: every part of the accelerator benchmark runs on this CPU and its
+figures hold together, so the benchmark cannot rot between the runs on a real accelerator."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+SIDES = ("jaxtune-lora", "jaxtune-full", "torch-eager", "torch-compile")
+# Both sides compute the step-0 loss in float32 on the same weights and batch, summing in different orders
+# (jaxtune's chunked loss and fused attention): about sqrt(terms) x float32's 6e-8, 1e-6 over the tiny model's
+# few thousand terms per token (7.6e-8 seen). A wrong input moves it far more: on these weights, masking 5
+# tokens of 32 moves the loss 1.3e-3 relatively, labels shifted by one more position 2e-2.
+LOSS_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[dict, str]:
+    stem = tmp_path_factory.mktemp("accelerator") / "tiny"
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "accelerator.py"), "--tiny", "--out", str(stem)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(Path(f"{stem}.json").read_text()), Path(f"{stem}.md").read_text()
+
+
+@pytest.mark.slow
+def test_every_part_runs_and_measures_every_case(tiny):
+    report, md = tiny
+    assert {name: part["status"] for name, part in report["parts"].items()} == dict.fromkeys(
+        ("jaxtune", "torch-eager", "torch-compile"), "done")
+    assert len(report["train"]) == len(report["settings"]["cases"])
+    for case, result in report["train"].items():
+        for side in SIDES:
+            figures = result["sides"][side]
+            assert figures["tokens_per_second"] > 0 and figures["first_step_seconds"] > 0, (case, side)
+            assert len(figures["step_times"]) == report["settings"]["steps"], (case, side)
+            assert figures["peak_bytes"] > 0 and figures["memory_source"], (case, side)
+        assert result["sides"]["jaxtune-lora"]["plan_peak_bytes"] > 0
+        assert set(result["ratios"]) == {"jaxtune_vs_torch-eager", "jaxtune_vs_torch-compile"}
+        assert f"| LoRA {case}: tokens/s |" in md
+    assert report["settings"]["compile_backend"] == "aot_eager" and "torch.compile backend aot_eager" in md
+
+
+@pytest.mark.slow
+def test_step0_loss_agrees_with_pytorch(tiny):
+    report, _ = tiny
+    for case, result in report["train"].items():
+        losses = {side: result["sides"][side]["step0_loss"] for side in SIDES}
+        assert all(math.isfinite(v) for v in losses.values()), losses
+        for side in ("torch-eager", "torch-compile"):
+            assert result["step0_loss_rel_diff"][side] < LOSS_TOLERANCE, (case, side, losses)
+        # both methods start from the same base weights: the same loss before any update
+        assert losses["jaxtune-full"] == pytest.approx(losses["jaxtune-lora"], rel=LOSS_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_decoded_tokens_match_generate(tiny):
+    report, _ = tiny
+    decode, settings = report["decode"], report["settings"]
+    ours, theirs = decode["jaxtune"]["tokens"], decode["torch_generate"]["tokens"]
+    assert ours == theirs and decode["tokens_identical"]
+    assert [len(row) for row in ours] == [settings["new_tokens"]] * settings["prompts"]
+    assert decode["jaxtune"]["new_tokens_per_second"] > 0 and decode["jaxtune_vs_generate"] > 0
+
+
+@pytest.mark.slow
+def test_mfu_follows_from_tokens_per_second_and_the_model_flops(tiny):
+    report, _ = tiny
+    peak, matmul = report["peak"]["peak_flops"], report["measured_matmul"]["flops_per_second"]
+    assert matmul == pytest.approx(2 * report["measured_matmul"]["n"] ** 3 / report["measured_matmul"]["seconds"])
+    config = json.loads((BENCHMARKS / "configs" / report["model"] / "config.json").read_text())
+    shape = tiny_shape(report)
+    for case, result in report["train"].items():
+        length = int(case.split("x")[1])
+        for side in SIDES:
+            figures = result["sides"][side]
+            achieved = figures["tokens_per_second"] * figures["flops_per_token"]
+            assert figures["mfu"] == pytest.approx(achieved / peak, rel=1e-9)
+            assert figures["mfu_vs_matmul"] == pytest.approx(achieved / matmul, rel=1e-9)
+        # full fine-tuning: 6 FLOPs per matmul weight and token, attention 3 x 2 x 2 x (length / 2) x heads x head_dim per layer
+        attention = 12 * (length / 2) * shape["num_attention_heads"] * shape["head_dim"] * shape["num_hidden_layers"]
+        full = result["sides"]["jaxtune-full"]["flops_per_token"]
+        assert full == pytest.approx(6 * shape["matmul_weights"] + attention, rel=1e-12), config["model_type"]
+        assert result["sides"]["torch-eager"]["flops_per_token"] == result["sides"]["jaxtune-lora"]["flops_per_token"] < full
+
+
+def tiny_shape(report: dict) -> dict:
+    """The tiny model's sizes, and its matmul weights counted from its modules: every Linear, and the
+    (tied) output head once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from accelerator_setup import Settings, model_config
+
+    config = model_config(Settings.make(report["model"], tiny=True))
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(config)
+    linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+    return {"num_attention_heads": config.num_attention_heads, "head_dim": config.head_dim,
+            "num_hidden_layers": config.num_hidden_layers, "matmul_weights": linear}
+
+
+def test_shipped_shapes_are_the_published_models():
+    """The config-only folders build the published sizes (nothing downloaded: a meta-device model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    expected = {"gemma-3-1b": 999_885_952, "llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768}
+    assert sorted(p.name for p in (BENCHMARKS / "configs").iterdir()) == sorted(expected)
+    for name, parameters in expected.items():
+        with torch.device("meta"):
+            module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BENCHMARKS / "configs" / name))
+        assert sum(p.numel() for p in module.parameters()) == parameters, name
