@@ -49,15 +49,18 @@ class Tiles:
     stages: int = 2
 
 
-def tiles_for(head: int, length: int) -> Tiles:
-    """Larger heads take smaller tiles (a (64, 256) bf16 tile is 32 KiB of shared memory), and a
-    tile is halved until it divides the sequence."""
-    if head <= 64:
+def tiles_for(head: int, length: int, itemsize: int = 2) -> Tiles:
+    """Wider rows take smaller tiles (a (64, 256) bf16 tile is 32 KiB of shared memory; a float32
+    one twice that), and a tile is halved until it divides the sequence."""
+    row = head * itemsize  # bytes of one token's head
+    if row <= 128:
         tiles = Tiles(forward=(128, 64), dkdv=(64, 64), dq=(64, 64), warps=4)
-    elif head <= 128:
+    elif row <= 256:
         tiles = Tiles(forward=(128, 64), dkdv=(64, 64), dq=(64, 64), warps=8)
-    else:
+    elif row <= 512:
         tiles = Tiles(forward=(64, 64), dkdv=(32, 64), dq=(64, 32), warps=8)
+    else:
+        tiles = Tiles(forward=(64, 32), dkdv=(32, 32), dq=(32, 32), warps=8)
     fit = lambda pair: tuple(_dividing(tile, length) for tile in pair)  # noqa: E731
     return Tiles(fit(tiles.forward), fit(tiles.dkdv), fit(tiles.dq), tiles.warps, tiles.stages)
 
@@ -188,7 +191,7 @@ def _forward(query, key, value, segment_ids, settings: _Settings):
 
     b, t, n, h = query.shape
     groups = n // key.shape[2]
-    tiles = tiles_for(h, t)
+    tiles = tiles_for(h, t, query.dtype.itemsize)
     q_len, k_len = tiles.forward
     kv_spec = pl.BlockSpec((None, t, None, h), lambda i, r, m: (r, 0, m // groups, 0))
     in_specs = [pl.BlockSpec((None, q_len, None, h), lambda i, r, m: (r, i, m, 0)), kv_spec, kv_spec,
@@ -235,7 +238,7 @@ def _dq(query, key, value, segment_ids, d_out, lse, delta, settings: _Settings):
 
     b, t, n, h = query.shape
     groups = n // key.shape[2]
-    tiles = tiles_for(h, t)
+    tiles = tiles_for(h, t, query.dtype.itemsize)
     q_len, k_len = tiles.dq
     q_spec = pl.BlockSpec((None, q_len, None, h), lambda i, r, m: (r, i, m, 0))
     kv_spec = pl.BlockSpec((None, t, None, h), lambda i, r, m: (r, 0, m // groups, 0))
@@ -276,7 +279,7 @@ def _dkdv(query, key, value, segment_ids, d_out, lse, delta, settings: _Settings
     b, t, n, h = query.shape
     kv = key.shape[2]
     groups = n // kv
-    tiles = tiles_for(h, t)
+    tiles = tiles_for(h, t, query.dtype.itemsize)
     q_len, k_len = tiles.dkdv
     kv_spec = pl.BlockSpec((None, k_len, None, h), lambda j, r, m: (r, j, m // groups, 0))
     whole = pl.BlockSpec((None, t, None, h), lambda j, r, m: (r, 0, m, 0))

@@ -82,6 +82,7 @@ def test_the_kernel_names_what_it_does_not_take():
     assert gpu_flash.tiles_for(256, 2048) == gpu_flash.Tiles(forward=(64, 64), dkdv=(32, 64), dq=(64, 32), warps=8)
     assert gpu_flash.tiles_for(64, 80) == gpu_flash.Tiles(forward=(16, 16), dkdv=(16, 16), dq=(16, 16), warps=4)
     assert gpu_flash.tiles_for(64, 96).forward == (32, 32)
+    assert gpu_flash.tiles_for(256, 128, itemsize=4) == gpu_flash.Tiles(forward=(64, 32), dkdv=(32, 32), dq=(32, 32), warps=8)
 
 
 def test_on_a_gpu_mesh_the_kernel_is_flash_and_the_choice_can_be_overridden():

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.target
 ROWS, LENGTH = 8, 2048
 
 
-def _compiled(target: str, core: str, heads: int, kv_heads: int, head: int, window: int | None):
-    """Attention's forward and backward pass, bf16, ROWS x LENGTH tokens, on one compile-only GPU."""
+def _compiled(target: str, core: str, heads: int, kv_heads: int, head: int, window: int | None, dtype=jnp.bfloat16):
+    """Attention's forward and backward pass, ROWS x LENGTH tokens, on one compile-only GPU."""
     device = targets.devices(targets.resolve(target))[0]
     replicated = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
-    shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)  # noqa: E731
+    shape = lambda *dims, dtype=dtype: jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)  # noqa: E731
     settings = dict(scale=head ** -0.5, window=window, softcap=None)
 
     def gradients(q, k, v, segments):
@@ -56,3 +56,11 @@ def test_flash_attention_compiles_for_hopper_and_never_holds_the_scores(target, 
     per_head_gradients = 2 * ROWS * LENGTH * heads * head * 4  # dk and dv per query head, float32
     assert per_head_gradients <= flash_temporaries <= 1.3 * per_head_gradients
     assert flash_temporaries < xla_temporaries / 7
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+def test_float32_heads_of_256_take_tiles_that_fit_hoppers_shared_memory(target):
+    """Gemma 3 270M's offline recipe computes in float32: its rows are twice as wide as bf16's, and
+    the bf16 tiles would ask for 262,400 bytes of shared memory where a block has 232,448."""
+    flash = _compiled(target, "flash", 4, 1, 256, None, dtype=jnp.float32)
+    assert "jaxtune_flash_dkdv" in flash.as_text()
