@@ -8,6 +8,7 @@ eight, or on the devices of several hosts, where each process feeds its own slic
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -124,6 +125,17 @@ def make_placement(cfg: MeshConfig, devices: Sequence | None = None) -> Placemen
     mesh = jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                          devices=devices[:used])
     return Placement(mesh=mesh, overrides=dict(cfg.shardings))
+
+
+def lowering(mesh: Mesh | None):
+    """The context a program for `mesh`'s devices is lowered in. From JAX 0.11, a Pallas kernel for
+    Triton is compiled for the GPU that the context's abstract mesh names, else for the machine's
+    default device: on a machine without that GPU (a deviceless plan for h100) the default is the
+    CPU, and the kernel's lowering fails. Entering the mesh's abstract mesh names the GPU; its axes
+    are Auto, so nothing else of the trace changes. Older JAX reads the GPU from the lowering itself."""
+    if mesh is None or not hasattr(jax.sharding, "AbstractDevice") or mesh.devices.flat[0].platform != "gpu":
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def per_device(kernel, mesh, query, key, value, segment_ids):

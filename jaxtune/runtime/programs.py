@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from jaxtune.runtime import attention
+from jaxtune.runtime.mesh import lowering
 
 MAX_KEPT = 32
 
@@ -55,7 +56,8 @@ class Program:
 
     def lower(self, model, *args):
         self.ref.point_at(model)
-        return self.jitted.lower(*args)
+        with lowering(model.placement.mesh):
+            return self.jitted.lower(*args)
 
 
 _kept: OrderedDict[tuple, Program] = OrderedDict()

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtune.runtime import attention, gpu_flash, targets
+from jaxtune.runtime.mesh import lowering
 from jaxtune.runtime.remat import tied_checkpoint
 
 pytestmark = pytest.mark.target
@@ -22,7 +23,8 @@ ROWS, LENGTH = 8, 2048
 def _compiled(target: str, core: str, heads: int, kv_heads: int, head: int, window: int | None, dtype=jnp.bfloat16):
     """Attention's forward and backward pass, ROWS x LENGTH tokens, on one compile-only GPU."""
     device = targets.devices(targets.resolve(target))[0]
-    replicated = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
+    mesh = Mesh([device], ("x",))
+    replicated = NamedSharding(mesh, PartitionSpec())
     shape = lambda *dims, dtype=dtype: jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)  # noqa: E731
     settings = dict(scale=head ** -0.5, window=window, softcap=None)
 
@@ -34,7 +36,8 @@ def _compiled(target: str, core: str, heads: int, kv_heads: int, head: int, wind
         return jax.grad(lambda q, k, v: run(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
 
     kv = shape(ROWS, LENGTH, kv_heads, head)
-    return jax.jit(gradients).lower(shape(ROWS, LENGTH, heads, head), kv, kv, shape(ROWS, LENGTH, dtype=jnp.int32)).compile()
+    with lowering(mesh):
+        return jax.jit(gradients).lower(shape(ROWS, LENGTH, heads, head), kv, kv, shape(ROWS, LENGTH, dtype=jnp.int32)).compile()
 
 
 # Gemma 3 1B's layers (4 query heads on one key/value head of 256; sliding and global) and

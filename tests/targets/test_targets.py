@@ -177,8 +177,8 @@ def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device_and_on_a_gp
         rows = model.placement.batch_sharding
         batch = {name: jax.ShapeDtypeStruct((4, 128), jnp.int32, sharding=rows) for name in steps.BATCH_KEYS}
         with attention.choose(choice) if choice else contextlib.nullcontext():
-            lowered = steps.make_eval_step(model).jitted.lower(steps.shapes_of(model.weights), steps.shapes_of(model.buffers),
-                                                               batch, batch["input_ids"])
+            lowered = steps.shared_eval_step(model).lower(model, steps.shapes_of(model.weights), steps.shapes_of(model.buffers),
+                                                          batch, batch["input_ids"])
         text = lowered.as_text()
         return (text.count("func.call @_splash_attention("), text.count("manual_computation"), text.count("@tpu_custom_call("),
                 text.count("@__gpu$xla.gpu.triton("))
