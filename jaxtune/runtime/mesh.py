@@ -132,8 +132,9 @@ def lowering(mesh: Mesh | None):
     Triton is compiled for the GPU that the context's abstract mesh names, else for the machine's
     default device: on a machine without that GPU (a deviceless plan for h100) the default is the
     CPU, and the kernel's lowering fails. Entering the mesh's abstract mesh names the GPU; its axes
-    are Auto, so nothing else of the trace changes. Older JAX reads the GPU from the lowering itself."""
-    if mesh is None or not hasattr(jax.sharding, "AbstractDevice") or mesh.devices.flat[0].platform != "gpu":
+    are Auto, so nothing else of the trace changes (JAX 0.10 reads the GPU from the lowering and
+    ignores it)."""
+    if mesh is None or mesh.devices.flat[0].platform != "gpu":
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
