@@ -78,6 +78,12 @@ def pair_summary(objective: Objective, logp: np.ndarray, tokens: np.ndarray, ref
     """The objective's loss, preference accuracy (ties count half), mean reward margin, mean chosen
     and rejected log-probabilities and rewards over every pair, and per category (each pair's
     category is its chosen row's)."""
+    return summarize_pairs(objective, per_pair(objective, logp, tokens, reference), list(categories)[0::2])
+
+
+def per_pair(objective: Objective, logp: np.ndarray, tokens: np.ndarray, reference: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Each pair's figures (`preference.pair_metrics`: loss, win, margin, rewards...) and its chosen
+    and rejected log-probabilities, from each row's log-probability (rows 2p chosen, 2p+1 rejected)."""
     import jax.numpy as jnp
 
     def arrays(values):
@@ -88,20 +94,24 @@ def pair_summary(objective: Objective, logp: np.ndarray, tokens: np.ndarray, ref
     policy = preference.PairLogps(*arrays(logp), chosen_tokens, rejected_tokens)
     ref = None if reference is None else preference.PairLogps(*arrays(reference), chosen_tokens, rejected_tokens)
     as_f32 = (lambda t: None if t is None else preference.PairLogps(*(jnp.asarray(v, jnp.float32) for v in t)))
-    per_pair = {k: np.asarray(v, np.float64) for k, v in
-                preference.pair_metrics(objective.name, objective.preference, as_f32(policy), as_f32(ref)).items()}
-    per_pair["chosen_logp"], per_pair["rejected_logp"] = policy.chosen, policy.rejected
-    pair_categories = list(categories)[0::2]
+    figures = {k: np.asarray(v, np.float64) for k, v in
+               preference.pair_metrics(objective.name, objective.preference, as_f32(policy), as_f32(ref)).items()}
+    figures["chosen_logp"], figures["rejected_logp"] = policy.chosen, policy.rejected
+    return figures
+
+
+def summarize_pairs(objective: Objective, figures: dict[str, np.ndarray], pair_categories: Sequence[str]) -> dict:
+    """`pair_summary` from `per_pair`'s figures and each pair's category."""
 
     def summary(which: np.ndarray) -> dict:
-        return {"loss": float(per_pair["loss"][which].mean()), "accuracy": float(per_pair["win"][which].mean()),
-                "preference_loss": float(per_pair["preference_loss"][which].mean()),
-                "chosen_nll": float(per_pair["chosen_nll"][which].mean()),
-                "margin": float(per_pair["margin"][which].mean()),
-                "chosen_reward": float(per_pair["chosen_reward"][which].mean()),
-                "rejected_reward": float(per_pair["rejected_reward"][which].mean()),
-                "chosen_logp": float(per_pair["chosen_logp"][which].mean()),
-                "rejected_logp": float(per_pair["rejected_logp"][which].mean()), "pairs": int(len(which))}
+        return {"loss": float(figures["loss"][which].mean()), "accuracy": float(figures["win"][which].mean()),
+                "preference_loss": float(figures["preference_loss"][which].mean()),
+                "chosen_nll": float(figures["chosen_nll"][which].mean()),
+                "margin": float(figures["margin"][which].mean()),
+                "chosen_reward": float(figures["chosen_reward"][which].mean()),
+                "rejected_reward": float(figures["rejected_reward"][which].mean()),
+                "chosen_logp": float(figures["chosen_logp"][which].mean()),
+                "rejected_logp": float(figures["rejected_logp"][which].mean()), "pairs": int(len(which))}
 
     groups = defaultdict(list)
     for pair, category in enumerate(pair_categories):

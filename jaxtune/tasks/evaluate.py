@@ -4,7 +4,8 @@ For preference pairs (train.objective dpo or simpo), also the objective's loss, 
 accuracy, reward margin and the chosen and rejected answers' log-probabilities
 (`inference.pair_summary`), against the `reference` stage's log-probabilities for DPO; loss and
 perplexity are then those of the chosen answers. An SFT eval also writes each row's loss
-(rows.json), from which the report finds the rows training helped least."""
+(rows.json), a preference eval each pair's margin and log-probabilities (pairs.json), from which
+the report finds the rows or pairs training helped least."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from jaxtune.tasks.trained import open_trained_model
 
 PARITY_ROWS = 4  # eval rows whose logits are also computed in PyTorch, to certify the numerics
 ROWS = "rows.json"  # each eval row's loss, in eval.arrow's order (SFT evals)
+PAIRS = "pairs.json"  # each eval pair's reward margin and log-probabilities, in eval.arrow's order (preference evals)
+PAIR_FIGURES = ("margin", "chosen_logp", "rejected_logp")
 
 
 class EvalSection(Section):
@@ -59,7 +62,8 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
         table = TokenTable(inputs["data"].file("eval.arrow"))  # memory-mapped: rows are read as batches take them
         logger = get_run_logger()
         if isinstance(section, PairEvalSection):
-            metrics = _pair_metrics(model, table, section, inputs, pad_id)
+            metrics, figures = _pair_metrics(model, table, section, inputs, pad_id)
+            (folder / PAIRS).write_text(json.dumps({k: [round(float(v), 6) for v in figures[k]] for k in PAIR_FIGURES}))
             p = metrics["preference"]
             logger.info("%s: %s loss %.4f%s, preference accuracy %.3f, reward margin %.4f, log-probability chosen %.3f "
                         "rejected %.3f over %d pairs", stage, section.objective, p["loss"], _loss_parts(p, section),
@@ -76,11 +80,12 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
     return build_artifact(store_root, stage, __name__, section, inputs, build)
 
 
-def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: int) -> dict:
-    """Loss and perplexity of the chosen answers, and the pairs' `pair_summary` under `preference`."""
+def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: int) -> tuple[dict, dict]:
+    """Loss and perplexity of the chosen answers, and the pairs' `pair_summary` under `preference`;
+    and each pair's figures (`inference.per_pair`)."""
     import numpy as np
 
-    from jaxtune.runtime.inference import _loss_summary, _per_category, pair_summary, row_nll
+    from jaxtune.runtime.inference import _loss_summary, _per_category, per_pair, row_nll, summarize_pairs
     from jaxtune.runtime.preference import objective_of
     from jaxtune.tasks.reference import read_reference
 
@@ -89,9 +94,11 @@ def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: 
     chosen = np.arange(0, len(nll), 2)
     objective = objective_of(section.objective, section.preference)
     reference = read_reference(inputs.get("reference"), "eval")
+    figures = per_pair(objective, -nll, count, reference)
+    pair_categories = [categories[i] for i in chosen]
     return {**_loss_summary(nll[chosen], count[chosen]),
-            "per_category": _per_category(nll[chosen], count[chosen], [categories[i] for i in chosen]),
-            "preference": pair_summary(objective, -nll, count, reference, categories)}
+            "per_category": _per_category(nll[chosen], count[chosen], pair_categories),
+            "preference": summarize_pairs(objective, figures, pair_categories)}, figures
 
 
 @task(name="baseline_eval", result_serializer="json")

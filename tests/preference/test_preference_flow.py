@@ -10,6 +10,7 @@ import numpy as np
 
 import pytest
 
+from jaxtune.data.rows import OFFLINE_PAIRS
 from tests.flows.toy import artifact, run_in_new_store, run_toy, states
 
 pytestmark = [pytest.mark.preference, pytest.mark.slow]
@@ -46,6 +47,34 @@ def test_the_report_and_names_say_the_objective(dpo_run):
     generations = (artifact(store, "generate") / "generations.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in generations]
     assert len(prompts) == len(set(prompts)) == 4  # each pair's prompt once, its chosen answer the reference
+
+
+def test_the_report_names_the_pairs_training_helped_least(dpo_run):
+    """Both evals record each pair's margin and log-probabilities, which average to the metrics;
+    the report's hardest pairs are those whose margin rose least or fell, with the pair's texts."""
+    store, _ = dpo_run
+
+    def pairs(stage: str) -> dict:
+        return json.loads((artifact(store, stage) / "pairs.json").read_text())
+
+    before, after = pairs("baseline_eval"), pairs("final_eval")
+    metrics = json.loads((artifact(store, "final_eval") / "metrics.json").read_text())["preference"]
+    for figure in ("margin", "chosen_logp", "rejected_logp"):
+        assert len(after[figure]) == 24 and np.mean(after[figure]) == pytest.approx(metrics[figure], abs=1e-5)
+    assert np.mean(np.sign(after["margin"]) / 2 + 0.5) == pytest.approx(metrics["accuracy"])  # ties count half
+    assert np.abs(before["margin"]).max() < 1e-5  # DPO's baseline: the policy is its own reference
+    hardest = json.loads((artifact(store, "report") / "report.json").read_text())["hardest"]
+    changes = sorted(a - b for b, a in zip(before["margin"], after["margin"]))
+    assert hardest["compared"] == 24 and [p["change"] for p in hardest["pairs"]] == pytest.approx(changes[:5], abs=2e-6)
+    source = {(r["prompt"], r["chosen"], r["rejected"]) for r in map(json.loads, OFFLINE_PAIRS.read_text().splitlines())}
+    for p in hardest["pairs"]:
+        assert (p["baseline_margin"], p["final_margin"]) == (before["margin"][p["pair"]], after["margin"][p["pair"]])
+        assert (p["prompt"], p["chosen"], p["rejected"]) in source
+    worse = hardest["worse_by_category"]
+    assert sum(m["rows"] for m in worse.values()) == 24
+    assert sum(m["worse"] for m in worse.values()) == sum(a < b for b, a in zip(before["margin"], after["margin"]))
+    text = (artifact(store, "report") / "report.md").read_text()
+    assert "## Hardest pairs" in text and f"| {hardest['pairs'][0]['pair']} |" in text
 
 
 def test_a_second_run_is_cached_and_the_reference_follows_the_base_model(dpo_run):
