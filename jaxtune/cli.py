@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from jaxtune.tasks import BUILD_STAGES, STAGES
 
@@ -296,7 +297,7 @@ def _serve(args) -> int:
 
 def _doctor(args, config) -> int:
     from jaxtune.doctor import diagnose, render
-    from jaxtune.errors import DoctorError, TargetError
+    from jaxtune.errors import DoctorError, ModelError, TargetError
 
     if args.target == "":  # --target with no name: the one the config is written for
         if not config.plan.target:
@@ -313,10 +314,11 @@ def _doctor(args, config) -> int:
         if args.target:
             from jaxtune.target_plan import plan_for_target
 
-            diagnosis = plan_for_target(args.model, config, args.target, revision=args.revision)
+            name, base_revision = _planned_model(args.model)
+            diagnosis = plan_for_target(name, config, args.target, revision=args.revision or base_revision)
         else:
             diagnosis = diagnose(_model_folder(args.model, config), config, revision=args.revision, tokens=args.tokens)
-    except (DoctorError, TargetError, OSError) as e:
+    except (DoctorError, TargetError, ModelError, OSError) as e:
         print(f"jaxtune doctor: {e}", file=sys.stderr)
         return 2
     print(render(diagnosis))
@@ -351,15 +353,36 @@ def _compile_cache(store_root: str) -> None:
 
 
 def _model_folder(name: str, config) -> str:
-    """`name` itself, or for a .gguf file the HF folder it is imported to in the store (once)."""
-    if not name.lower().endswith(".gguf"):
-        return name
-    from jaxtune.tasks.import_gguf import imported
-    from jaxtune.tasks.sources import model_ref
+    """`name` itself; for a .gguf file the HF folder it is imported to in the store, and for a
+    LoRA adapter folder the model merged from it and its base, as a run from it starts (each once)."""
+    from jaxtune.tasks.sources import adapter_folder, model_ref
 
-    ref = imported(config.store.root, model_ref(config.model.model_copy(update={"name": name})))
-    print(f"jaxtune: {name} imported as {ref.path}", file=sys.stderr)
-    return ref.path
+    path = Path(name).expanduser()
+    if name.lower().endswith(".gguf"):
+        from jaxtune.tasks.import_gguf import imported
+
+        ref = imported(config.store.root, model_ref(config.model.model_copy(update={"name": name})))
+        print(f"jaxtune: {name} imported as {ref.path}", file=sys.stderr)
+        return ref.path
+    if path.is_dir() and adapter_folder(path) is not None:
+        from jaxtune.tasks.merge_adapter import merged
+
+        ref = merged(config.store.root, model_ref(config.model.model_copy(update={"name": name})), config.model.trust_remote_code)
+        print(f"jaxtune: the LoRA adapter {name} merged into its base as {ref.path}", file=sys.stderr)
+        return ref.path
+    return name
+
+
+def _planned_model(name: str) -> tuple[str, str | None]:
+    """What a target's plan reads the architecture of: `name`, or a LoRA adapter folder's base
+    (merging changes no shape), with the base's revision."""
+    from jaxtune.tasks.sources import adapter_base, adapter_folder
+
+    path = Path(name).expanduser()
+    if path.is_dir() and (adapter := adapter_folder(path)) is not None:
+        base = adapter_base(adapter)
+        return base.name, base.revision
+    return name, None
 
 
 def entry() -> None:

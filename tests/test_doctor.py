@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from jaxtune.cli import main
@@ -123,3 +124,69 @@ def test_doctor_on_a_gguf_file_checks_the_folder_the_import_gguf_stage_builds(tm
     shutil.copy(gguf, copy)
     assert _model_folder(str(copy), load_config(None, [f"store.root={store}"])) == str(folder)
     assert os.stat(folder / "model.safetensors").st_mtime_ns == built
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(model_dirs, tmp_path_factory) -> str:
+    """A PEFT LoRA adapter (B random, so merging changes the weights) over the tiny Llama, whose
+    folder is given a tokenizer, as a real base has."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from jaxtune.config import DataConfig
+    from jaxtune.data.rows import read_rows
+    from jaxtune.offline.tokenizer import texts_for_tokenizer, train_tokenizer
+
+    train_tokenizer(texts_for_tokenizer(read_rows(DataConfig())[:50]), 300, model_dirs["llama"])
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    folder = tmp_path_factory.mktemp("adapter")
+    peft_model.save_pretrained(folder)
+    return str(folder)
+
+
+def test_doctor_on_a_lora_adapter_checks_the_model_merged_as_a_run_from_it_starts(adapter_dir, model_dirs, tmp_path, capsys):
+    """`jaxtune doctor ADAPTER` merges it into its base as the merge_adapter stage does (the folder
+    a run from the adapter reads; PEFT's merge_and_unload to 1e-6) and checks that: a fresh LoRA
+    on the merged weights, not the adapter left attached beside a second one."""
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+
+    from jaxtune.config import config_from_dict, load_config
+    from jaxtune.doctor import as_trained
+    from jaxtune.flows.finetune import pipeline
+    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.tasks.stage import input_keys, stage_key
+
+    store = tmp_path / "store"
+    assert main(["doctor", adapter_dir, *SMALL, "--set", f"store.root={store}"]) == 0
+    out, err = capsys.readouterr()
+    [step] = [s for s in pipeline(load_config(None, [f"model.name={adapter_dir}"])) if s.stage == "merge_adapter"]
+    folder = store / "merge_adapter" / stage_key(step.stage, step.module, step.section, input_keys(step.inputs))
+    assert f"jaxtune: the LoRA adapter {adapter_dir} merged into its base as {folder}" in err.splitlines(), err
+    assert out.splitlines()[0].startswith(f"jaxtune doctor: {folder} (llama, LoRA r=8")
+    assert all(status(out, check) == "ok" for check in CHECKS), out
+
+    base = load_torch_model(model_dirs["llama"], None, False, "float32")
+    theirs = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().state_dict()
+    ours = load_file(str(folder / "model.safetensors"))
+    assert {k for k in ours} <= set(theirs) and any("q_proj" in k for k in ours)
+    for name, value in ours.items():
+        np.testing.assert_allclose(value, theirs[name].numpy(), rtol=0, atol=1e-6, err_msg=name)
+    fresh = as_trained(load_torch_model(model_dirs["llama"], None, False, "float32"), config_from_dict({}), False)
+    trainable = sum(p.numel() for p in fresh.parameters() if p.requires_grad)
+    assert re.search(rf"^trainable parameters\s+{trainable:,} ", out, re.M), out
+
+
+@pytest.mark.target
+def test_doctor_plans_a_lora_adapter_for_a_target_from_its_base(adapter_dir, model_dirs, capsys):
+    """A target's plan reads shapes alone, which merging keeps: the adapter's base is planned."""
+    assert main(["doctor", adapter_dir, "--target", "h100", "--set", "data.max_length=64", "--set", "train.batch_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(f"jaxtune doctor: {model_dirs['llama']} (llama, LoRA r=8; XLA:GPU plan"), out

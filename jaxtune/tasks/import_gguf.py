@@ -13,17 +13,14 @@ for byte the same.
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 
 from prefect import task
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.errors import ModelError, first_line
 from jaxtune.gguf_reader import parsed_once
-from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
+from jaxtune.tasks.stage import build_artifact, built_outside_flow
 
 STAGE = "import_gguf"
 SECTION = {"dtype": "float32"}  # dequantised values are exact in float32; bf16 would round them
@@ -71,15 +68,6 @@ def import_gguf(section: dict, inputs: dict[str, ArtifactRef], store_root: str) 
 
 
 def imported(store_root: str | Path, gguf_ref: ArtifactRef) -> ArtifactRef:
-    """The HF folder for a GGUF file outside any flow (doctor, chat): built once, then reused.
-
-    It holds the stage's store lock, as a flow run does, so processes sharing a store (`jaxtune
-    chat` beside a flow run, or two at once) import one file once and never read a half-renamed folder."""
-    key = stage_key(STAGE, __name__, SECTION, input_keys({"gguf": gguf_ref}))
-    locks, record = StoreLocks(store_root), f"{STAGE}/{key}/result.json"  # the record path a flow run locks
-    holder = f"imported-{os.getpid()}-{threading.get_ident()}"
-    locks.acquire_lock(record, holder)
-    try:
-        return import_gguf.fn(SECTION, {"gguf": gguf_ref}, str(store_root))
-    finally:
-        locks.release_lock(record, holder)
+    """The HF folder for a GGUF file outside any flow (doctor, chat): built once, then reused."""
+    inputs = {"gguf": gguf_ref}
+    return built_outside_flow(store_root, STAGE, __name__, SECTION, inputs, lambda: import_gguf.fn(SECTION, inputs, str(store_root)))

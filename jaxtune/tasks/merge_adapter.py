@@ -15,8 +15,8 @@ from pathlib import Path
 from prefect import task
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.tasks.sources import pretrained_location
-from jaxtune.tasks.stage import build_artifact
+from jaxtune.tasks.sources import adapter_base, model_ref, pretrained_location
+from jaxtune.tasks.stage import build_artifact, built_outside_flow
 
 STAGE = "merge_adapter"
 SECTION = {"dtype": "float32"}
@@ -42,3 +42,11 @@ def merge_adapter(section: dict, inputs: dict[str, ArtifactRef], store_root: str
     """inputs: `adapter`, the adapter folder (keyed by its files), and `base`, its base model."""
     return build_artifact(store_root, STAGE, __name__, section, inputs,
                           lambda folder: write_merged(inputs["adapter"].folder, inputs["base"], folder, trust_remote_code))
+
+
+def merged(store_root: str | Path, adapter: ArtifactRef, trust_remote_code: bool = False) -> ArtifactRef:
+    """The merged model for an adapter folder's ref (`sources.model_ref`) outside any flow
+    (`jaxtune doctor`): the folder a run from that adapter starts from, built once, then reused."""
+    inputs = {"adapter": adapter, "base": model_ref(adapter_base(adapter.folder))}
+    return built_outside_flow(store_root, STAGE, __name__, SECTION, inputs,
+                              lambda: merge_adapter.fn(SECTION, inputs, str(store_root), trust_remote_code))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from pydantic import BaseModel
 from jaxtune import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore, artifact_key
 from jaxtune.artifacts.code import code_identity
+from jaxtune.artifacts.locks import StoreLocks
 
 
 def input_keys(inputs: Mapping[str, ArtifactRef | None]) -> dict[str, str]:
@@ -54,3 +57,18 @@ def build_artifact(
         with store.writing(stage, key, inputs=keys, config=section, code=code_identity(module)) as folder:
             build(folder)
     return store.ref(stage, key)
+
+
+def built_outside_flow(store_root: str | Path, stage: str, module: str, section: BaseModel | Mapping[str, Any],
+                       inputs: Mapping[str, ArtifactRef], run: Callable[[], ArtifactRef]) -> ArtifactRef:
+    """`run()` (a stage's function, which builds its artifact unless the store has it) called by
+    a command outside any flow (doctor, chat), under the store lock a flow run takes for the same
+    stage and key: processes sharing a store build it once and never read a half-renamed folder."""
+    key = stage_key(stage, module, section, input_keys(inputs))
+    locks, record = StoreLocks(store_root), f"{stage}/{key}/result.json"  # the record path a flow run locks
+    holder = f"outside-flow-{os.getpid()}-{threading.get_ident()}"
+    locks.acquire_lock(record, holder)
+    try:
+        return run()
+    finally:
+        locks.release_lock(record, holder)
