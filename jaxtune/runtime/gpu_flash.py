@@ -12,7 +12,8 @@ masked: for Gemma 3's 512-token windows at 2048 tokens a query tile reads a quar
 It computes what `attention._core` computes: segment ids (packed rows and padding, a token sees
 its own segment alone), the causal mask, transformers' sliding window (query i sees keys
 i - window < j <= i), Gemma 2's soft-capped logits, and grouped key/value heads (query head n
-reads key/value head n // groups; the group's dk and dv are summed outside the kernel).
+reads key/value head n // groups; the dk/dv kernel loops over a key head's group of query
+heads, so their sums are never stored per query head).
 Attention dropout it does not express, nor head sizes that are not a power of two from 16 to
 256 (Triton's tiles are powers of two), nor sequences that are not a multiple of 16 tokens (its
 smallest tile): `refusal` names the reason, and the caller keeps XLA's kernel for those.
@@ -273,7 +274,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, segments_ref, d_out_ref, lse_ref, delta_ref,
 
 
 def _dkdv(query, key, value, segment_ids, d_out, lse, delta, settings: _Settings):
-    """dk and dv per query head (float32), then summed over each key/value head's group."""
+    """dk and dv of each key/value head: a program per key tile and head, looping over the query
+    heads of its group (float32 sums, rounded once), so no per-query-head copy is ever stored."""
     from jax.experimental import pallas as pl
 
     b, t, n, h = query.shape
@@ -281,40 +283,39 @@ def _dkdv(query, key, value, segment_ids, d_out, lse, delta, settings: _Settings
     groups = n // kv
     tiles = tiles_for(h, t, query.dtype.itemsize)
     q_len, k_len = tiles.dkdv
-    kv_spec = pl.BlockSpec((None, k_len, None, h), lambda j, r, m: (r, j, m // groups, 0))
-    whole = pl.BlockSpec((None, t, None, h), lambda j, r, m: (r, 0, m, 0))
-    rows = pl.BlockSpec((None, None, t), lambda j, r, m: (r, m, 0))
-    in_specs = [whole, kv_spec, kv_spec, pl.BlockSpec((None, t), lambda j, r, m: (r, 0)), whole, rows, rows]
-    out_spec = pl.BlockSpec((None, k_len, None, h), lambda j, r, m: (r, j, m, 0))
-    per_head = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32)
-    kernel = functools.partial(_dkdv_kernel, q_len=q_len, k_len=k_len, settings=settings)
-    d_key, d_value = _call(kernel, (t // k_len, b, n), in_specs, [out_spec, out_spec], [per_head, per_head], tiles,
-                           settings, "jaxtune_flash_dkdv")(query, key, value, segment_ids, d_out, lse, delta)
-    summed = (x.reshape(b, t, kv, groups, h).sum(axis=3) for x in (d_key, d_value))
-    return tuple(x.astype(key.dtype) for x in summed)
+    kv_spec = pl.BlockSpec((None, k_len, None, h), lambda j, r, m: (r, j, m, 0))
+    group = pl.BlockSpec((None, t, groups, h), lambda j, r, m: (r, 0, m, 0))  # the query heads of key head m
+    rows = pl.BlockSpec((None, groups, t), lambda j, r, m: (r, m, 0))
+    in_specs = [group, kv_spec, kv_spec, pl.BlockSpec((None, t), lambda j, r, m: (r, 0)), group, rows, rows]
+    out_shape = jax.ShapeDtypeStruct(key.shape, key.dtype)
+    kernel = functools.partial(_dkdv_kernel, q_len=q_len, k_len=k_len, groups=groups, settings=settings)
+    return tuple(_call(kernel, (t // k_len, b, kv), in_specs, [kv_spec, kv_spec], [out_shape, out_shape], tiles,
+                       settings, "jaxtune_flash_dkdv")(query, key, value, segment_ids, d_out, lse, delta))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, segments_ref, d_out_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, q_len, k_len,
-                 settings: _Settings):
+                 groups, settings: _Settings):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     tile = pl.program_id(0)
-    t, h = q_ref.shape
+    t, h = q_ref.shape[0], q_ref.shape[2]
     k, v = k_ref[...], v_ref[...]
     k_segments = segments_ref[pl.ds(tile * k_len, k_len)]
 
-    def step(q_tile, carry):
+    def step(head, q_tile, carry):
         dk, dv = carry
         queries = pl.ds(q_tile * q_len, q_len)
-        q, d_out = q_ref[queries, :], d_out_ref[queries, :]
+        q, d_out = q_ref[queries, head, :], d_out_ref[queries, head, :]
         scores, capped = _scores(q, k, q_tile * q_len, tile * k_len, segments_ref[queries], k_segments, settings)
-        probs = jnp.exp(scores - lse_ref[queries][:, None])
+        probs = jnp.exp(scores - lse_ref[head, queries][:, None])
         dv = dv + plgpu.dot(probs.astype(d_out.dtype).T, d_out)
-        d_scores = _score_gradient(probs, plgpu.dot(d_out, v.T), delta_ref[queries], capped, settings)
+        d_scores = _score_gradient(probs, plgpu.dot(d_out, v.T), delta_ref[head, queries], capped, settings)
         return dk + plgpu.dot(d_scores.astype(q.dtype).T, q), dv
 
     first, end = _query_tiles(tile, q_len, k_len, t, settings.window)
     zeros = jnp.zeros((k_len, h), jnp.float32)
-    dk, dv = lax.fori_loop(first, end, step, (zeros, zeros))
-    dk_ref[...], dv_ref[...] = dk, dv
+    carry = (zeros, zeros)
+    for head in range(groups):  # unrolled: each query head of the group adds to the same sums
+        carry = lax.fori_loop(first, end, functools.partial(step, head), carry)
+    dk_ref[...], dv_ref[...] = (x.astype(dk_ref.dtype) for x in carry)
