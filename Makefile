@@ -9,6 +9,9 @@
 # `make ui-check`: install Chromium if missing, check the Prefect UI renders a real run's report in it.
 # `make gguf-check`: build llama-cpp-python if missing, check llama.cpp runs fine-tuned SmolLM2's and Gemma 3's
 # GGUF export as jaxtune does (prints the agreement and both decoders' tokens/s).
+# `make tpu-check`: every stage of the offline pipeline and a few LoRA steps of every model family on this machine's
+# chip, checked (benchmarks/tpu_check.py: results/tpu-check.{json,md}; ARGS='--families gemma3' and the like). With
+# .venv's python where there is one, else $(PYTHON) (a TPU machine with the packages on its PYTHONPATH); it installs nothing.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -49,7 +52,7 @@ SMOKE := tests/runtime/test_compat.py tests/flows/test_finetune_flow.py tests/pa
 ACCELERATOR := $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0)
 ON_CPU := $(if $(ACCELERATOR)$(JAX_PLATFORMS),,JAX_PLATFORMS=cpu)
 
-.PHONY: demo demo-real test test-latest ui-check gguf-check install clean bench bench-accelerator
+.PHONY: demo demo-real test test-latest ui-check gguf-check install clean bench bench-accelerator tpu-check
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +100,9 @@ bench: $(VENV)/.installed
 
 bench-accelerator: $(VENV)/.installed
 	$(ON_CPU) $(BIN)/python benchmarks/accelerator.py $(if $(ACCELERATOR),,--tiny) $(ARGS)
+
+tpu-check:
+	$(ON_CPU) $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) benchmarks/tpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) .jaxtune
