@@ -18,7 +18,7 @@ def bench_activation_memory_vs_eager(ctx: Context) -> dict:
     if folder is None:
         return {key: skipped(SKIP_SMOLLM2)}
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime import steps
+    from jaxtune.runtime import fit, steps
 
     model = jaxtune_model(folder, "bfloat16", recipe_lora())
     optimizer = make_optimizer(TrainConfig(), 100)
@@ -28,7 +28,7 @@ def bench_activation_memory_vs_eager(ctx: Context) -> dict:
     def plan(fused: bool | None) -> dict:
         # jaxtune as it runs by default (fused attention, chunked loss, remat matmuls) against the
         # step as it was: eager attention, full logits, every activation kept.
-        remat = TrainConfig().remat if fused else "none"
+        remat = fit.WITHOUT_LIMIT if fused else "none"  # auto on the CPU
         log(f"memory plan, fused={fused}, remat={remat}: compiling (8, 512)")
         extra = {} if fused is None else {"fused": fused}
         p = steps.train_step_memory(model, optimizer, 1, 8, 512, remat=remat, **extra)

@@ -36,13 +36,12 @@ def main() -> None:
     from jaxtune.runtime import attention, memory, steps, targets
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import attach_lora, to_jax
-    from jaxtune.target_plan import OUT_OF_MEMORY
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="v5e-1")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--remat", default="layer", help="train.remat (the recipe's is matmuls)")
+    parser.add_argument("--remat", default="layer", help="train.remat, a fixed policy (the recipe's is auto)")
     args = parser.parse_args()
     config = load_config("configs/gemma3-1b-dolly-lora.yaml", [f"train.batch_size={args.batch}", f"train.remat={args.remat}"])
     target = targets.resolve(args.target)
@@ -61,10 +60,10 @@ def main() -> None:
             found = (f"peak {plan['peak'] / 2**30:.2f} GiB + code {plan['code'] / 2**20:.1f} MiB of "
                      f"{target.chip.hbm / 2**30:.2f} GiB")
         except Exception as e:
-            refused = OUT_OF_MEMORY.search(str(e))
+            refused = memory.refusal(e)
             if not refused:
                 raise
-            found = f"does not compile: {refused[1].strip()}"
+            found = f"does not compile: {refused}"
         print(f"{core:>6} attention: {found} ({time.perf_counter() - started:.0f} s to compile)", flush=True)
 
 

@@ -246,7 +246,7 @@ def table(groups: list[dict]) -> str:
 def compile_step(recipe: Path, target_name: str, rows: int, length: int, attention_core: str | None):
     from jaxtune.config import load_config
     from jaxtune.doctor import as_trained
-    from jaxtune.runtime import attention, steps, targets
+    from jaxtune.runtime import attention, fit, steps, targets
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import to_jax
     from jaxtune.target_plan import meta_model
@@ -259,7 +259,8 @@ def compile_step(recipe: Path, target_name: str, rows: int, length: int, attenti
     target = targets.resolve(target_name)
     model = to_jax(module, make_placement(config.mesh, targets.devices(target)), shapes_only=True)
     with attention.choose(attention_core) if attention_core else _nothing():
-        compiled = steps.compiled_train_step(model, steps.make_optimizer(config.train), 1, rows, length, config.train.remat)
+        compiled = steps.compiled_train_step(model, steps.make_optimizer(config.train), 1, rows, length,
+                                              fit.fixed(config.train.remat))
     rank = config.lora.r if config.train.method == "lora" else None
     return compiled, target, rank, module.config.get_text_config().vocab_size
 

@@ -74,13 +74,13 @@ class JaxtuneTrainer:
 
     def __init__(self, model, lr: float = 1e-4):
         from jaxtune.config import TrainConfig
-        from jaxtune.runtime import steps
+        from jaxtune.runtime import fit, steps
 
         self.model, self.lr = model, lr
         cfg = TrainConfig(learning_rate=lr, warmup_steps=0, lr_schedule="constant", max_steps=1000, max_grad_norm=1.0,
                           weight_decay=0.01)
         self.optimizer = make_optimizer(cfg, 1000)
-        self.step_fn = steps.make_train_step(model, self.optimizer, remat=TrainConfig().remat)  # jaxtune's default
+        self.step_fn = steps.make_train_step(model, self.optimizer, remat=fit.WITHOUT_LIMIT)  # auto on the CPU
         self.weights = model.weights
         self.opt_state = steps.init_optimizer(model, self.optimizer)  # as training places it
         self.n = 0

@@ -191,6 +191,7 @@ class LoraConfig(Section):
 
 
 OBJECTIVES = ("sft", "dpo", "simpo")
+REMAT_POLICIES = ("auto", "none", "matmuls", "layer")
 
 
 class TrainConfig(Section):
@@ -215,11 +216,15 @@ class TrainConfig(Section):
     epochs: int | None = Field(None, gt=0, description="passes over the training rows (needs max_steps: null)")
     batch_size: int = Field(8, gt=0, description="rows per micro-batch")
     grad_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step, summed inside one compiled step")
-    remat: Literal["none", "matmuls", "layer"] = Field(
-        "matmuls",
+    remat: Literal[REMAT_POLICIES] = Field(
+        "auto",
         description="what each decoder layer keeps for the backward pass: none (keep every activation); matmuls "
         "(keep the matmul outputs, recompute the elementwise ops between them: a fraction of the memory for little "
-        "compute); layer (keep only the layer's input and recompute the whole layer: least memory, one more forward)",
+        "compute); layer (keep only the layer's input and recompute the whole layer: least memory, one more forward); "
+        "auto: the first of none, matmuls, layer whose step XLA compiles to fit the devices' memory, with the loss's "
+        "largest chunk that fits, and batch_size split into more micro-batches (grad_accumulation) where even layer "
+        "does not fit; matmuls where the devices report no memory (the CPU). A fixed policy that does not fit is "
+        "refused before the first step",
     )
     eval_every: int | None = Field(None, gt=0, description="steps between eval-loss measurements during training (null: none)")
     checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints a crashed run resumes from")

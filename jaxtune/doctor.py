@@ -143,7 +143,7 @@ def _batch(vocab_size: int, tokens: int) -> tuple[dict[str, np.ndarray], np.ndar
 
 def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]:
     """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
-    from jaxtune.runtime import memory, steps
+    from jaxtune.runtime import fit, steps
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import load_torch_model, to_jax
 
@@ -151,21 +151,32 @@ def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]
     module = as_trained(load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
     model = to_jax(module, make_placement(config.mesh))
     train = config.train
-    plan = memory.memory_plan(model, steps.make_optimizer(train), train, config.data.max_length)
-    return _memory_rows(plan, config, dtype)
+    try:
+        chosen = fit.choose(model, steps.make_optimizer(train), train, lambda run: (None, config.data.max_length, 0))
+    except fit.NothingFits as e:  # on a device that reports its memory (an accelerator)
+        if e.fit is None:
+            return [Row(MEMORY_CHECK, f"does not compile: {e}", "", False)]
+        chosen = e.fit
+    return _memory_rows(chosen.plan, config, dtype, chosen)
 
 
-def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str) -> list[Row]:
+def fit_row(chosen, train) -> Row:
+    """How the train step runs on the devices: `train.remat` resolved (see `runtime.fit`)."""
+    return Row("train step runs as", chosen.describe(train))
+
+
+def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str, chosen=None) -> list[Row]:
     """The mesh the plan is for, its peak against the device's memory (FAIL when over), its parts,
     and when it does not fit, a mesh of the same devices that would (or that none would) and the settings to change."""
     from jaxtune.runtime import memory
 
-    train = config.train
+    train = chosen.train_config(config.train) if chosen else config.train
     shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {config.data.max_length}"
     limit = size_text(plan["device_limit"]) if plan["device_limit"] else "not reported"
     fits = None if not plan["device_limit"] else plan["peak"] <= plan["device_limit"]
     rows = [
         Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
+        *([fit_row(chosen, config.train)] if chosen else []),
         Row(MEMORY_CHECK, f"{size_text(plan['peak'])} ({shape})", limit, fits),
         *part_rows(plan),
     ]

@@ -15,15 +15,13 @@ bytes as XLA:TPU counts them, over the chip's published peak FLOP/s and HBM band
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from jaxtune.config import JaxtuneConfig
-from jaxtune.doctor import DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, part_rows, size_text
+from jaxtune.doctor import (DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, fit_row, part_rows,
+                            size_text)
 from jaxtune.errors import DoctorError
 
-# libtpu's refusal of a step that does not fit: "... (55.40G) exceeds available HBM (15.75G) ..."
-OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED: ([^\n]*)")
 MAX_SLICES_TRIED = 3  # each is a compile of the whole step: minutes for a real model
 
 
@@ -43,12 +41,15 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
     method = f"LoRA r={config.lora.r}" if train.method == "lora" else "full fine-tuning"
     diagnosis = Diagnosis(model=name, summary=f"{module.config.model_type}, {method}; {target.chip.compiler} plan for "
                                               f"{target.describe(len(devices))}, compiled here without them", plan_only=True)
-    shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {length}"
     plan, refused = _compile(module, config, target, devices, config.mesh)
     if refused:
+        shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {length}"
         diagnosis.rows += [Row("mesh", refused["mesh"]),
                            Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", size_text(target.chip.hbm), False)]
     else:
+        run = plan["fit"].train_config(train)
+        shape = f"{dtype}, {run.optimizer}, remat {run.remat}, {run.grad_accumulation} x {run.batch_size} x {length}"
+        diagnosis.rows += [fit_row(plan["fit"], train)]
         diagnosis.rows += _rows(plan, target, shape, tokens=train.grad_accumulation * train.batch_size * length)
         diagnosis.rows += [] if train_only else _other_steps(module, config, target, devices)
     if diagnosis.ok:
@@ -59,9 +60,10 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
 
 
 def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tuple[dict | None, dict | None]:
-    """(the memory plan of the step on `devices` with `mesh`, None), or (None, {"mesh", "message"})
-    when XLA:TPU refuses it for want of memory."""
-    from jaxtune.runtime import memory, steps
+    """(the memory plan of the step on `devices` with `mesh`, its `fit.Fit` under "fit", None), or
+    (None, {"mesh", "message"}) when XLA:TPU refuses it for want of memory (with train.remat auto:
+    every way `fit.choose` tries)."""
+    from jaxtune.runtime import fit, memory, steps
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import to_jax
 
@@ -71,13 +73,13 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
         raise DoctorError(f"{e} of {target.describe(len(devices))}") from None
     model = to_jax(module, placement, shapes_only=True)
     try:
-        return memory.memory_plan(model, steps.make_optimizer(config.train), config.train, config.data.max_length,
-                                  limit=target.chip.hbm), None
-    except Exception as e:  # XLA:TPU refuses a step that does not fit at compile time
-        refused = OUT_OF_MEMORY.search(str(e))
-        if not refused:
-            raise
-        return None, {"mesh": memory.mesh_text(placement.sizes, placement.mesh.size), "message": refused[1].strip()}
+        chosen = fit.choose(model, steps.make_optimizer(config.train), config.train,
+                            lambda run: (None, config.data.max_length, 0), limit=target.chip.hbm)
+    except fit.NothingFits as e:  # XLA:TPU refuses a step that does not fit at compile time
+        if e.fit is None:
+            return None, {"mesh": memory.mesh_text(placement.sizes, placement.mesh.size), "message": str(e)}
+        chosen = e.fit  # the most economical way, which compiled: its figures, marked as not fitting
+    return {**chosen.plan, "fit": chosen}, None
 
 
 def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int) -> str | None:
@@ -122,7 +124,7 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
 
 def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
     """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
-    from jaxtune.runtime import decode, steps
+    from jaxtune.runtime import decode, memory, steps
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import to_jax
 
@@ -139,10 +141,10 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
         try:
             bytes_ = plan()
         except Exception as e:
-            refused = OUT_OF_MEMORY.search(str(e))
+            refused = memory.refusal(e)
             if not refused:
                 raise
-            found.append(Row(check, f"does not compile ({shape}): {refused[1].strip()}", size_text(target.chip.hbm), False))
+            found.append(Row(check, f"does not compile ({shape}): {refused}", size_text(target.chip.hbm), False))
             continue
         needed = bytes_["peak_bytes"] + bytes_["code_bytes"]
         found.append(Row(check, f"{size_text(needed)} with its code ({shape})", f"{size_text(target.chip.hbm)} HBM",

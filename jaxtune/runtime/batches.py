@@ -51,6 +51,25 @@ def pad_batch(
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 
+# What a right-padded column holds, per batch key (position ids continue their row's count).
+PADDING = {"attention_mask": 0, "segment_ids": 0, "labels": IGNORE_INDEX}
+
+
+def stack_micro_batches(parts: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
+    """A step's micro-batches as (k, rows, t) arrays, each right-padded to the longest one's t: padded
+    micro-batches of one step may fall in different length buckets (the extra columns score nothing)."""
+    t = max(part["input_ids"].shape[-1] for part in parts)
+
+    def padded(name: str, a: np.ndarray) -> np.ndarray:
+        if name == "reference" or a.shape[-1] == t:
+            return a
+        if name == "position_ids":
+            return np.concatenate([a, np.broadcast_to(np.arange(a.shape[-1], t, dtype=a.dtype), (*a.shape[:-1], t - a.shape[-1]))], -1)
+        return np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, t - a.shape[-1])], constant_values=PADDING.get(name, pad_id))
+
+    return {name: np.stack([padded(name, part[name]) for part in parts]) for name in parts[0]}
+
+
 def epoch_order(n_rows: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n_rows)
 

@@ -75,8 +75,10 @@ def forward_logits(model: JaxModel, training: bool = False, remat: str = "none",
     return forward
 
 
-def forward_token_nll(model: JaxModel, training: bool = False, remat: str = "none", fused: bool = True) -> Callable:
-    """(weights, buffers, batch, labels) -> (per-token NLL (b, t-1) float32, scored (b, t-1) bool), as a torch function."""
+def forward_token_nll(model: JaxModel, training: bool = False, remat: str = "none", fused: bool = True,
+                      chunk_tokens: int | None = None) -> Callable:
+    """(weights, buffers, batch, labels) -> (per-token NLL (b, t-1) float32, scored (b, t-1) bool), as a torch function.
+    `chunk_tokens`: tokens per chunk of the loss (default `loss.chunk_tokens_on` the model's platform)."""
     fused = fused and attention.supported(model.module)
     parts = _Parts(model.module) if fused and _plain_head(model.module) else None
     if parts is None:
@@ -87,7 +89,7 @@ def forward_token_nll(model: JaxModel, training: bool = False, remat: str = "non
         with tracing(model, training, remat, fused):
             tensors = {**model.for_compute(weights), **buffers}
             hidden = parts.hidden(tensors, model_kwargs(batch, fused))  # (b, t, d)
-            nll = parts.nll(tensors, hidden, labels, model.placement.mesh.devices.flat[0].platform)
+            nll = parts.nll(tensors, hidden, labels, model.placement.mesh.devices.flat[0].platform, chunk_tokens)
         return nll, labels[:, 1:] != IGNORE_INDEX
 
     return forward
@@ -124,13 +126,14 @@ class _Parts:
         out = torch.func.functional_call(self.decoder, self._slice(tensors, self.decoder_prefix), args=(), kwargs=kwargs)
         return out.last_hidden_state
 
-    def nll(self, tensors: dict, hidden: torch.Tensor, labels: torch.Tensor, platform: str | None = None) -> torch.Tensor:
+    def nll(self, tensors: dict, hidden: torch.Tensor, labels: torch.Tensor, platform: str | None = None,
+            chunk_tokens: int | None = None) -> torch.Tensor:
         from torchax import interop
 
         from jaxtune.runtime import loss
 
         vocab = self.head.out_features if hasattr(self.head, "out_features") else self.head.weight.shape[0]
-        chunk = loss.chunk_tokens_on(platform, vocab)
+        chunk = chunk_tokens or loss.chunk_tokens_on(platform, vocab)
         if self.weight is not None:
             bias = tensors[self.bias] if self.bias is not None else None
             return interop.call_jax(lambda h, w, y, b: loss.linear_token_nll(h, w, y, bias=b, softcap=self.softcap,

@@ -23,7 +23,10 @@ F32 = jnp.float32
 
 
 LOGITS_BUDGET = 64 * 2**20  # bytes of one chunk's float32 logits
-GPU_CHUNK_TOKENS = 512
+ACCELERATOR_CHUNK_TOKENS = 512  # the fewest tokens per chunk on a TPU or GPU
+# Bytes a chunk of c tokens holds at once per vocabulary entry and token in the backward pass: its
+# float32 logits, their float32 softmax gradient and that gradient cast to the weights' 16 bits.
+CHUNK_BYTES_PER_LOGIT = 4 + 4 + 2
 
 
 def chunk_tokens_for(vocab_size: int, budget_bytes: int = LOGITS_BUDGET) -> int:
@@ -32,16 +35,28 @@ def chunk_tokens_for(vocab_size: int, budget_bytes: int = LOGITS_BUDGET) -> int:
 
 
 def chunk_tokens_on(platform: str | None, vocab_size: int) -> int:
-    """Tokens per chunk on `platform` (a mesh's: "cpu", "gpu", "tpu").
+    """Tokens per chunk on `platform` (a mesh's: "cpu", "gpu", "tpu") when nothing larger was chosen
+    for the devices' free memory (`grown_chunk_tokens`).
 
     Each chunk's matmul reads the whole head (vocab, d) from memory again, so a chunk of c tokens
-    does about c flops per byte of it, and a GPU's matmul waits on memory below about 200 (an
-    H200: 989 TFLOP/s over 4.8 TB/s). On a GPU chunks are at least `GPU_CHUNK_TOKENS`: for Gemma 3
-    (262k vocabulary) 512 tokens, 512 MiB of float32 logits, where 64 MiB would give 64 tokens and
-    read Gemma 3 1B's 604 MB head 128 times in a LoRA step of 8 x 512 tokens (82 GB). The CPU, and
-    TPUs (a v5e has 16 GiB, and the recipes' plans are near it), keep the 64 MiB chunks."""
+    does about c flops per byte of it, and an accelerator's matmul waits on memory below a few
+    hundred (an H200: 989 TFLOP/s over 4.8 TB/s; a TPU v5e: 197 TFLOP/s over 0.82 TB/s). On a TPU
+    or GPU chunks are at least `ACCELERATOR_CHUNK_TOKENS`: for Gemma 3 (262k vocabulary) 512 tokens,
+    512 MiB of float32 logits, where 64 MiB would give 64 tokens and read Gemma 3 1B's 604 MB head
+    128 times in a LoRA step of 8 x 512 tokens (82 GB: on a v5e, Gemma 3 1B's LoRA step at 8 x 512
+    took 210 ms with 64-token chunks and 140 ms with 512). The CPU keeps the 64 MiB chunks."""
     chunk = chunk_tokens_for(vocab_size)
-    return max(chunk, GPU_CHUNK_TOKENS) if platform == "gpu" else chunk
+    return max(chunk, ACCELERATOR_CHUNK_TOKENS) if platform in ("gpu", "tpu") else chunk
+
+
+def grown_chunk_tokens(base: int, vocab_size: int, spare_bytes: int, tokens: int) -> int:
+    """The most tokens per chunk, `base` doubled while the larger chunk's extra backward-pass bytes
+    (`CHUNK_BYTES_PER_LOGIT` per logit) fit `spare_bytes` and the chunk stays below `tokens` (a
+    micro-batch's: a larger chunk than that is the same single chunk)."""
+    chunk = base
+    while chunk * 2 <= tokens and (chunk * 2 - base) * vocab_size * CHUNK_BYTES_PER_LOGIT <= spare_bytes:
+        chunk *= 2
+    return chunk
 
 
 def _chunked(hidden, labels, chunk_tokens: int):

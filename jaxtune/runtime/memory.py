@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -21,20 +22,24 @@ def device_bytes(tree) -> int:
 
 
 def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | None = None, fused: bool = True,
-                limit: int | None = None, objective=None, segments: int = 0) -> dict:
+                limit: int | None = None, objective=None, segments: int = 0, chunk_tokens: int | None = None) -> dict:
     """Bytes per device for parameters, gradients, optimizer state and one micro-batch's
     activations at `rows` (default `train.batch_size`) sequences of `length`, XLA's peak for the
     whole step, and the device's memory: `limit`, else what JAX reports (accelerators do, the CPU
     and compile-only devices do not). The step is the one that will train (see `steps.train_step_memory`):
-    `objective` and `segments` those of a preference run's steps (default: train.objective's, padded pairs)."""
+    `objective` and `segments` those of a preference run's steps (default: train.objective's, padded pairs);
+    `chunk_tokens` the loss's (default: the platform's, `loss.chunk_tokens_on`). `cfg.remat` is a policy, not auto
+    (see `fit`)."""
     from jaxtune.runtime import preference, steps
 
     objective = objective or preference.objective_of(cfg.objective, None)
     if objective.pairs and not rows:
         rows, segments = 2 * cfg.batch_size, segments or 1
     rows = rows or cfg.batch_size
+    if cfg.remat == "auto":
+        raise ValueError("memory_plan compiles one remat policy: resolve train.remat=auto with fit.choose first")
     xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused,
-                                  objective=objective, segments=segments)
+                                  objective=objective, segments=segments, chunk_tokens=chunk_tokens)
     gradients = device_bytes(model.weights)
     opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
     return {
@@ -176,7 +181,7 @@ def knobs(cfg: TrainConfig) -> str:
         found.append("train.method=lora (gradients and optimizer state for adapters only)")
     if cfg.optimizer == "adamw":
         found.append("train.optimizer=adafactor (factored second moments, no first moment)")
-    if cfg.remat != "layer":
+    if cfg.remat not in ("layer", "auto"):
         found.append("train.remat=layer (recompute each layer's activations in the backward pass)")
     if cfg.batch_size > 1:
         found.append(f"a smaller train.batch_size with a larger train.grad_accumulation "
@@ -200,6 +205,16 @@ def advice(plan: dict, cfg: TrainConfig) -> str:
     closest = (f" (the smallest estimate, {mesh_setting(smallest['mesh'])}, needs about {smallest['peak'] / 2**30:.2f} GiB)"
                if smallest else "")
     return f"No mesh of {devices} device{'s' * (devices != 1)} fits by estimate{closest}. Try: {knobs(cfg)}"
+
+
+# libtpu's refusal of a step that does not fit: "... (55.40G) exceeds available HBM (15.75G) ..."
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED: ([^\n]*)")
+
+
+def refusal(error: BaseException) -> str | None:
+    """The compiler's one-line reason when `error` is its refusal of a program for want of memory, else None."""
+    found = OUT_OF_MEMORY.search(str(error))
+    return found[1].strip() if found else None
 
 
 def check_fits(plan: dict, cfg: TrainConfig) -> None:

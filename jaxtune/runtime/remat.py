@@ -92,6 +92,8 @@ def _keyed(forward: Callable, remat: str) -> Callable:
 
     from jaxtune.runtime.compat import torchax_env
 
+    if remat not in ("none", "matmuls", "layer"):
+        raise ValueError(f"remat {remat!r} is not a policy (none, matmuls, layer): resolve train.remat=auto with fit.choose")
     env = torchax_env()
 
     def plain(*args, **kwargs):

@@ -93,12 +93,13 @@ def grad_norm_of(opt_state: Any) -> jax.Array:
     return opt_state.inner_state[0].grad_norm
 
 
-def _summed_loss(model: JaxModel, training: bool, remat: str, fused: bool, objective: Objective = SFT) -> Callable:
+def _summed_loss(model: JaxModel, training: bool, remat: str, fused: bool, objective: Objective = SFT,
+                 chunk_tokens: int | None = None) -> Callable:
     """JAX function (weights, buffers, batch, labels, key) -> (summed loss, count) of `objective`
     (`preference.summed_objective`: token NLL and scored tokens for sft); dropout, if any, draws from `key`."""
     from torchax import interop
 
-    forward = forward_token_nll(model, training=training, remat=remat, fused=fused)
+    forward = forward_token_nll(model, training=training, remat=remat, fused=fused, chunk_tokens=chunk_tokens)
 
     def per_token(weights, buffers, batch, labels):
         with model.env:
@@ -115,14 +116,14 @@ def _summed_loss(model: JaxModel, training: bool, remat: str, fused: bool, objec
 
 
 def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool,
-                   objective: Objective = SFT) -> Callable:
+                   objective: Objective = SFT, chunk_tokens: int | None = None) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr) -> (loss, weights, opt_state).
 
     `batch` arrays and `labels` are (k, b, t): k micro-batches whose summed gradients, divided
     by all k micro-batches' count (scored tokens, or pairs), equal one big batch's mean-loss gradient.
     """
-    grad = jax.value_and_grad(_summed_loss(model, training=True, remat=remat, fused=fused, objective=objective),
-                              has_aux=True)
+    grad = jax.value_and_grad(_summed_loss(model, training=True, remat=remat, fused=fused, objective=objective,
+                                           chunk_tokens=chunk_tokens), has_aux=True)
 
     def train_step(weights, buffers, opt_state, batch, labels, key, lr):
         def micro(carry, xs):
@@ -173,7 +174,7 @@ def init_optimizer(model: JaxModel, optimizer: optax.GradientTransformation, wei
 
 
 def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool,
-                       objective: Objective = SFT):
+                       objective: Objective = SFT, chunk_tokens: int | None = None):
     """The train step jitted with every input and output's sharding pinned (so the second call
     finds the first's program), donating weights and optimizer state so they update in place."""
     placement = model.placement
@@ -181,27 +182,28 @@ def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation,
     buffers = jax.tree.map(lambda a: a.sharding, model.buffers)
     opt_state = optimizer_shardings(optimizer, model.weights, placement.replicated)
     batch, one = placement.micro_batch_sharding, placement.replicated
-    return jax.jit(_train_step_fn(model, optimizer, remat, fused, objective), donate_argnums=(0, 2),
+    return jax.jit(_train_step_fn(model, optimizer, remat, fused, objective, chunk_tokens), donate_argnums=(0, 2),
                    in_shardings=(weights, buffers, opt_state, batch, batch, one, one),
                    out_shardings=(one, weights, opt_state))
 
 
 def shared_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
-                      fused: bool = True, objective: Objective = SFT) -> programs.Program:
+                      fused: bool = True, objective: Objective = SFT, chunk_tokens: int | None = None) -> programs.Program:
     """The jitted train step (`_jitted_train_step`) every model of this structure shares (see `programs`)."""
-    return programs.shared("train_step", model, (id(optimizer), remat, fused, objective),
-                           lambda ref: _jitted_train_step(ref, optimizer, remat, fused, objective))
+    return programs.shared("train_step", model, (id(optimizer), remat, fused, objective, chunk_tokens),
+                           lambda ref: _jitted_train_step(ref, optimizer, remat, fused, objective, chunk_tokens))
 
 
 def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
-                    fused: bool = True, objective: Objective = SFT) -> Callable:
+                    fused: bool = True, objective: Objective = SFT, chunk_tokens: int | None = None) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr), jitted; weights and optimizer state are donated.
 
     `fused=False` runs transformers' eager attention and full logits (what PyTorch eager
     computes); it cannot isolate packed rows, so it takes unpacked batches only. A preference
-    `objective`'s batches carry `reference` (see `preference.summed_objective`).
+    `objective`'s batches carry `reference` (see `preference.summed_objective`). `chunk_tokens`: the
+    loss's tokens per chunk (default `loss.chunk_tokens_on` the platform; `fit` may choose more).
     """
-    program = shared_train_step(model, optimizer, remat, fused, objective)
+    program = shared_train_step(model, optimizer, remat, fused, objective, chunk_tokens)
     put = model.placement.put
 
     def run(weights, buffers, opt_state, batch, labels, key, lr):
@@ -222,7 +224,7 @@ BATCH_KEYS = ("input_ids", "attention_mask", "segment_ids", "position_ids")
 
 def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
                       length: int, remat: str = "none", fused: bool = True, objective: Objective = SFT,
-                      segments: int = 0) -> dict:
+                      segments: int = 0, chunk_tokens: int | None = None) -> dict:
     """XLA's memory plan for one train step of (micro_batches, batch_size, length), compiled from shapes alone.
 
     `batch_size` is the whole micro-batch's rows, split over the mesh as training splits it; the
@@ -230,16 +232,16 @@ def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, 
     outputs, of temporaries (activations kept for the backward pass, gradients), and their peak.
     """
     return compiled_memory(compiled_train_step(model, optimizer, micro_batches, batch_size, length, remat, fused,
-                                               objective, segments))
+                                               objective, segments, chunk_tokens))
 
 
 def compiled_train_step(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
                         length: int, remat: str = "none", fused: bool = True, objective: Objective = SFT,
-                        segments: int = 0):
+                        segments: int = 0, chunk_tokens: int | None = None):
     """The train step XLA compiles for (micro_batches, batch_size, length) on the model's devices, from
     shapes alone. The step is the one training calls (`shared_train_step`), so that its first call at
     these shapes reuses this trace instead of tracing the model again."""
-    program = shared_train_step(model, optimizer, remat, fused, objective)
+    program = shared_train_step(model, optimizer, remat, fused, objective, chunk_tokens)
     weights = shapes_of(model.weights)
     opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)
     shape = (micro_batches, batch_size, length)

@@ -21,8 +21,8 @@ from tqdm import tqdm
 from jaxtune import processes, stopping
 from jaxtune.config import TrainConfig
 from jaxtune.errors import NonFiniteLoss, TrainingGaveUp
-from jaxtune.runtime import attention, checkpoint, memory, steps
-from jaxtune.runtime.batches import row_lengths
+from jaxtune.runtime import attention, checkpoint, fit, memory, steps
+from jaxtune.runtime.batches import row_lengths, stack_micro_batches
 from jaxtune.runtime.feed import Feed, make_feed
 from jaxtune.runtime.mesh import fetch
 from jaxtune.runtime.model import JaxModel
@@ -80,17 +80,30 @@ def train(
     interruptions = _interruptions(checkpoint_dir, restart) if checkpoint_dir else []
     feed = feed or feed_for(model, row_lengths(input_ids), cfg, max_length, packing, objective.pairs)
     fused = attention.supported(model.module)
-    total = total_steps(cfg, feed)
     optimizer = steps.make_optimizer(cfg)
-    schedule = steps.learning_rate_schedule(cfg, total)
-    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused, objective=objective)
-    plan = {}
+    plan, chosen, chunk = {}, None, None
     if check_memory:
         # Planned with the step that trains: its first call finds this trace (the model is traced once, not twice).
-        plan = memory.memory_plan(model, optimizer, cfg, feed.length, rows=feed.rows, fused=fused, objective=objective,
-                                  segments=feed.segments)
-        on_log([{"memory_plan": plan, "message": memory.describe(plan)}])
+        feeds = {cfg.batch_size: feed}
+
+        def shape(run: TrainConfig) -> tuple[int, int, int]:
+            if run.batch_size not in feeds:
+                feeds[run.batch_size] = feed_for(model, row_lengths(input_ids), run, max_length, packing, objective.pairs)
+            planned = feeds[run.batch_size]
+            return planned.rows, planned.length, planned.segments
+
+        chosen = fit.choose(model, optimizer, cfg, shape, fused=fused, objective=objective)
+        plan = {**chosen.plan, "fit": chosen.record()}
+        on_log([{"memory_plan": plan, "message": f"{chosen.describe(cfg)}; {memory.describe(plan)}"}])
         memory.check_fits(plan, cfg)
+        cfg, chunk = chosen.train_config(cfg), chosen.chunk_tokens
+        feed = feeds[cfg.batch_size]
+    elif cfg.remat == "auto":
+        cfg = cfg.model_copy(update={"remat": fit.fixed(cfg.remat)})
+    total = total_steps(cfg, feed)
+    schedule = steps.learning_rate_schedule(cfg, total)
+    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused, objective=objective,
+                                    chunk_tokens=chunk)
     train_reference, eval_reference = reference if reference is not None else (None, None)
     evaluate = _evaluator(model, eval_data, cfg, pad_id, objective, eval_reference) if cfg.eval_every and eval_data else None
     flops = flops_per_token(model, feed)
@@ -116,7 +129,7 @@ def train(
     with stopping.stop_on_signals(cfg.checkpoint_minutes) as stops:
         for step in tqdm(range(start + 1, total + 1), desc="train", unit="step", initial=start, total=total):
             parts = [next(micro_batches) for _ in range(k)]
-            batch = {name: np.stack([part[name] for part in parts]) for name in parts[0]}
+            batch = stack_micro_batches(parts, pad_id)
             tokens = int(batch["attention_mask"].sum())
             window_tokens += tokens
             slots[0], slots[1] = slots[0] + tokens, slots[1] + batch["attention_mask"].size
@@ -179,6 +192,9 @@ def train(
         "trainable_parameters": int(sum(np.prod(v.shape) for v in weights.values())),
         "rows_per_step": cfg.batch_size * k,
         "mesh": model.placement.describe(),
+        "remat": cfg.remat,
+        "loss_chunk_tokens": chunk,
+        "fit": chosen.record() if chosen else None,
     }
     weights, opt_state = fetch((weights, opt_state))
     return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)

@@ -1,0 +1,155 @@
+"""train.remat auto (`runtime.fit`): the cheapest way to run a batch whose compiled plan fits the
+device, and a split batch that trains as the whole one did.
+
+The CPU reports no memory, so each test names the device's memory (`limit`) from the plans the
+candidates compile to here: between two candidates' needs, exactly one side fits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
+from jaxtune.runtime import fit, loss, memory, steps, training
+from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.mesh import make_placement
+from tests.conftest import PAD, VOCAB, tiny_model
+from tests.mesh.bounds import RHO
+
+pytestmark = pytest.mark.training
+
+LENGTH = 256  # long enough that activations outweigh the tiny model's weights and code
+CFG = TrainConfig(batch_size=4, max_steps=1, warmup_steps=0, optimizer="sgd", learning_rate=0.5, weight_decay=0.0,
+                  max_grad_norm=1e9, log_every=1, checkpoint_every=1)
+
+
+def fresh_model():
+    module = rt_model.attach_lora(tiny_model("llama", layers=2), LoraConfig(r=4, target_modules="all-linear"))
+    return rt_model.to_jax(module, make_placement(MeshConfig()))
+
+
+def shape(run: TrainConfig) -> tuple[int, int, int]:
+    return run.batch_size, LENGTH, 0
+
+
+@pytest.fixture(scope="module")
+def needs():
+    """(model, {candidate: bytes its plan needs}) for none, matmuls and layer at 4 rows, and layer at 2 and 1."""
+    model = fresh_model()
+    optimizer = steps.make_optimizer(CFG)
+    found = {}
+    for remat, rows in (("none", 4), ("matmuls", 4), ("layer", 4), ("layer", 2), ("layer", 1)):
+        run = CFG.model_copy(update={"remat": remat, "batch_size": rows, "grad_accumulation": 4 // rows})
+        found[(remat, rows)] = fit._needed(memory.memory_plan(model, optimizer, run, LENGTH, rows=rows))
+    print({f"{r} x{n}": f"{b / 2**20:.2f} MiB" for (r, n), b in found.items()})
+    return model, found
+
+
+def device_between(low: int, high: int) -> int:
+    """A device's memory whose budget (less `fit.HEADROOM`) holds `low` bytes and not `high`."""
+    assert low < high, "the candidates' needs are not ordered as the policies' recomputation is"
+    return int((low + high) / 2 / (1 - fit.HEADROOM))
+
+
+def test_needs_fall_with_each_policy_and_with_smaller_micro_batches(needs):
+    _, found = needs
+    order = [("none", 4), ("matmuls", 4), ("layer", 4), ("layer", 2), ("layer", 1)]
+    assert [found[c] for c in order] == sorted((found[c] for c in order), reverse=True)
+    assert len({found[c] for c in order}) == len(order)
+
+
+@pytest.mark.parametrize(("between", "remat", "split"), [
+    ((("none", 4), None), "none", 1),
+    ((("matmuls", 4), ("none", 4)), "matmuls", 1),
+    ((("layer", 4), ("matmuls", 4)), "layer", 1),
+    ((("layer", 2), ("layer", 4)), "layer", 2),
+    ((("layer", 1), ("layer", 2)), "layer", 4),
+])
+def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, split):
+    model, found = needs
+    low, high = between
+    limit = device_between(found[low], found[high] if high else 2 * found[low])
+    chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
+    assert (chosen.remat, chosen.split, chosen.chosen_by) == (remat, split, "auto")
+    assert fit._needed(chosen.plan) == found[(remat, 4 // split)] <= chosen.budget < limit
+    # Every policy with less recomputation was compiled first and did not fit.
+    earlier = fit.POLICIES[: fit.POLICIES.index(remat) + (1 if split > 1 else 0)]
+    assert [t["remat"] for t in chosen.tried if t["split"] == 1] == list(earlier if split > 1 else (*earlier, remat))[:3]
+    assert all(t["needed"] > chosen.budget for t in chosen.tried[:-1])
+    run = chosen.train_config(CFG)
+    assert (run.remat, run.batch_size, run.grad_accumulation) == (remat, 4 // split, split)
+
+
+def test_nothing_fits_says_so_in_one_line_with_what_would(needs):
+    model, found = needs
+    limit = int(found[("layer", 1)] * 0.9)
+    with pytest.raises(fit.NothingFits) as refused:
+        fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
+    message = str(refused.value)
+    assert "\n" not in message and "with 1 row per micro-batch" in message
+    assert "data.max_length" in message and "mesh.fsdp" in message
+    assert refused.value.fit.split == 4 and fit._needed(refused.value.fit.plan) == found[("layer", 1)]
+
+
+def test_a_fixed_policy_is_obeyed_and_refused_before_the_first_step(needs, monkeypatch):
+    model, found = needs
+    limit = device_between(found[("layer", 4)], found[("matmuls", 4)])  # auto would take layer
+    chosen = fit.choose(model, steps.make_optimizer(CFG), CFG.model_copy(update={"remat": "matmuls"}), shape, limit=limit)
+    assert (chosen.remat, chosen.split, chosen.chosen_by, len(chosen.tried)) == ("matmuls", 1, "fixed", 1)
+    monkeypatch.setattr(memory, "device_limit", lambda: found[("matmuls", 4)] // 2)
+    ids = [list(range(3, 3 + LENGTH))] * 8
+    calls = []
+    monkeypatch.setattr(steps, "make_train_step", lambda *a, **k: calls.append(1))
+    with pytest.raises(MemoryError, match="training needs .* GiB per device"):
+        training.train(model, ids, ids, CFG.model_copy(update={"remat": "matmuls"}), PAD, LENGTH, packing=False)
+    assert not calls, "no step was built"
+
+
+def test_without_a_reported_memory_auto_is_matmuls_and_compiles_once(needs):
+    model, found = needs
+    chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape)  # the CPU: no limit
+    assert (chosen.remat, chosen.split, chosen.chosen_by, chosen.budget) == ("matmuls", 1, "no device memory reported", None)
+    assert len(chosen.tried) == 1 and fit._needed(chosen.plan) == found[("matmuls", 4)]
+
+
+def test_the_loss_chunk_grows_into_what_memory_is_left():
+    gemma = 262_144  # Gemma 3's vocabulary: a 512-token chunk's backward pass holds 1.25 GiB
+    assert loss.chunk_tokens_on("tpu", gemma) == loss.chunk_tokens_on("gpu", gemma) == 512
+    assert loss.chunk_tokens_on("cpu", gemma) == 64  # 64 MiB of float32 logits
+    per_token = gemma * loss.CHUNK_BYTES_PER_LOGIT
+    assert loss.grown_chunk_tokens(512, gemma, 0, 4096) == 512
+    assert loss.grown_chunk_tokens(512, gemma, 512 * per_token - 1, 4096) == 512  # 1024 needs 512 more tokens' worth
+    assert loss.grown_chunk_tokens(512, gemma, 512 * per_token, 4096) == 1024
+    assert loss.grown_chunk_tokens(512, gemma, 10**12, 4096) == 4096  # never past the micro-batch's tokens
+    assert loss.grown_chunk_tokens(512, gemma, 10**12, 700) == 512
+
+
+def test_a_split_batch_trains_as_the_whole_batch_does(needs, monkeypatch):
+    """One SGD step (momentum's first step is the gradient) from the same weights: the run auto
+    splits into 2 micro-batches of 2 rows moves every weight as the whole batch of 4 does, up to
+    float32 summation order: the gradients may differ by RHO of their tensor's RMS
+    (`tests.mesh.bounds`: splitting a sum in two changes its order as a mesh does), so the weights by
+    lr x RHO x RMS, plus half an ulp of each weight's rounding per run."""
+    model, found = needs
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(3, VOCAB, int(n)).tolist() for n in rng.integers(LENGTH // 2, LENGTH + 1, 8)]
+    initial = {name: np.asarray(value) for name, value in model.weights.items()}
+
+    def trained(cfg, limit):
+        monkeypatch.setattr(memory, "device_limit", lambda: limit)
+        model.weights = {name: model.placement.put(value, model.weights[name].sharding) for name, value in initial.items()}
+        return training.train(model, ids, ids, cfg, PAD, LENGTH, packing=False)
+
+    whole = trained(CFG.model_copy(update={"remat": "layer"}), None)
+    split = trained(CFG, device_between(found[("layer", 2)], found[("layer", 4)]))
+    assert split.memory["fit"]["split"] == 2 and split.summary["batch_shape"][:2] == [2, 2]
+    assert whole.summary["batch_shape"][:2] == [1, 4] and split.summary["rows_per_step"] == 4
+    assert split.log[0]["loss"] == pytest.approx(whole.log[0]["loss"], rel=1e-6)
+    moved = 0
+    for name, before in initial.items():
+        gradient = (before - whole.weights[name]) / CFG.learning_rate
+        moved += np.abs(gradient).max() > 0
+        bound = CFG.learning_rate * RHO * np.sqrt(np.mean(gradient**2)) + np.spacing(np.abs(whole.weights[name]))
+        assert (np.abs(split.weights[name] - whole.weights[name]) <= bound).all(), name
+    assert moved == sum(".lora_B." in name for name in initial)  # B starts at 0, so A's first gradient is 0
