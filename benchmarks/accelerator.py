@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a toy model of the family, on the CPU, in float32 (make test)")
     parser.add_argument("--parts", action="append", choices=list(PARTS), help="run only these parts (repeatable)")
     parser.add_argument("--cases", action="append", type=parse_case, help="train cases ROWSxLENGTH, in order (repeatable)")
+    parser.add_argument("--remat", action="append", choices=["auto", "none", "matmuls", "layer"],
+                        help="train.remat of jaxtune's train cases (repeatable: each runs every case; default auto)")
+    parser.add_argument("--section", action="append", choices=["lora", "full", "decode"],
+                        help="jaxtune's sections to run (repeatable; default lora, full and decode)")
     parser.add_argument("--minutes", type=float, help=f"the whole run's time (default {DEVICE_MINUTES:g}; --tiny {TINY_MINUTES:g})")
     parser.add_argument("--out", help="output stem (default benchmarks/results/accelerator-latest, or accelerator-tiny)")
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     minutes = args.minutes or (TINY_MINUTES if args.tiny else DEVICE_MINUTES)
     deadline = began + 60 * minutes
-    settings = Settings.make(args.model, args.tiny, tuple(args.cases) if args.cases else None)
+    settings = Settings.make(args.model, args.tiny, tuple(args.cases) if args.cases else None,
+                             tuple(args.remat or ("auto",)), tuple(args.section) if args.section else None)
     stem = Path(args.out) if args.out else RESULTS / ("accelerator-tiny" if args.tiny else "accelerator-latest")
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="jaxtune-accelerator-") as folder:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from accelerator_setup import (RECIPES, Results, Settings, case_name, measure_cases, process_rss, prompts,
-                               train_batch)
+from accelerator_setup import (RECIPES, Results, Settings, case_name, jaxtune_side, measure_cases, process_rss,
+                               prompts, train_batch)
 from harness import log
 
 
@@ -41,12 +41,17 @@ SECTIONS = {"lora": 130, "full": 80, "decode": 45}
 
 def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
     """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
-    from jaxtune.runtime import flops
+    import os
+
+    from jaxtune.runtime import compile_cache, flops
 
     results = Results(work, "jaxtune")
-    results.add(event="device", **device_info(), peak=flops.chip_peak())
+    cache = os.environ.get(compile_cache.SHARED_FOLDER_VARIABLE)  # as `jaxtune run` keeps one, when given
+    if cache:
+        compile_cache.enable(cache)
+    results.add(event="device", **device_info(), peak=flops.chip_peak(), compile_cache=cache)
     results.add(event="matmul", **measured_matmul(settings))
-    names = list(SECTIONS)
+    names = [name for name in SECTIONS if name in settings.sections]
     for i, section in enumerate(names):
         left = until - time.time()
         deadline = time.perf_counter() + left * SECTIONS[section] / sum(SECTIONS[n] for n in names[i:])
@@ -70,27 +75,40 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
         results.add(event="flops", method=method, case=case_name(rows, length), per_token=per_token["total"], detail=per_token)
     initial = jax.device_get(model.weights)  # each case starts from these, with one copy on the device at a time
 
-    def prepare(case):
-        step, plan = train_case(settings, cfg, model, initial, case)
-        return step, lambda: {**plan(), **jax_memory(model)}
+    for remat in settings.remats:
+        run_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"remat": remat})})
+        side = jaxtune_side(method, remat)
 
-    measure_cases(results, settings, f"jaxtune-{method}", prepare, deadline)
+        def prepare(case, run_cfg=run_cfg, side=side):
+            step, plan = train_case(settings, run_cfg, model, initial, case, results, side)
+            return step, lambda: {**plan(), **jax_memory(model)}
+
+        measure_cases(results, settings, side, prepare, deadline)
 
 
-def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, int]):
+def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, int], results: Results, side: str):
     """(step, plan): step(i) -> loss at i = 0, jaxtune's train step on batch i of `case` from the `initial` weights
     (the step donates the weights it is given, so the model gets a fresh copy of them for each case); plan() ->
-    XLA's memory plan of that step, read from the compiled program once it has run (no second compile)."""
+    XLA's memory plan of that step. The step runs as the train stage runs it: `fit.choose` picks train.remat
+    auto's policy, loss chunk and micro-batch split from compiled plans (a fixed policy is compiled once); the
+    choice is a result line (event "fit")."""
     import jax
     import numpy as np
 
-    from jaxtune.runtime import steps
+    from jaxtune.runtime import fit, steps
     from jaxtune.runtime.packing import unpacked_segments
 
     rows, length = case
     model.weights = jax.device_put(initial, jax.tree.map(lambda a: a.sharding, model.weights))
     optimizer = steps.make_optimizer(cfg.train)
-    train_step = steps.make_train_step(model, optimizer, remat=cfg.train.remat)
+    started = time.perf_counter()
+    chosen = fit.choose(model, optimizer, cfg.train.model_copy(update={"batch_size": rows, "grad_accumulation": 1}),
+                        lambda run: (run.batch_size, length, 0))
+    results.add(event="fit", case=case_name(rows, length), side=side, fit_seconds=time.perf_counter() - started,
+                **chosen.record())
+    log(f"{side} {case_name(rows, length)}: {chosen.describe(cfg.train.model_copy(update={'batch_size': rows}))}")
+    split = chosen.split
+    train_step = steps.make_train_step(model, optimizer, remat=chosen.remat, chunk_tokens=chosen.chunk_tokens)
     schedule = steps.learning_rate_schedule(cfg.train, cfg.train.max_steps)
     state = {"weights": model.weights}
     state["opt"] = steps.init_optimizer(model, optimizer, state["weights"])
@@ -99,7 +117,8 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     for i in range(1 + settings.warmups + settings.steps):  # on the device before timing, as the other side's
         batch = train_batch(settings, vocab, rows, length, i)
         batch = {**batch, **unpacked_segments(batch["attention_mask"])}
-        feed.append(model.placement.shard_micro_batches({k: np.asarray(v, np.int32)[None] for k, v in batch.items()}))
+        feed.append(model.placement.shard_micro_batches(
+            {k: np.asarray(v, np.int32).reshape(split, rows // split, length) for k, v in batch.items()}))
 
     def step(i: int):
         batch = dict(feed[i])
@@ -110,7 +129,8 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
         return float(loss) if i == 0 else None
 
     def plan() -> dict:
-        return {"plan_peak_bytes": steps.train_step_memory(model, optimizer, 1, rows, length, cfg.train.remat)["peak_bytes"]}
+        return {"plan_peak_bytes": chosen.plan["peak"], "plan_code_bytes": chosen.plan["code"], "remat": chosen.remat,
+                "loss_chunk_tokens": chosen.chunk_tokens, "split": split}
 
     return step, plan
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from accelerator_setup import Results, Settings, case_name
+from accelerator_setup import Results, Settings, case_name, jaxtune_side
 from harness import fmt, machine_info
 
 SIDES = {"jaxtune-lora": "lora", "jaxtune-full": "full", "torch-eager": "lora", "torch-compile": "lora"}
@@ -54,7 +54,14 @@ def why_missing(figures: dict, side: str, parts: dict) -> str:
         return f"failed: {figures['error']}"
     if "skipped" in figures:
         return figures["skipped"]
-    return f"not measured: {PART_OF[side]} {parts[PART_OF[side]]['status']}"
+    part = PART_OF.get(side, "jaxtune")
+    return f"not measured: {part} {parts[part]['status']}"
+
+
+def sides_of(settings: Settings) -> dict[str, str]:
+    """{side: method}: the default sides, and jaxtune's with each fixed train.remat the run asked for."""
+    fixed = [r for r in settings.remats if r != "auto"]
+    return {**SIDES, **{jaxtune_side(method, remat): method for method in ("lora", "full") for remat in fixed}}
 
 
 def train_results(settings: Settings, lines: list[dict], parts: dict, peak: float | None, matmul: float | None) -> dict:
@@ -64,8 +71,8 @@ def train_results(settings: Settings, lines: list[dict], parts: dict, peak: floa
     for rows, length in settings.cases:
         case = case_name(rows, length)
         sides = {}
-        for side, method in SIDES.items():
-            if PART_OF[side] not in parts:
+        for side, method in sides_of(settings).items():
+            if PART_OF.get(side, "jaxtune") not in parts:
                 continue
             figures = side_figures(lines, side, case, flops.get(method, {}).get(case), peak, matmul)
             if "tokens_per_second" not in figures:
@@ -176,7 +183,7 @@ def train_rows(report: dict) -> list[str]:
                     + " | ".join(throughput(sides.get(s, {}), ours) for s in BASELINES) + " |")
         rows.append(f"| LoRA {case}: peak memory | " + " | ".join(cells(memory)) + " |")
         rows.append(f"| LoRA {case}: first step (trace + compile + run) | "
-                    + " | ".join(cells(lambda f: fmt_seconds(f.get("first_step_seconds")))) + " |")
+                    + " | ".join(cells(first_step)) + " |")
         losses = [fmt(sides.get(s, {}).get("step0_loss")) for s in ("jaxtune-lora", *BASELINES)]
         for i, side in enumerate(BASELINES, start=1):
             diff = result["step0_loss_rel_diff"].get(side)
@@ -185,8 +192,44 @@ def train_rows(report: dict) -> list[str]:
     for case, result in report["train"].items():
         full = result["sides"].get("jaxtune-full")
         if full is not None:
-            extra = f"; {memory(full)}, first step {fmt_seconds(full.get('first_step_seconds'))}" if "tokens_per_second" in full else ""
+            extra = f"; {memory(full)}, first step {first_step(full)}" if "tokens_per_second" in full else ""
             rows.append(f"| full fine-tune {case}: tokens/s | {throughput(full)}{extra} | | |")
+    return rows
+
+
+def first_step(fig: dict) -> str:
+    """The first step's seconds (trace + compile + run), with the choice of train.remat auto before it."""
+    if fig.get("first_step_seconds") is None:
+        return ""
+    fit = fig.get("fit_seconds") or 0.0
+    return fmt_seconds(fig["first_step_seconds"] + fit) + (f" (of which choosing {fmt_seconds(fit)})" if fit > 1 else "")
+
+
+def chosen(fig: dict) -> str:
+    """'none, chunk 1024' or 'layer, chunk 512, 2 micro-batches': how jaxtune ran the case."""
+    if "remat" not in fig:
+        return ""
+    split = f", {fig['split']} micro-batches" if fig.get("split", 1) > 1 else ""
+    return f"{fig['remat']}, chunk {fig.get('loss_chunk_tokens')}{split}"
+
+
+def remat_rows(report: dict) -> list[str]:
+    """Per method and case: tokens/s of train.remat auto (what it chose) beside each fixed policy the run asked for."""
+    fixed = [r for r in report["settings"].get("remats", []) if r != "auto"]
+    if not fixed:
+        return []
+    rows = ["", "| case | auto (chosen) | " + " | ".join(f"remat {r}" for r in fixed) + " |",
+            "|---|---|" + "---|" * len(fixed)]
+    for case, result in report["train"].items():
+        for method in ("lora", "full"):
+            sides = result["sides"]
+            auto = sides.get(jaxtune_side(method), {})
+            cells = [f"{throughput(auto)}; {chosen(auto)}; {memory(auto)}".strip("; ")]
+            for remat in fixed:
+                fig = sides.get(jaxtune_side(method, remat), {})
+                cells.append(f"{throughput(fig)}; {memory(fig)}".strip("; ") if "tokens_per_second" in fig
+                             else fig.get("missing", ""))
+            rows.append(f"| {method} {case} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -228,4 +271,4 @@ def markdown(report: dict) -> str:
              f"{'; '.join(f'{side}: {source}' for side, source in sources.items() if source)}."]
     parts = ["", *notes, "", "| part | status | seconds | limit |", "|---|---|---|---|"]
     parts += [f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |" for name, p in report["parts"].items()]
-    return "\n".join(header + train_rows(report) + [decode_row(report)] + parts) + "\n"
+    return "\n".join(header + train_rows(report) + [decode_row(report)] + remat_rows(report) + parts) + "\n"

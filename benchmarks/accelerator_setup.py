@@ -40,9 +40,17 @@ class Settings:
     matmul_n: int  # the measured peak: an (n, n) @ (n, n) matmul in the weights' dtype
     compile_backend: str  # torch.compile's backend
     seed: int = 0
+    remats: tuple[str, ...] = ("auto",)  # train.remat settings jaxtune's train cases run with, side by side
+    sections: tuple[str, ...] = ("lora", "full", "decode")  # jaxtune's sections that run, in this order
 
     @classmethod
-    def make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None = None) -> "Settings":
+    def make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None = None,
+             remats: tuple[str, ...] = ("auto",), sections: tuple[str, ...] | None = None) -> "Settings":
+        made = dataclasses.replace(cls._make(model, tiny, cases), remats=remats)
+        return dataclasses.replace(made, sections=sections) if sections else made
+
+    @classmethod
+    def _make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None) -> "Settings":
         if tiny:  # inductor needs 35-45 s a shape for the tiny model on 2 CPU cores; aot_eager 4 s
             return cls(model, True, "float32", cases or ((8, 32), (8, 64)), steps=2, warmups=1, prompts=8,
                        prompt_length=8, new_tokens=8, decode_repeats=1, matmul_n=256, compile_backend="aot_eager")
@@ -55,11 +63,17 @@ class Settings:
     @classmethod
     def load(cls, work: Path) -> "Settings":
         raw = json.loads((work / "settings.json").read_text())
-        return cls(**{**raw, "cases": tuple(tuple(c) for c in raw["cases"])})
+        return cls(**{**raw, "cases": tuple(tuple(c) for c in raw["cases"]), "remats": tuple(raw.get("remats", ("auto",))),
+                      "sections": tuple(raw.get("sections", cls.sections))})
 
 
 def case_name(rows: int, length: int) -> str:
     return f"{rows}x{length}"
+
+
+def jaxtune_side(method: str, remat: str = "auto") -> str:
+    """'jaxtune-lora' (the default, train.remat auto), 'jaxtune-lora-layer' (a fixed policy)."""
+    return f"jaxtune-{method}" + ("" if remat == "auto" else f"-{remat}")
 
 
 def model_config(settings: Settings):
