@@ -51,7 +51,8 @@ GGUF_TYPES = ("q8_0",)
 NO_SOCKET = "Prefect server unavailable here (no TCP socket): stages called directly over the store, without Prefect"
 FORCED = "--no-prefect: stages called directly over the store, without Prefect"
 # What a stage calls of a Prefect run: its logger, and the artifacts the UI shows (progress bar, live curve).
-ARTIFACT_CALLS = ("create_progress_artifact", "update_progress_artifact", "create_markdown_artifact", "create_table_artifact")
+ARTIFACT_CALLS = ("create_progress_artifact", "update_progress_artifact", "create_markdown_artifact",
+                  "create_table_artifact")
 log = logging.getLogger("jaxtune.tpu_check")
 
 
@@ -206,6 +207,7 @@ def run_pipeline(store: Path, max_steps: int | None, use_prefect: bool, route: s
     if use_prefect:
         stored = [stage for stage in result["stages"] if stage["problem"] is None]
         times = seconds_from_artifacts(_store(config), {s["stage"]: s["key"] for s in stored}, since)
+        # The first stage's time includes starting `jaxtune run` and its Prefect server.
         result["seconds_source"] = "artifact completion times"
     else:
         times, result["seconds_source"] = seconds, "timed around each stage's call"
@@ -320,8 +322,8 @@ def render_markdown(results: dict) -> str:
             lines += ["", f"eval loss {pipeline['baseline_loss']:.4f} -> {pipeline['final_loss']:.4f}; train: "
                       f"{t['steps']} steps (train.max_steps={pipeline['max_steps']}), {t['tokens_per_second']} tokens/s, "
                       f"compiling {t['compile_seconds']} s, batch {t['batch_shape']}, attention {t['attention']}; "
-                      f"export {pipeline['export']}" + (f"; GGUF left out: {pipeline['gguf_refused']}"
-                                                       if pipeline.get("gguf_refused") else "")]
+                      f"exact match {pipeline['exact_match']}; export {pipeline['export']}"
+                      + (f"; GGUF left out: {pipeline['gguf_refused']}" if pipeline.get("gguf_refused") else "")]
         lines.append("")
     part = results["parts"].get("families")
     if part is not None:
@@ -347,8 +349,9 @@ def write_results(out: Path, results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for tpu-check.json and tpu-check.md (default: %(default)s)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="folder for tpu-check.json and tpu-check.md (default: %(default)s)")
     parser.add_argument("--parts", action="append", choices=PARTS, help="a part to run (repeatable; default: both)")
     parser.add_argument("--families", action="append", nargs="+", choices=families.ARCHITECTURES, metavar="NAME",
                         help=f"families to check (default: all of {', '.join(families.ARCHITECTURES)})")
@@ -361,15 +364,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(["python", "benchmarks/tpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
                "parts": {}}
-    if "pipeline" in parts:
-        use_prefect, route = prefect_route(args.no_prefect)
-        with tempfile.TemporaryDirectory(prefix="jaxtune-tpu-check-store-") as temporary:
+    # The store lives until the end: the pipeline keeps XLA's compile cache in it for the rest of the process.
+    with tempfile.TemporaryDirectory(prefix="jaxtune-tpu-check-store-") as temporary:
+        if "pipeline" in parts:
+            use_prefect, route = prefect_route(args.no_prefect)
             store = (args.store or Path(temporary)).resolve()
             results["parts"]["pipeline"] = guarded("pipeline", run_pipeline, store, args.max_steps, use_prefect, route)
-    if "families" in parts:
-        chosen = [name for group in args.families or [] for name in group]
-        results["parts"]["families"] = guarded("families", families.run, chosen, say)
-    results["machine"] = machine()  # after the pipeline: a `jaxtune run` process must find the chip free
+        if "families" in parts:
+            chosen = [name for group in args.families or [] for name in group]
+            results["parts"]["families"] = guarded("families", families.run, chosen, say)
+        results["machine"] = machine()  # after the pipeline: a `jaxtune run` process must find the chip free
     results["pass"] = exit_status(results) == 0
     write_results(args.out, results)
     say(render_markdown(results))

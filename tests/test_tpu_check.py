@@ -103,7 +103,8 @@ def test_a_failing_family_fails_the_report_and_the_exit_status(tmp_path, monkeyp
 
     monkeypatch.setattr(families, "check_family", check)
     monkeypatch.setattr(tpu_check, "machine", lambda: MACHINE)
-    status = tpu_check.main(["--parts", "families", "--families", "llama", "gpt2", "--families", "qwen3", "--out", str(tmp_path)])
+    arguments = ["--parts", "families", "--families", "llama", "gpt2", "--families", "qwen3", "--out", str(tmp_path)]
+    status = tpu_check.main(arguments)
     assert status == 1
     saved = json.loads((tmp_path / "tpu-check.json").read_text())
     part = saved["parts"]["families"]
