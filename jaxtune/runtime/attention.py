@@ -69,6 +69,13 @@ def kernel_for(mesh) -> Kernel:
     return Kernel(chosen or DEFAULT_KERNEL.get(platform, "xla"), mesh)
 
 
+def length_multiple(mesh) -> int:
+    """What a sequence's length must be a multiple of for the mesh's kernel to take it (splash's
+    128-token tiles, the GPU kernel's smallest tile; 1 for XLA's attention): batches are padded to it."""
+    kernel = kernel_for(mesh)
+    return {"splash": splash.BLOCKS[-1], "gpu-flash": gpu_flash.SMALLEST_TILE}.get(kernel.name, 1)
+
+
 @contextlib.contextmanager
 def choose(name: str) -> Iterator[None]:
     """Steps traced inside run `name` ("xla", "splash", "gpu-flash", or a kernel's name with

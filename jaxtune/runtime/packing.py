@@ -27,18 +27,19 @@ class PackedShape:
     length: int  # L: tokens per sequence
 
 
-def packed_shape(lengths: Sequence[int], batch_size: int, max_length: int, seed: int = 0) -> PackedShape:
+def packed_shape(lengths: Sequence[int], batch_size: int, max_length: int, seed: int = 0, multiple: int = 1) -> PackedShape:
     """One fixed shape for every micro-batch, so the train step compiles once.
 
     L is the bucket of the longest row, so every row fits a sequence whole (never split: a split
     row would lose the context its second half was written against). S is the fewest sequences
     whose packed micro-batches hold at least `batch_size` rows on average over the first epoch: sized from the
-    mean length alone, gaps the first fit cannot fill would leave a micro-batch a quarter short."""
+    mean length alone, gaps the first fit cannot fill would leave a micro-batch a quarter short.
+    `multiple`: L rounded up to a multiple of it (an attention kernel's tile: splash takes 128s)."""
     if not lengths:
         raise ValueError("cannot size packed batches for zero rows")
     if batch_size < 1:
         raise ValueError(f"batch_size ({batch_size}) must be >= 1")
-    length = bucket_length(max(lengths), max_length)
+    length = -(-bucket_length(max(lengths), max_length) // multiple) * multiple
     wanted = math.ceil(batch_size * float(np.mean(lengths)) / length)
     sequences = max(wanted, 1)
     while sequences < batch_size:

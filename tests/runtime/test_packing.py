@@ -176,3 +176,28 @@ def test_a_mesh_pads_packed_micro_batches_with_empty_sequences_but_never_changes
         for name in small:
             np.testing.assert_array_equal(big[name][: one.rows], small[name])
         assert not big["attention_mask"][one.rows:].any() and (big["labels"][one.rows:] == X).all()
+
+
+def test_on_a_tpu_every_micro_batch_is_a_multiple_of_splash_tiles_and_holds_the_same_rows():
+    """Splash attention takes lengths in 128-token tiles; a feed for it packs into such lengths
+    (more rows per sequence, fewer sequences) and pads its padded batches to them."""
+    from jaxtune.config import TrainConfig
+    from jaxtune.runtime import attention
+    from jaxtune.runtime.feed import make_feed
+
+    with attention.choose("splash"):
+        assert attention.length_multiple(None) == 128
+    assert attention.length_multiple(None) == 1  # XLA's attention on the CPU takes any length
+    lengths = [int(n) for n in np.random.default_rng(0).integers(8, 54, 200)]  # the demo's rows: at most 53 tokens
+    ids = [list(range(3, n + 3)) for n in lengths]
+    cfg = TrainConfig(batch_size=16)
+    plain, tiled = make_feed(lengths, cfg, 64, 1, packed=True), make_feed(lengths, cfg, 64, 1, packed=True, multiple=128)
+    assert (plain.length, tiled.length) == (64, 128) and tiled.rows < plain.rows
+    batch = next(tiled.micro_batches(ids, ids, 0))
+    assert batch["input_ids"].shape == (tiled.rows, 128)
+    segments = sum(len(set(row[row > 0].tolist())) for row in batch["segment_ids"])
+    assert segments >= 12 and batch["attention_mask"].sum() == (batch["segment_ids"] > 0).sum()  # ~16 rows, packed whole
+    padded = make_feed(lengths, cfg, 64, 1, packed=False, multiple=128)
+    for _, batch in zip(range(3), padded.micro_batches(ids, ids, 0)):
+        assert batch["input_ids"].shape == (16, 128)
+        assert all(int(m.sum()) in lengths for m in batch["attention_mask"])  # each row whole, the rest padding
