@@ -32,7 +32,7 @@ def plan(mesh: dict[str, int], *, parameters: float, gradients: float, optimizer
 
 # Data parallel over 8 devices: 14 GiB of state (6 + 4 + 2 x 2) and 3 GiB of activations, 17 GiB in all.
 DATA8 = plan({"data": 8, "fsdp": 1, "tensor": 1}, parameters=6, gradients=2, optimizer_state=4, activations=3, limit=16)
-FULL = TrainConfig(method="full", optimizer="adamw", batch_size=8)
+FULL = TrainConfig(method="full", optimizer="adamw", batch_size=8, remat="matmuls")  # a fixed policy: auto tries layer itself
 
 
 def test_the_estimate_splits_state_over_fsdp_x_tensor_and_activations_over_the_batch_shards():
