@@ -116,7 +116,7 @@ def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True,
                 raise
             tried.append({**entry, "refused": refused})
             return None
-        tried.append({**entry, "needed": _needed(found)})
+        tried.append({**entry, "needed": _needed(found), "activations": found["activations_per_micro_batch"]})
         return found
 
     if cfg.remat != "auto" or not limit:
@@ -178,8 +178,26 @@ def _nothing_fits(cfg: TrainConfig, shape: Shape, tried: list[dict], budget: int
     smallest = cfg.batch_size // last["split"]
     return (f"train.batch_size={cfg.batch_size} rows of {length} tokens do not fit the device: even remat layer "
             f"with {smallest} row{'s' * (smallest != 1)} per micro-batch {needed}, and {_gib(budget)} is free "
-            f"({HEADROOM:.0%} kept). Try a shorter data.max_length, or more devices on mesh.fsdp (parameters, "
-            f"gradients and optimizer state split over them), or: {memory.knobs(cfg)}")
+            f"({HEADROOM:.0%} kept). Try {_what_would_fit(last, length, budget)}, or: {memory.knobs(cfg)}")
+
+
+def _what_would_fit(last: dict, length: int, budget: int) -> str:
+    """A length and a number of fsdp devices that would fit by estimate, from the last plan that compiled:
+    its activations shrink with the length (about linearly, with attention in tiles), its state
+    (weights, gradients, optimizer state) with the devices it is split over."""
+    general = "a shorter data.max_length, or more devices on mesh.fsdp (parameters, gradients and optimizer state split over them)"
+    if "activations" not in last:
+        return general
+    activations, state = last["activations"], last["needed"] - last["activations"]
+    found = []
+    if state < budget and activations:
+        shorter = int(length * (budget - state) / activations) // 128 * 128
+        if shorter >= 128:
+            found.append(f"data.max_length={shorter} (about {_gib(state + activations * shorter / length)} by estimate)")
+    if activations < budget:
+        devices = math.ceil(state / (budget - activations))
+        found.append(f"mesh.fsdp={devices} on {devices} devices (about {_gib(state / devices + activations)} each)")
+    return " or ".join(found) if found else general
 
 
 def fixed(remat: str) -> str:
@@ -210,7 +228,8 @@ def _needed(plan: dict) -> int:
 
 
 def _gib(n: int | None) -> str:
-    return f"{(n or 0) / 2**30:.2f} GiB"
+    n = n or 0
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _tried_text(entry: dict) -> str:

@@ -7,6 +7,8 @@ candidates compile to here: between two candidates' needs, exactly one side fits
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -88,8 +90,13 @@ def test_nothing_fits_says_so_in_one_line_with_what_would(needs):
         fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
     message = str(refused.value)
     assert "\n" not in message and "with 1 row per micro-batch" in message
-    assert "data.max_length" in message and "mesh.fsdp" in message
     assert refused.value.fit.split == 4 and fit._needed(refused.value.fit.plan) == found[("layer", 1)]
+    # The length it names does fit: one row of it, compiled, within the budget.
+    shorter = int(re.search(r"Try data\.max_length=(\d+) \(about", message)[1])
+    assert 128 <= shorter < LENGTH
+    run = CFG.model_copy(update={"remat": "layer", "batch_size": 1, "grad_accumulation": 4})
+    plan = memory.memory_plan(model, steps.make_optimizer(CFG), run, shorter, rows=1)
+    assert fit._needed(plan) <= limit * (1 - fit.HEADROOM)
 
 
 def test_a_fixed_policy_is_obeyed_and_refused_before_the_first_step(needs, monkeypatch):
