@@ -1,5 +1,9 @@
 """train.remat auto planned for a chip this machine lacks: `fit.choose` on XLA:TPU's compile-only
-v5e devices takes the least recomputation whose plan, compiled by libtpu, fits the chip's memory."""
+v5e devices takes the first policy (least recomputation first) whose plan, compiled by libtpu,
+fits the chip's memory, and splits the batch where none does.
+
+XLA:TPU orders the policies' memory differently from XLA:CPU: left free (`none`), it schedules and
+rematerialises on its own, and a forced policy can keep more. The rule holds whatever the order."""
 
 from __future__ import annotations
 
@@ -12,45 +16,62 @@ from jaxtune.runtime import fit, memory, steps, targets
 pytestmark = pytest.mark.target
 
 LENGTH = 256
+SETTINGS = ["train.batch_size=4", f"data.max_length={LENGTH}"]
 
 
 @pytest.fixture(scope="module")
 def planned(tiny_folder):
-    """(config, model on one compile-only v5e, {policy: bytes its XLA:TPU plan needs}) at 4 x LENGTH."""
-    from tests.targets.test_targets import _placed_model
+    """(config, model on one compile-only v5e, {(policy, rows): bytes its XLA:TPU plan needs}) at 4 x LENGTH
+    for every policy, and layer at 2 rows a micro-batch (2 micro-batches)."""
+    from jaxtune.config import config_from_dict
+    from jaxtune.doctor import as_trained
+    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.model import to_jax
+    from jaxtune.target_plan import meta_model
 
-    config, model = _placed_model(tiny_folder, ["train.batch_size=4", f"data.max_length={LENGTH}"], "v5e-1")
+    config = config_from_dict({}, SETTINGS)  # as `jaxtune doctor --set` reads them
+    dtype = config.model.model_copy(update={"name": str(tiny_folder)}).compute_dtype
+    module = as_trained(meta_model(str(tiny_folder), None, False, dtype), config, randomize_lora=False)
+    model = to_jax(module, make_placement(config.mesh, targets.devices(targets.resolve("v5e-1"))), shapes_only=True)
     optimizer = steps.make_optimizer(config.train)
-    needs = {policy: fit._needed(memory.memory_plan(model, optimizer, config.train.model_copy(update={"remat": policy}),
-                                                    LENGTH)) for policy in fit.POLICIES}
-    print({policy: f"{n / 2**20:.2f} MiB" for policy, n in needs.items()})
+    needs = {}
+    for policy, rows in [*((p, 4) for p in fit.POLICIES), ("layer", 2)]:
+        run = config.train.model_copy(update={"remat": policy, "batch_size": rows, "grad_accumulation": 4 // rows})
+        needs[(policy, rows)] = fit._needed(memory.memory_plan(model, optimizer, run, LENGTH))
+    print({f"{p} x{r}": f"{n / 2**20:.2f} MiB" for (p, r), n in needs.items()})
     return config, model, needs
+
+
+def fitting_exactly(need: int) -> int:
+    """A chip's memory whose budget (less `fit.HEADROOM`) holds `need` bytes and not a byte more."""
+    return int(need / (1 - fit.HEADROOM)) + 1
 
 
 @pytest.mark.parametrize("fitting", fit.POLICIES)
 def test_auto_on_a_compile_only_v5e_takes_the_first_policy_whose_plan_fits(planned, fitting):
     config, model, needs = planned
-    assert needs["none"] > needs["layer"] and needs["matmuls"] >= needs["layer"]
-    limit = int(needs[fitting] / (1 - fit.HEADROOM)) + 1  # the chip's memory: `fitting`'s plan just fits
-    expected = next(policy for policy in fit.POLICIES if needs[policy] <= needs[fitting])
-    chosen = fit.choose(model, steps.make_optimizer(config.train), config.train, lambda run: (None, LENGTH, 0), limit=limit)
+    assert len({needs[(p, 4)] for p in fit.POLICIES}) == 3, "the policies plan alike: the test shows nothing"
+    expected = next(p for p in fit.POLICIES if needs[(p, 4)] <= needs[(fitting, 4)])
+    chosen = fit.choose(model, steps.make_optimizer(config.train), config.train, lambda run: (None, LENGTH, 0),
+                        limit=fitting_exactly(needs[(fitting, 4)]))
     assert (chosen.remat, chosen.split, chosen.chosen_by) == (expected, 1, "auto")
     assert [t["remat"] for t in chosen.tried] == list(fit.POLICIES[: fit.POLICIES.index(expected) + 1])
-    assert chosen.plan["platform"] == "tpu" and fit._needed(chosen.plan) == needs[expected]
+    assert chosen.plan["platform"] == "tpu" and fit._needed(chosen.plan) == needs[(expected, 4)]
 
 
-def test_the_doctor_shows_what_auto_chose_for_the_target(planned, tiny_folder, capsys, monkeypatch):
+def test_where_no_policy_fits_the_doctor_shows_the_split_auto_chose(planned, tiny_folder, capsys, monkeypatch):
     from jaxtune import cli
 
     _, _, needs = planned
-    hbm = int(needs["layer"] / (1 - fit.HEADROOM)) + 1  # a v5e whose memory only layer remat fits
-    monkeypatch.setitem(targets.CHIPS, "v5e", dataclasses.replace(targets.CHIPS["v5e"], hbm=hbm))
-    code = cli.main(["doctor", str(tiny_folder), "--target", "v5e-1", "--set", "train.batch_size=4",
-                     "--set", f"data.max_length={LENGTH}"])
+    smallest = min(needs[(p, 4)] for p in fit.POLICIES)
+    assert needs[("layer", 2)] < smallest  # half the rows: half the activations
+    monkeypatch.setitem(targets.CHIPS, "v5e", dataclasses.replace(targets.CHIPS["v5e"],
+                                                                   hbm=fitting_exactly(needs[("layer", 2)])))
+    code = cli.main(["doctor", str(tiny_folder), "--target", "v5e-1", *(a for s in SETTINGS for a in ("--set", s))])
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("train step runs as"))
-    assert "train.remat auto: layer (auto)" in row and "1 x 4 rows per step" in row, row
-    assert "did not fit: remat none" in row and "remat matmuls" in row, row
+    assert "train.remat auto: layer (auto)" in row and "2 x 2 rows per step, batch_size 4 split into 2" in row, row
+    assert all(f"remat {p} chunk" in row for p in fit.POLICIES), row  # each tried whole first, and did not fit
     train = next(line for line in out.splitlines() if line.startswith("train step memory, peak"))
-    assert "(bfloat16, adamw, remat layer, 1 x 4 x 256)" in train and train.endswith("HBM  ok"), train
+    assert "(bfloat16, adamw, remat layer, 2 x 2 x 256)" in train and train.endswith("HBM  ok"), train
     assert code in (0, 1)  # 1 where the eval or decode step does not fit so small a memory: not this test's point
