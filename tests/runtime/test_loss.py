@@ -141,8 +141,8 @@ def test_chunk_tokens_for():
     assert all(chunk_tokens_for(v) % 8 == 0 for v in (1000, 49_152, 151_936))
 
 
-def test_gpus_take_chunks_of_at_least_512_tokens():
-    assert [chunk_tokens_on(platform, 262_144) for platform in ("cpu", None, "tpu", "gpu")] == [64, 64, 64, 512]
+def test_accelerators_take_chunks_of_at_least_512_tokens():
+    assert [chunk_tokens_on(platform, 262_144) for platform in ("cpu", None, "tpu", "gpu")] == [64, 64, 512, 512]
     assert chunk_tokens_on("gpu", 32_000) == 520 and chunk_tokens_on("gpu", 1000) == chunk_tokens_for(1000) == 16776
 
 
