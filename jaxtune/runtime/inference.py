@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from jaxtune.runtime import decode, preference, steps
+from jaxtune.runtime import attention, decode, preference, steps
 from jaxtune.runtime.batches import bucket_length, pad_batch, row_lengths
 from jaxtune.runtime.mesh import fetch
 from jaxtune.runtime.model import JaxModel
@@ -42,14 +42,16 @@ def row_nll(model: JaxModel, input_ids: Sequence[Sequence[int]], labels: Sequenc
 
     Every batch pads to the longest row's bucket: one program for the whole eval, however the
     lengths spread (each length of its own is another trace and compile: seconds on the CPU, a
-    minute for a 1B model on an accelerator, against a forward pass over a little more padding).
+    minute for a 1B model on an accelerator, against a forward pass over a little more padding),
+    rounded up to a tile the mesh's attention kernel takes (splash's 128 tokens on a TPU).
     `eval_step` reuses a compiled step across calls (periodic eval during training).
     """
     eval_step = eval_step or steps.make_eval_step(model)
     rows_per_batch = -(-batch_size // model.placement.batch_shards) * model.placement.batch_shards
     nll = np.zeros(len(input_ids))
     count = np.zeros(len(input_ids))
-    length = bucket_length(int(row_lengths(input_ids).max()))
+    multiple = attention.length_multiple(model.placement.mesh) if attention.supported(model.module) else 1
+    length = -(-bucket_length(int(row_lengths(input_ids).max())) // multiple) * multiple
     batches = [np.arange(start, min(start + rows_per_batch, len(input_ids))) for start in range(0, len(input_ids), rows_per_batch)]
     pending = []
     for rows in tqdm(batches, desc="eval", unit="batch", disable=not progress):

@@ -99,6 +99,28 @@ def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(
     assert compiled(caplog, "generate", lambda: inference.greedy_generate(model, prompts, 2, 4, (), PAD)) == 1
 
 
+def test_on_a_tpu_eval_batches_pad_to_splash_tiles_and_lose_nothing(monkeypatch):
+    """Where the kernel takes only 128-token tiles (splash), eval pads every batch to them: the same
+    losses, one program of length 128 (here the CPU's XLA attention computes it)."""
+    from jaxtune.runtime import attention, inference
+
+    model = lora_model()
+    ids, labels = rows()
+    plain = inference.row_nll(model, ids, labels, 4, PAD, progress=False)
+    lengths = []
+    step = steps.make_eval_step(model)
+
+    def recording(weights, buffers, batch, batch_labels):
+        lengths.append(batch_labels.shape[-1])
+        return step(weights, buffers, batch, batch_labels)
+
+    monkeypatch.setattr(attention, "length_multiple", lambda mesh: 128)
+    tiled = inference.row_nll(model, ids, labels, 4, PAD, eval_step=recording, progress=False)
+    assert max(LENGTHS) < 128 and set(lengths) == {128}
+    np.testing.assert_allclose(tiled[0], plain[0], rtol=1e-5)
+    np.testing.assert_array_equal(tiled[1], plain[1])
+
+
 def test_the_learning_rate_is_an_input_of_the_step_not_a_constant():
     """Two runs differing only in rate and schedule lower to the very same program, so the second
     finds the first's in the persistent cache; one jitted step serves every rate."""
