@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,9 @@ def test_exported_adapter_loads_in_plain_pytorch_with_the_same_loss(store, repor
 
 
 def test_a_plan_larger_than_the_device_stops_training_before_step_1(store, first, monkeypatch):
-    """The train stage reads XLA's memory plan (9.2 MiB peak here) of the step it will call, before
-    calling it; a device of 1 MiB (faked: the CPU reports no limit) refuses it, naming what would shrink it."""
+    """The train stage reads XLA's memory plans (9.2 MiB peak here) of the step it will call, before
+    calling it; on a device of 1 MiB (faked: the CPU reports no limit) train.remat auto tries every
+    policy, then every split of the batch, and stops, naming what would fit."""
     from jaxtune.runtime import memory, steps
 
     def no_step(*args, **kwargs):  # the plan compiles the step from shapes alone (`steps.shared_train_step`)
@@ -125,10 +127,12 @@ def test_a_plan_larger_than_the_device_stops_training_before_step_1(store, first
     trained = sorted((store / "train").glob("*/manifest.json"))
     monkeypatch.setattr(memory, "device_limit", lambda: 2**20)
     monkeypatch.setattr(steps, "make_train_step", no_step)
-    with pytest.raises(MemoryError, match=r"training needs 0\.01 GiB per device on mesh data=1, fsdp=1, tensor=1 on 1 device but the device has 0\.00 GiB") as refused:
+    with pytest.raises(MemoryError, match=r"do not fit the device: even remat layer with 1 row per micro-batch needs "
+                                          r"\d+\.\d MiB, and 1\.0 MiB is free") as refused:
         run_toy(store, "train.seed=7", until="train")
-    for knob in ("train.optimizer=adafactor", "train.remat=layer", "train.grad_accumulation", "batch_size=2, grad_accumulation=2"):
-        assert knob in str(refused.value)
+    message = str(refused.value)  # what would fit by estimate: here 7 fsdp devices (rows of 135 tokens need 128+)
+    assert re.search(r"Try (data\.max_length=\d+|mesh\.fsdp=\d+ on \d+ devices)", message), message
+    assert "train.optimizer=adafactor" in message
     assert sorted((store / "train").glob("*/manifest.json")) == trained, "no train artifact written"
     assert not list((store / "train").glob(".tmp-*")) and not list(store.glob(".scratch/train/*/step-*"))
 
