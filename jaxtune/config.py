@@ -291,7 +291,8 @@ class ExportConfig(Section):
         default_factory=list,
         description="also write the model (LoRA merged in) as GGUF files for llama.cpp and Ollama, one per type "
         f"listed ({', '.join(GGUF_TYPES)}): gguf/<architecture>-<type>.gguf, each with an Ollama Modelfile; "
-        "Llama-architecture models with a byte-level BPE tokenizer (SmolLM2), checked before training starts",
+        "Llama models without RoPE scaling (SmolLM2) and Gemma 3 text models with five sliding-window layers to "
+        "one global, checked before training starts",
     )
 
 
