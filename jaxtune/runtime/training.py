@@ -80,6 +80,7 @@ def train(
     interruptions = _interruptions(checkpoint_dir, restart) if checkpoint_dir else []
     feed = feed or feed_for(model, row_lengths(input_ids), cfg, max_length, packing, objective.pairs)
     fused = attention.supported(model.module)
+    original = cfg
     optimizer = steps.make_optimizer(cfg)
     plan, chosen, chunk = {}, None, None
     if check_memory:
@@ -94,13 +95,15 @@ def train(
 
         chosen = fit.choose(model, optimizer, cfg, shape, fused=fused, objective=objective)
         plan = {**chosen.plan, "fit": chosen.record()}
-        on_log([{"memory_plan": plan, "message": f"{chosen.describe(cfg)}; {memory.describe(plan)}"}])
-        memory.check_fits(plan, cfg)
         cfg, chunk = chosen.train_config(cfg), chosen.chunk_tokens
         feed = feeds[cfg.batch_size]
     elif cfg.remat == "auto":
         cfg = cfg.model_copy(update={"remat": fit.fixed(cfg.remat)})
     total = total_steps(cfg, feed)
+    if chosen is not None:  # with train.epochs, a split feed may count a step more or less than the configured one
+        on_log([{"memory_plan": plan, "total_steps": total,
+                 "message": f"{chosen.describe(original)}; {memory.describe(plan)}"}])
+        memory.check_fits(plan, original)
     schedule = steps.learning_rate_schedule(cfg, total)
     step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused, objective=objective,
                                     chunk_tokens=chunk)

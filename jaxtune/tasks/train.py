@@ -136,8 +136,11 @@ class TrainLog:
         from prefect.artifacts import update_progress_artifact
 
         for record in records:
-            if "message" in record:  # the memory plan
+            if "message" in record:  # the memory plan, and the steps the run it chose takes
                 self.logger.info(record["message"])
+                self.total = record.get("total_steps", self.total)
+                if self.live is not None:
+                    self.live.total = self.total
                 continue
             self.file.write(json.dumps(record) + "\n")
         self.file.flush()  # a crash keeps every record up to the last sync

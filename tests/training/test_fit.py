@@ -143,14 +143,19 @@ def test_a_split_batch_trains_as_the_whole_batch_does(needs, monkeypatch):
     ids = [rng.integers(3, VOCAB, int(n)).tolist() for n in rng.integers(LENGTH // 2, LENGTH + 1, 8)]
     initial = {name: np.asarray(value) for name, value in model.weights.items()}
 
+    records = []
+
     def trained(cfg, limit):
         monkeypatch.setattr(memory, "device_limit", lambda: limit)
         model.weights = {name: model.placement.put(value, model.weights[name].sharding) for name, value in initial.items()}
-        return training.train(model, ids, ids, cfg, PAD, LENGTH, packing=False)
+        records.clear()
+        return training.train(model, ids, ids, cfg, PAD, LENGTH, packing=False, on_log=records.extend)
 
     whole = trained(CFG.model_copy(update={"remat": "layer"}), None)
     split = trained(CFG, device_between(found[("layer", 2)], found[("layer", 4)]))
     assert split.memory["fit"]["split"] == 2 and split.summary["batch_shape"][:2] == [2, 2]
+    told = records[0]  # the log hears the choice, and the steps the split run takes, before any step
+    assert "batch_size 4 split into 2 micro-batches" in told["message"] and told["total_steps"] == 1
     assert whole.summary["batch_shape"][:2] == [1, 4] and split.summary["rows_per_step"] == 4
     assert split.log[0]["loss"] == pytest.approx(whole.log[0]["loss"], rel=1e-6)
     moved = 0
