@@ -69,11 +69,13 @@ def kernel_for(mesh) -> Kernel:
     return Kernel(chosen or DEFAULT_KERNEL.get(platform, "xla"), mesh)
 
 
-def length_multiple(mesh) -> int:
+def length_multiple(module: torch.nn.Module, mesh) -> int:
     """What a sequence's length must be a multiple of for the mesh's kernel to take it (splash's
-    128-token tiles, the GPU kernel's smallest tile; 1 for XLA's attention): batches are padded to it."""
-    kernel = kernel_for(mesh)
-    return {"splash": splash.BLOCKS[-1], "gpu-flash": gpu_flash.SMALLEST_TILE}.get(kernel.name, 1)
+    128-token tiles, the GPU kernel's smallest tile; 1 for XLA's attention, or where `module`'s
+    attention is not the fused one): batches are padded to it."""
+    if not supported(module):
+        return 1
+    return {"splash": splash.BLOCKS[-1], "gpu-flash": gpu_flash.SMALLEST_TILE}.get(kernel_for(mesh).name, 1)
 
 
 @contextlib.contextmanager

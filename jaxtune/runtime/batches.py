@@ -21,13 +21,16 @@ def _bucket_units():
         power *= 2
 
 
-def bucket_length(longest: int, cap: int | None = None) -> int:
+def bucket_length(longest: int, cap: int | None = None, multiple: int = 1) -> int:
     """`longest` padded up to the next of 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, ... but never
     past `cap` (when one is given). Every distinct length compiles its own program, so lengths
-    grow geometrically: 512 tokens need 10 programs rather than 32, for at most 1.5x padding."""
+    grow geometrically: 512 tokens need 10 programs rather than 32, for at most 1.5x padding.
+    `multiple`: then rounded up to a multiple of it, past `cap` if need be (an attention kernel's
+    tile: `attention.length_multiple`)."""
     units = -(-longest // BUCKET)
     rounded = BUCKET * next(u for u in _bucket_units() if u >= units)
-    return rounded if cap is None else min(rounded, max(cap, longest))
+    length = rounded if cap is None else min(rounded, max(cap, longest))
+    return -(-length // multiple) * multiple
 
 
 def row_lengths(rows: Sequence[Sequence[int]]) -> np.ndarray:

@@ -56,16 +56,12 @@ class Feed:
         for chosen in train_batches(units, self.rows // 2 if pairs else self.rows, self.seed):
             rows = [row for p in chosen for row in (2 * p, 2 * p + 1)] if pairs else list(chosen)
             longest = max(len(input_ids[r]) for r in rows) if pairs else max(self.lengths[r] for r in rows)
-            length = _rounded(bucket_length(longest, self.length), self.multiple)
+            length = bucket_length(longest, self.length, self.multiple)
             batch = pad_batch([input_ids[r] for r in rows], [labels[r] for r in rows], pad_id, length, self.rows)
             batch = {**batch, **packing.unpacked_segments(batch["attention_mask"])}
             if pairs:
                 batch["reference"] = np.asarray(reference, np.float32)[rows][:, None]
             yield batch
-
-
-def _rounded(length: int, multiple: int) -> int:
-    return -(-length // multiple) * multiple
 
 
 def _per_segment(reference: np.ndarray, bins: list[list[int]], rows: int, segments: int) -> np.ndarray:
@@ -95,7 +91,7 @@ def make_feed(lengths: Sequence[int], cfg: TrainConfig, max_length: int, batch_s
         raise ValueError(f"train.batch_size={cfg.batch_size} must divide over the {batch_shards} devices the batch is split over (mesh data × fsdp)")
     if len(lengths) < cfg.batch_size:
         raise ValueError(f"{len(lengths)} training rows is fewer than one batch of {cfg.batch_size}")
-    length = _rounded(bucket_length(max(lengths), max_length), multiple)
+    length = bucket_length(max(lengths), max_length, multiple)
     return Feed(False, cfg.batch_size, length, len(lengths) // cfg.batch_size, cfg.seed, lengths, multiple=multiple)
 
 
@@ -118,6 +114,6 @@ def _pair_feed(lengths: np.ndarray, cfg: TrainConfig, max_length: int, batch_sha
                          f"{batch_shards} devices the batch is split over (mesh data × fsdp)")
     if len(units) < cfg.batch_size:
         raise ValueError(f"{len(units)} training pairs is fewer than one batch of {cfg.batch_size}")
-    length = _rounded(bucket_length(int(lengths.max()), max_length), multiple)
+    length = bucket_length(int(lengths.max()), max_length, multiple)
     return Feed(False, 2 * cfg.batch_size, length, len(units) // cfg.batch_size, cfg.seed, units, segments=1,
                 multiple=multiple)

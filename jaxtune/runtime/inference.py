@@ -50,8 +50,8 @@ def row_nll(model: JaxModel, input_ids: Sequence[Sequence[int]], labels: Sequenc
     rows_per_batch = -(-batch_size // model.placement.batch_shards) * model.placement.batch_shards
     nll = np.zeros(len(input_ids))
     count = np.zeros(len(input_ids))
-    multiple = attention.length_multiple(model.placement.mesh) if attention.supported(model.module) else 1
-    length = -(-bucket_length(int(row_lengths(input_ids).max())) // multiple) * multiple
+    length = bucket_length(int(row_lengths(input_ids).max()),
+                           multiple=attention.length_multiple(model.module, model.placement.mesh))
     batches = [np.arange(start, min(start + rows_per_batch, len(input_ids))) for start in range(0, len(input_ids), rows_per_batch)]
     pending = []
     for rows in tqdm(batches, desc="eval", unit="batch", disable=not progress):

@@ -39,7 +39,7 @@ def packed_shape(lengths: Sequence[int], batch_size: int, max_length: int, seed:
         raise ValueError("cannot size packed batches for zero rows")
     if batch_size < 1:
         raise ValueError(f"batch_size ({batch_size}) must be >= 1")
-    length = -(-bucket_length(max(lengths), max_length) // multiple) * multiple
+    length = bucket_length(max(lengths), max_length, multiple)
     wanted = math.ceil(batch_size * float(np.mean(lengths)) / length)
     sequences = max(wanted, 1)
     while sequences < batch_size:

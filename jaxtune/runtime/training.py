@@ -43,7 +43,7 @@ def feed_for(model: JaxModel, lengths: Sequence[int], cfg: TrainConfig, max_leng
     """Packed micro-batches when asked for and the model's attention can isolate rows (else padded
     ones); `pairs`: of preference pairs (see `feed`)."""
     return make_feed(lengths, cfg, max_length, model.placement.batch_shards, packing and attention.supported(model.module),
-                     pairs, attention.length_multiple(model.placement.mesh) if attention.supported(model.module) else 1)
+                     pairs, attention.length_multiple(model.module, model.placement.mesh))
 
 
 def total_steps(cfg: TrainConfig, feed: Feed) -> int:

@@ -17,3 +17,9 @@ def test_at_most_ten_shapes_up_to_512_and_at_most_half_again_of_padding():
 def test_cap_limits_the_padding_but_never_cuts_a_row():
     assert bucket_length(100, cap=110) == 110
     assert bucket_length(120, cap=100) == 120
+
+
+def test_a_kernels_tile_rounds_the_bucket_up_past_the_cap():
+    assert [bucket_length(n, multiple=128) for n in (9, 53, 130, 200)] == [128, 128, 256, 256]
+    assert bucket_length(53, 64) == 64 and bucket_length(53, 64, 128) == 128  # a tile the kernel takes, past the cap
+    assert bucket_length(40, multiple=16) == bucket_length(40) == 48  # a multiple of 16 already

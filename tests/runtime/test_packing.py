@@ -185,9 +185,12 @@ def test_on_a_tpu_every_micro_batch_is_a_multiple_of_splash_tiles_and_holds_the_
     from jaxtune.runtime import attention
     from jaxtune.runtime.feed import make_feed
 
+    from tests.conftest import tiny_model
+
+    module = tiny_model("llama")
     with attention.choose("splash"):
-        assert attention.length_multiple(None) == 128
-    assert attention.length_multiple(None) == 1  # XLA's attention on the CPU takes any length
+        assert attention.length_multiple(module, None) == 128
+    assert attention.length_multiple(module, None) == 1  # XLA's attention on the CPU takes any length
     lengths = [int(n) for n in np.random.default_rng(0).integers(8, 54, 200)]  # the demo's rows: at most 53 tokens
     ids = [list(range(3, n + 3)) for n in lengths]
     cfg = TrainConfig(batch_size=16)

@@ -114,7 +114,7 @@ def test_on_a_tpu_eval_batches_pad_to_splash_tiles_and_lose_nothing(monkeypatch)
         lengths.append(batch_labels.shape[-1])
         return step(weights, buffers, batch, batch_labels)
 
-    monkeypatch.setattr(attention, "length_multiple", lambda mesh: 128)
+    monkeypatch.setattr(attention, "length_multiple", lambda module, mesh: 128)
     tiled = inference.row_nll(model, ids, labels, 4, PAD, eval_step=recording, progress=False)
     assert max(LENGTHS) < 128 and set(lengths) == {128}
     np.testing.assert_allclose(tiled[0], plain[0], rtol=1e-5)
