@@ -119,21 +119,25 @@ def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True,
         tried.append({**entry, "needed": _needed(found), "activations": found["activations_per_micro_batch"]})
         return found
 
+    budget = int(limit * (1 - HEADROOM)) if limit else None
+    fits = lambda found: found is not None and _needed(found) <= budget  # noqa: E731
+    rows, length, _ = shape(cfg)
+    chunk = loss.grown_chunk_tokens(base, vocab_size(model), budget // CHUNK_SHARE,
+                                    (rows or cfg.batch_size) * length) if budget else base
     if cfg.remat != "auto" or not limit:
+        # The policy is the user's (or, with no memory reported, the one default); the loss chunk is
+        # still grown where the device has room for it, and falls back to the smallest when not.
         remat = fixed(cfg.remat)
-        found = plan(remat, 1)
+        found = plan(remat, 1, chunk)
+        if chunk > base and not fits(found):
+            chunk, found = base, plan(remat, 1)
         if found is None:
             raise NothingFits(f"train.remat={remat} does not compile for the device: {tried[-1]['refused']}. "
                               f"{memory.knobs(cfg)}", None)
         chosen_by = "fixed" if cfg.remat != "auto" else "no device memory reported"
-        return Fit(remat, base, 1, found, chosen_by, limit, tried)
+        return Fit(remat, chunk, 1, found, chosen_by, budget, tried)
 
-    budget = int(limit * (1 - HEADROOM))
-    fits = lambda found: found is not None and _needed(found) <= budget  # noqa: E731
-    vocab = vocab_size(model)
-    rows, length, _ = shape(cfg)
-    chunk = loss.grown_chunk_tokens(base, vocab, budget // CHUNK_SHARE, (rows or cfg.batch_size) * length)
-    extra = (chunk - base) * vocab * loss.CHUNK_BYTES_PER_LOGIT  # what the larger chunk needs beyond the smallest
+    extra = (chunk - base) * vocab_size(model) * loss.CHUNK_BYTES_PER_LOGIT  # beyond the smallest chunk's need
     found = None
     for policy in POLICIES:
         found = plan(policy, 1, chunk)

@@ -113,6 +113,26 @@ def test_a_fixed_policy_is_obeyed_and_refused_before_the_first_step(needs, monke
     assert not calls, "no step was built"
 
 
+def test_a_fixed_policy_takes_a_grown_loss_chunk_where_it_fits_and_the_smallest_where_not(needs, monkeypatch):
+    model, found = needs
+    optimizer, run = steps.make_optimizer(CFG), CFG.model_copy(update={"remat": "layer"})
+    monkeypatch.setattr(loss, "chunk_tokens_on", lambda platform, vocab: 64)  # as small as an accelerator's, for this vocab
+    roomy = fit.choose(model, optimizer, run, shape, limit=4 * found[("none", 4)])
+    assert (roomy.remat, roomy.chosen_by, len(roomy.tried)) == ("layer", "fixed", 1) and roomy.chunk_tokens > 64
+    # Where the compiler refuses the grown chunk (as XLA:TPU does a program past the chip), the smallest runs.
+    compile_plan = memory.memory_plan
+
+    def refusing(*args, chunk_tokens, **kwargs):
+        if chunk_tokens > 64:
+            raise RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory")
+        return compile_plan(*args, chunk_tokens=chunk_tokens, **kwargs)
+
+    monkeypatch.setattr(memory, "memory_plan", refusing)
+    tight = fit.choose(model, optimizer, run, shape, limit=4 * found[("none", 4)])
+    assert [t["chunk_tokens"] for t in tight.tried] == [roomy.chunk_tokens, 64] and "refused" in tight.tried[0]
+    assert (tight.remat, tight.chunk_tokens, tight.chosen_by) == ("layer", 64, "fixed")
+
+
 def test_without_a_reported_memory_auto_is_matmuls_and_compiles_once(needs):
     model, found = needs
     chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape)  # the CPU: no limit
