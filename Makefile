@@ -102,7 +102,7 @@ bench-accelerator: $(VENV)/.installed
 	$(ON_CPU) $(BIN)/python benchmarks/accelerator.py $(if $(ACCELERATOR),,--tiny) $(ARGS)
 
 tpu-check:
-	$(ON_CPU) $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) benchmarks/tpu_check.py $(ARGS)
+	$(ON_CPU) PYTHONHASHSEED=0 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) benchmarks/tpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) .jaxtune

@@ -63,7 +63,11 @@ def run_part(part: str, work: Path, limit: float) -> dict:
     tail: collections.deque[str] = collections.deque(maxlen=15)
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", part, "--work", str(work),
                              "--until", f"{time.time() + limit:.1f}"],
-                            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            # PYTHONHASHSEED=0 as the `jaxtune` command runs (jaxtune.cli.entry): transformers iterates a
+                            # set of strings while tracing Gemma 3 (its layer types), so under random string hashing a
+                            # second run's program can differ and miss the persistent compilation cache.
+                            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)  # its own group: a kill takes its compile workers too
 
     def relay() -> None:

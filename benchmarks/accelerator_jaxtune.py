@@ -34,6 +34,28 @@ def open_benchmark_model(settings: Settings, folder: Path, method: str | None):
     return cfg, open_model(str(folder), None, cfg.model, placement, lora=lora, train_all=method == "full")
 
 
+# Where choosing's seconds go, from JAX's own monitoring events, summed over the process: tracing to a
+# jaxpr, lowering it to StableHLO, XLA's compile, reading the persistent compilation cache, and that
+# cache's hits and misses.
+COMPILING: dict[str, float] = {}
+MONITORED = {"/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
+             "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds",
+             "/jax/core/compile/backend_compile_duration": "compile_seconds",
+             "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read_seconds",
+             "/jax/compilation_cache/cache_hits": "cache_hits", "/jax/compilation_cache/cache_misses": "cache_misses"}
+
+
+def monitor_compiling() -> None:
+    import jax
+
+    def add(event: str, amount: float = 1.0, **_) -> None:
+        if event in MONITORED:
+            COMPILING[MONITORED[event]] = COMPILING.get(MONITORED[event], 0.0) + amount
+
+    jax.monitoring.register_event_listener(add)
+    jax.monitoring.register_event_duration_secs_listener(add)
+
+
 # The sections in order, with the seconds each needs on one H200 for the Gemma 3 1B shape's first cases:
 # the time left is shared among the sections still to run in these proportions.
 SECTIONS = {"lora": 130, "full": 80, "decode": 45}
@@ -46,6 +68,7 @@ def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
     from jaxtune.runtime import compile_cache, flops
 
     results = Results(work, "jaxtune")
+    monitor_compiling()
     cache = os.environ.get(compile_cache.SHARED_FOLDER_VARIABLE)  # as `jaxtune run` keeps one, when given
     if cache:
         compile_cache.enable(cache)
@@ -101,10 +124,11 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     rows, length = case
     model.weights = jax.device_put(initial, jax.tree.map(lambda a: a.sharding, model.weights))
     optimizer = steps.make_optimizer(cfg.train)
-    started = time.perf_counter()
+    started, before = time.perf_counter(), dict(COMPILING)
     chosen = fit.choose(model, optimizer, cfg.train.model_copy(update={"batch_size": rows, "grad_accumulation": 1}),
                         lambda run: (run.batch_size, length, 0))
     results.add(event="fit", case=case_name(rows, length), side=side, fit_seconds=time.perf_counter() - started,
+                compiling={k: v - before.get(k, 0) for k, v in COMPILING.items() if v != before.get(k, 0)},
                 **chosen.record())
     log(f"{side} {case_name(rows, length)}: {chosen.describe(cfg.train.model_copy(update={'batch_size': rows}))}")
     split = chosen.split

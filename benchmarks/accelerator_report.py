@@ -153,7 +153,9 @@ def percent(x) -> str:
 
 def throughput(fig: dict, ours: dict | None = None) -> str:
     if "tokens_per_second" not in fig:
-        return fig.get("missing", "")
+        ran = fig.get("first_step_seconds") is not None  # a case cut during its timed steps still ran its first
+        return (f"first step ran in {first_step(fig)}, loss {fmt(fig.get('step0_loss'))}"
+                f"{'; ' + chosen(fig) if chosen(fig) else ''}; then " if ran else "") + fig.get("missing", "")
     text = f"{fig['tokens_per_second']:,.0f} ({fig['step_seconds'] * 1e3:,.1f} ms"
     text += f", MFU {percent(fig.get('mfu'))}, {percent(fig.get('mfu_vs_matmul'))} of the matmul)"
     if ours and ours.get("tokens_per_second"):
@@ -173,9 +175,19 @@ def memory(fig: dict) -> str:
     return size(fig["plan_peak_bytes"]) + (f" ({measured} so far)" if measured else "")
 
 
+def sections(report: dict) -> tuple[str, ...]:
+    """The jaxtune sections the run asked for (reports from before `--section` ran all three)."""
+    return tuple(report["settings"].get("sections") or ("lora", "full", "decode"))
+
+
+def asked_auto(report: dict) -> bool:
+    """Whether the run measured train.remat auto (the default), not only fixed policies."""
+    return "auto" in report["settings"].get("remats", ("auto",))
+
+
 def train_rows(report: dict) -> list[str]:
     rows = []
-    for case, result in report["train"].items():
+    for case, result in report["train"].items() if "lora" in sections(report) and asked_auto(report) else ():
         sides = result["sides"]
         ours = sides.get("jaxtune-lora", {})
         cells = lambda f: [f(sides.get(s, {})) for s in ("jaxtune-lora", *BASELINES)]  # noqa: E731
@@ -191,7 +203,7 @@ def train_rows(report: dict) -> list[str]:
         rows.append(f"| LoRA {case}: step-0 loss | " + " | ".join(losses) + " |")
     for case, result in report["train"].items():
         full = result["sides"].get("jaxtune-full")
-        if full is not None:
+        if full is not None and "full" in sections(report) and asked_auto(report):
             extra = f"; {memory(full)}, first step {first_step(full)}" if "tokens_per_second" in full else ""
             rows.append(f"| full fine-tune {case}: tokens/s | {throughput(full)}{extra} | | |")
     return rows
@@ -202,7 +214,13 @@ def first_step(fig: dict) -> str:
     if fig.get("first_step_seconds") is None:
         return ""
     fit = fig.get("fit_seconds") or 0.0
-    return fmt_seconds(fig["first_step_seconds"] + fit) + (f" (of which choosing {fmt_seconds(fit)})" if fit > 1 else "")
+    parts = fig.get("compiling") or {}
+    named = {"trace": "trace_seconds", "lower": "lower_seconds", "compile": "compile_seconds", "cache read": "cache_read_seconds"}
+    spent = ", ".join(f"{name} {fmt_seconds(parts[key])}" for name, key in named.items() if parts.get(key))
+    hits = f", {parts.get('cache_hits', 0):.0f} cache hits of {parts.get('cache_hits', 0) + parts.get('cache_misses', 0):.0f}" \
+        if "cache_hits" in parts or "cache_misses" in parts else ""
+    within = f": {spent}{hits}" if spent or hits else ""
+    return fmt_seconds(fig["first_step_seconds"] + fit) + (f" (of which choosing {fmt_seconds(fit)}{within})" if fit > 1 else "")
 
 
 def chosen(fig: dict) -> str:
@@ -214,21 +232,23 @@ def chosen(fig: dict) -> str:
 
 
 def remat_rows(report: dict) -> list[str]:
-    """Per method and case: tokens/s of train.remat auto (what it chose) beside each fixed policy the run asked for."""
+    """Per method and case: tokens/s of train.remat auto (what it chose), where the run measured it, beside
+    each fixed policy the run asked for."""
     fixed = [r for r in report["settings"].get("remats", []) if r != "auto"]
     if not fixed:
         return []
-    rows = ["", "| case | auto (chosen) | " + " | ".join(f"remat {r}" for r in fixed) + " |",
-            "|---|---|" + "---|" * len(fixed)]
+    auto_column = ["auto (chosen)"] if asked_auto(report) else []
+    rows = ["", "| case | " + " | ".join(auto_column + [f"remat {r}" for r in fixed]) + " |",
+            "|---|" + "---|" * (len(auto_column) + len(fixed))]
     for case, result in report["train"].items():
-        for method in ("lora", "full"):
+        for method in (m for m in ("lora", "full") if m in sections(report)):
             sides = result["sides"]
             auto = sides.get(jaxtune_side(method), {})
-            cells = [f"{throughput(auto)}; {chosen(auto)}; {memory(auto)}".strip("; ")]
+            cells = [f"{throughput(auto)}; {chosen(auto)}; {memory(auto)}".strip("; ")] if auto_column else []
             for remat in fixed:
                 fig = sides.get(jaxtune_side(method, remat), {})
-                cells.append(f"{throughput(fig)}; {memory(fig)}".strip("; ") if "tokens_per_second" in fig
-                             else fig.get("missing", ""))
+                cells.append(f"{throughput(fig)}; {chosen(fig)}; {memory(fig)}".strip("; ") if "tokens_per_second" in fig
+                             else throughput(fig))
             rows.append(f"| {method} {case} | " + " | ".join(cells) + " |")
     return rows
 
@@ -263,12 +283,14 @@ def markdown(report: dict) -> str:
         f"MFU: {report['mfu_derivation']}; peak {peak.get('derivation', 'unknown')}. Measured matmul: "
         + (f"{matmul['n']}^3 {matmul['dtype']} at {matmul['flops_per_second'] / 1e12:,.3g} TFLOP/s." if matmul else "not measured."),
         "",
-        "| case | jaxtune | PyTorch eager | torch.compile |", "|---|---|---|---|",
     ]
     sources = {side: fig.get("memory_source") for result in report["train"].values() for side, fig in result["sides"].items()}
+    measured = "; ".join(f"{side}: {source}" for side, source in sources.items() if source)
     notes = ["Peak memory: jaxtune's is XLA's memory plan of the step (arguments + outputs + temporaries - donated), "
-             "then in parentheses the process's measured peak so far (its cases run one after another); "
-             f"{'; '.join(f'{side}: {source}' for side, source in sources.items() if source)}."]
+             "then in parentheses the process's measured peak so far (its cases run one after another)"
+             + (f"; {measured}." if measured else ".")]
     parts = ["", *notes, "", "| part | status | seconds | limit |", "|---|---|---|---|"]
     parts += [f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |" for name, p in report["parts"].items()]
-    return "\n".join(header + train_rows(report) + [decode_row(report)] + remat_rows(report) + parts) + "\n"
+    rows = train_rows(report) + ([decode_row(report)] if "decode" in sections(report) else [])
+    table = ["| case | jaxtune | PyTorch eager | torch.compile |", "|---|---|---|---|", *rows] if rows else []
+    return "\n".join(header + table + remat_rows(report) + parts) + "\n"

@@ -119,3 +119,19 @@ def test_shipped_shapes_are_the_published_models():
         with torch.device("meta"):
             module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BENCHMARKS / "configs" / name))
         assert sum(p.numel() for p in module.parameters()) == parameters, name
+
+
+def test_a_report_shows_only_what_the_run_asked_for_and_what_a_cut_case_did_run():
+    """The committed v5e reports: a run of fixed policies alone has no auto column and no rows of sections
+    it did not run; a case cut during its timed steps still shows its first step and the choice."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from accelerator_report import markdown
+
+    results = BENCHMARKS / "results"
+    fixed = markdown(json.loads((results / "accelerator-v5e-layer-2048.json").read_text()))
+    assert "| case | remat layer |" in fixed and "auto (chosen)" not in fixed
+    assert "not measured: jaxtune done" not in fixed and "greedy decode" not in fixed
+    cut = markdown(json.loads((results / "accelerator-v5e-full.json").read_text()))
+    assert "LoRA 8x512" not in cut
+    row = next(line for line in cut.splitlines() if line.startswith("| full fine-tune 8x2048"))
+    assert "first step ran in 321 s" in row and "layer, chunk 1024" in row and "cut at its limit" in row
