@@ -40,7 +40,10 @@ class SourceConfig(Section):
                         "folder written by datasets' save_to_disk")
     hub_split: str = Field("train", description="split to read from a hub dataset or a saved DatasetDict")
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
-    format: Literal[FORMATS] = Field("dolly", description="row schema")
+    format: Literal[FORMATS] = Field(
+        "dolly", description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
+        "input, output), prompt_completion (prompt, completion), messages (chat turns), or preference (prompt or "
+        "messages, chosen, rejected: for train.objective dpo or simpo)")
     columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names")
     weight: float = Field(
         1.0, gt=0.0, description="how often each of this source's train rows is seen per epoch on average: 0.5 keeps a "
@@ -64,7 +67,10 @@ class DataConfig(Section):
                         ".jsonl/.json/.parquet/.csv file, or a folder written by datasets' save_to_disk")
     hub_split: str = Field("train", description="split to read from a hub dataset (also picks one split of a saved DatasetDict)")
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
-    format: Literal[FORMATS] = Field("dolly", description="row schema")
+    format: Literal[FORMATS] = Field(
+        "dolly", description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
+        "input, output), prompt_completion (prompt, completion), messages (chat turns), or preference (prompt or "
+        "messages, chosen, rejected: for train.objective dpo or simpo)")
     columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names, e.g. {instruction: question}")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of rows held out for eval, split with data.seed")
     max_train_rows: int | None = Field(None, gt=0, description="keep at most this many training rows, after the split (null: all)")
