@@ -76,7 +76,7 @@ def yaml_value(value: object) -> str:
 
 
 def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, description) for every setting under `model`, nested sections included."""
+    """(dotted key, type, default as YAML or "" when required, description) for every setting under `model`, nested sections included."""
     out = []
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}"
@@ -86,7 +86,7 @@ def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]
             continue
         kind = type_name(field.annotation) if section is None else "list of sources"
         limit = bounds(field)
-        default = "required" if field.is_required() else f"`{yaml_value(field.get_default(call_default_factory=True))}`"
+        default = "" if field.is_required() else yaml_value(field.get_default(call_default_factory=True))
         out.append((key, kind + (f", {limit}" if limit else ""), default, field.description or ""))
         if section is not None:
             out += rows(section, f"{key}[]")
@@ -94,7 +94,10 @@ def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text as one Markdown table cell, shown as written: `export/<key>` is no HTML tag, `a * b` no emphasis."""
+    for raw, escaped in (("\\", "\\\\"), ("|", "\\|"), ("*", "\\*"), ("<", "&lt;"), (">", "&gt;"), ("\n", " ")):
+        text = text.replace(raw, escaped)
+    return text
 
 
 def reference_markdown() -> str:
@@ -108,7 +111,8 @@ def reference_markdown() -> str:
             parts += [" ".join(model.__doc__.split()), ""]
         parts += ["| key | type | default | meaning |", "|---|---|---|---|"]
         for key, kind, default, description in rows(model, section):
-            parts.append(f"| `{key}` | {kind} | {_cell(default)} | {_cell(description)} |")
+            shown = "`" + default.replace("|", "\\|") + "`" if default else "required"
+            parts.append(f"| `{key}` | {kind} | {shown} | {_cell(description)} |")
         parts.append("")
     return "\n".join(parts)
 
