@@ -21,4 +21,6 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         return markdown
     readme = (Path(config.config_file_path).parent / "README.md").read_text()
     readme = LINK.sub(lambda m: f"{m.group(1)}{from_docs(m.group(2))})", readme)
-    return markdown.replace(MARKER, readme)
+    if MARKER not in markdown:
+        raise ValueError(f"docs/index.md lost its {MARKER} line, where README.md goes")
+    return readme  # the whole page: index.md's own line is for readers of the file, on GitHub
