@@ -70,13 +70,14 @@ def yaml_value(value: object) -> str:
         return "[" + ", ".join(yaml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, BaseModel):
-        return "(section)"
     return str(value) if value != "" else "''"
 
 
 def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default as YAML or "" when required, description) for every setting under `model`, nested sections included."""
+    """(dotted key, type, default as YAML or "" when required, description) for every setting under `model`.
+
+    A nested section's settings are listed under its key; a list of sections (data.sources) as key[].name.
+    """
     out = []
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}"
@@ -84,7 +85,7 @@ def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]
         if section is not None and typing.get_origin(field.annotation) is not tuple:
             out += rows(section, key)
             continue
-        kind = type_name(field.annotation) if section is None else "list of sources"
+        kind = type_name(field.annotation) if section is None else "list of mappings, keys below"
         limit = bounds(field)
         default = "" if field.is_required() else yaml_value(field.get_default(call_default_factory=True))
         out.append((key, kind + (f", {limit}" if limit else ""), default, field.description or ""))
