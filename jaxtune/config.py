@@ -40,12 +40,15 @@ class SourceConfig(Section):
                         "folder written by datasets' save_to_disk")
     hub_split: str = Field("train", description="split to read from a hub dataset or a saved DatasetDict")
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
-    format: Literal[FORMATS] = Field("dolly", description="row schema")
+    format: Literal[FORMATS] = Field(
+        "dolly", description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
+        "input, output), prompt_completion (prompt, completion), messages (chat turns), or preference (prompt or "
+        "messages, chosen, rejected: for train.objective dpo or simpo)")
     columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names")
     weight: float = Field(
         1.0, gt=0.0, description="how often each of this source's train rows is seen per epoch on average: 0.5 keeps a "
         "seeded half of them, 2 repeats each twice, 1.5 repeats a seeded half. Eval rows are never weighted")
-    max_rows: int | None = Field(None, gt=0, description="read only the first max_rows rows of this source (None: all)")
+    max_rows: int | None = Field(None, gt=0, description="read only the first max_rows rows of this source (null: all)")
     name: str | None = Field(None, description="its name in stats.json and the report (default: the file name or hub id)")
 
     @property
@@ -60,14 +63,18 @@ class SourceConfig(Section):
 class DataConfig(Section):
     """Where rows come from and how they become token sequences."""
 
-    source: str = Field(OFFLINE, description="'offline' (bundled data), a hub dataset id, or a local .jsonl/.json/.parquet/.csv file")
-    hub_split: str = Field("train", description="split to read from a hub dataset")
+    source: str = Field(OFFLINE, description="'offline' (bundled data), a hub dataset id, a local "
+                        ".jsonl/.json/.parquet/.csv file, or a folder written by datasets' save_to_disk")
+    hub_split: str = Field("train", description="split to read from a hub dataset (also picks one split of a saved DatasetDict)")
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
-    format: Literal[FORMATS] = Field("dolly", description="row schema")
+    format: Literal[FORMATS] = Field(
+        "dolly", description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
+        "input, output), prompt_completion (prompt, completion), messages (chat turns), or preference (prompt or "
+        "messages, chosen, rejected: for train.objective dpo or simpo)")
     columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names, e.g. {instruction: question}")
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of rows held out for eval")
-    max_train_rows: int | None = Field(None, gt=0, description="keep at most this many training rows (None: all)")
-    max_eval_rows: int | None = Field(None, gt=0, description="keep at most this many eval rows (None: all)")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of rows held out for eval, split with data.seed")
+    max_train_rows: int | None = Field(None, gt=0, description="keep at most this many training rows, after the split (null: all)")
+    max_eval_rows: int | None = Field(None, gt=0, description="keep at most this many eval rows, after the split (null: all)")
     max_length: int = Field(512, ge=8, description="longest row in tokens; what happens to longer ones is `too_long`")
     too_long: Literal["drop", "truncate"] = Field(
         "drop",
@@ -91,7 +98,7 @@ class DataConfig(Section):
         "max_rows and name. Rows of every source are deduplicated and split together. Replaces data.source and its "
         "settings, which must then be left unset")
     num_proc: int | None = Field(
-        None, gt=0, description="processes that normalize and tokenize rows (None: one per core, and one per 10,000 "
+        None, gt=0, description="processes that normalize and tokenize rows (null: one per core, and one per 10,000 "
         "rows at most). Changes how fast, not what: no cache key hashes it")
 
     @model_validator(mode="after")
@@ -117,16 +124,18 @@ class TinyModelConfig(Section):
     """Family and shape of the random model the offline default builds."""
 
     architecture: Literal[ARCHITECTURES] = Field("gemma3", description=f"model family: {', '.join(ARCHITECTURES)}")
-    hidden_size: int = 128
-    intermediate_size: int = 512
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    sliding_window: int = 64
+    hidden_size: int = Field(128, description="width of the hidden states")
+    intermediate_size: int = Field(512, description="width of each MLP's inner layer")
+    num_hidden_layers: int = Field(4, description="decoder layers")
+    num_attention_heads: int = Field(4, description="query heads per attention layer")
+    num_key_value_heads: int = Field(2, description="key/value heads per attention layer (grouped-query attention when "
+                                     "fewer than the query heads)")
+    head_dim: int = Field(32, description="width of each attention head")
+    sliding_window: int = Field(64, description="tokens a sliding-window attention layer sees, in the families that "
+                                "have such layers")
     vocab_size: int = Field(1024, description="size of the BPE tokenizer trained on the bundled data")
     tie_word_embeddings: bool = Field(False, description="untied, so LoRA's modules_to_save can train input and output embeddings apart")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the random initial weights")
 
 
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -168,7 +177,7 @@ class ModelConfig(Section):
         "int8, int4 or nf4 (QLoRA's NormalFloat4) codes with one bfloat16 scale per block of 64 inputs, dequantized "
         "inside each layer's forward: 0.52x (int8) or 0.27x (int4, nf4) of a bfloat16 base's bytes; gguf (model.name a .gguf file): "
         "as the file's own Q8_0, Q4_0, Q4_1 and Q5_0 blocks, byte for byte (layers of other types as float weights)")
-    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="family and shape of the offline model")
 
     @property
     def compute_dtype(self) -> str:
@@ -180,14 +189,16 @@ class ModelConfig(Section):
 class LoraConfig(Section):
     """PEFT LoRA settings, used when train.method is 'lora'."""
 
-    r: int = Field(8, gt=0)
-    alpha: int = Field(16, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    r: int = Field(8, gt=0, description="rank of each adapter: the inner width of its A and B matrices")
+    alpha: int = Field(16, gt=0, description="scale of the adapters: each one's update is multiplied by alpha / r")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on each adapter's input while training")
     target_modules: tuple[str, ...] | Literal["all-linear"] = Field(
         ("q_proj", "k_proj", "v_proj", "o_proj"),
-        description="module names to adapt, or 'all-linear' (every linear layer but the output head)",
+        description="module names to adapt, or 'all-linear' (every linear layer but the output head; needed for "
+        "GPT-2's fused c_attn)",
     )
-    modules_to_save: tuple[str, ...] = ()
+    modules_to_save: tuple[str, ...] = Field(
+        (), description="modules trained in full and saved in the adapter, e.g. [embed_tokens, lm_head]")
 
 
 OBJECTIVES = ("sft", "dpo", "simpo")
@@ -209,12 +220,12 @@ class TrainConfig(Section):
     lr_schedule: Literal["warmup_cosine", "linear", "constant"] = Field(
         "warmup_cosine", description="after linear warmup: cosine decay to 10%, linear decay to 0, or constant"
     )
-    warmup_steps: int = Field(10, ge=0)
+    warmup_steps: int = Field(10, ge=0, description="steps of linear warmup from 0 to learning_rate")
     weight_decay: float = Field(0.01, ge=0.0, description="decoupled weight decay")
     max_grad_norm: float = Field(1.0, gt=0.0, description="global-norm gradient clipping")
     max_steps: int | None = Field(100, gt=0, description="optimizer steps; null to train for `epochs` instead")
     epochs: int | None = Field(None, gt=0, description="passes over the training rows (needs max_steps: null)")
-    batch_size: int = Field(8, gt=0, description="rows per micro-batch")
+    batch_size: int = Field(8, gt=0, description="rows per micro-batch; a multiple of mesh.data x mesh.fsdp")
     grad_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step, summed inside one compiled step")
     remat: Literal[REMAT_POLICIES] = Field(
         "auto",
@@ -232,7 +243,7 @@ class TrainConfig(Section):
         15.0, gt=0.0, description="minutes of training after which a checkpoint is also written, whatever the step: "
         "the most a hard kill loses (null: by steps alone)")
     seed: int = Field(0, description="data order and dropout")
-    log_every: int = Field(10, gt=0, description="steps between host syncs (log lines, progress)")
+    log_every: int = Field(10, gt=0, description="steps between host syncs: log lines, progress, the NaN check")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainConfig:
@@ -262,15 +273,21 @@ class PreferenceConfig(Section):
 
 
 class EvalConfig(Section):
-    batch_size: int = Field(16, gt=0)
+    """Loss and perplexity on the held-out rows, before and after training."""
+
+    batch_size: int = Field(
+        16, gt=0, description="rows per eval batch; every batch pads to the longest eval row's length bucket, so an "
+        "eval compiles one program")
 
 
 class GenerateConfig(Section):
     """Greedy decoding on held-out prompts, scored by exact match against the reference."""
 
-    num_prompts: int = Field(64, gt=0, description="eval prompts to decode before and after training")
-    max_new_tokens: int = Field(32, gt=0)
-    batch_size: int = Field(16, gt=0)
+    num_prompts: int = Field(64, gt=0, description="held-out prompts decoded greedily before and after training")
+    max_new_tokens: int = Field(32, gt=0, description="most tokens decoded per answer")
+    batch_size: int = Field(
+        16, gt=0, description="prompts decoded together, left-padded to the longest prompt's length bucket (one "
+        "decode program per model)")
 
 
 # The GGUF types jaxtune writes: what the gguf package's numpy quantizers implement (no K-quants).
@@ -359,6 +376,8 @@ class MeshConfig(Section):
 
 
 class StoreConfig(Section):
+    """Where artifacts and compiled programs live; none of it is in a cache key."""
+
     root: str = Field(".jaxtune/store", description="artifact store folder; not part of any cache key")
     compile_cache: bool = Field(
         True, description="keep XLA's compiled programs in <root>/xla-cache (or in $JAXTUNE_COMPILE_CACHE, one folder "

@@ -129,7 +129,7 @@ class PrefectServer:
 
     # -- deployments -------------------------------------------------------------------------
     def deploy(self, pool: str = "jaxtune") -> None:
-        """Create the process work pool and deploy everything prefect.yaml declares, as the README says."""
+        """Create the process work pool and deploy everything prefect.yaml declares, as docs/deployments.md says."""
         self.prefect("work-pool", "create", pool, "--type", "process")
         self.prefect("--no-prompt", "deploy", "--all")
 

@@ -1,4 +1,4 @@
-"""prefect.yaml's deployments on a real Prefect server, run by a real worker, as the README says:
+"""prefect.yaml's deployments on a real Prefect server, run by a real worker, as docs/deployments.md says:
 create the pool, deploy from the clone, `prefect deployment run`, `prefect worker start`; then
 the same run refreshing one stage; a run killed mid-train, which prefect.yaml's automation
 starts again, and a run cancelled mid-train, which it leaves; then `jaxtune serve` in place of

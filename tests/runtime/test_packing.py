@@ -142,7 +142,7 @@ def test_packing_fills_97_8_percent_of_slots_on_instruction_lengths(capsys):
         print(f"\nnonpad fraction: packed {packed:.3f} ({shape.sequences}x{shape.length}, {len(batches)} micro-batches, "
               f"{len(lengths) / len(batches):.1f} rows each) vs padded {plain:.3f}")
     # The plan is deterministic (seeded lengths, seeded shuffle), so its figure is asserted as it is:
-    # 309,361 tokens in 206 micro-batches of 3 x 512 slots, 0.9777 (the README's 0.978). The fewest
+    # 309,361 tokens in 206 micro-batches of 3 x 512 slots, 0.9777 (docs/performance.md's 0.978). The fewest
     # that could hold them is 202 (0.997); a plan looking 16 rows ahead instead of 64 takes 208
     # (0.968), none ahead 232 (0.868), and both passed the bound of 0.9 this replaces.
     assert (shape, len(batches)) == (PackedShape(sequences=3, length=512), 206)

@@ -6,7 +6,7 @@ The shapes come from nothing downloaded (tests/targets/recipes.py): the hub reci
 their `config.json` as published, the offline recipes' from the headers of the GGUF files their pip
 packages install. The train step is each plan's largest and is what is compiled
 here (1-2 minutes each on 2 cores); `jaxtune doctor MODEL --config RECIPE --target` adds the eval
-and decode steps (the README's table of recipes and chips)."""
+and decode steps (docs/planning.md's table of recipes and chips)."""
 
 from __future__ import annotations
 
