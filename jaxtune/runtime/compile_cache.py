@@ -3,11 +3,19 @@
 A rerun (or a later run with the same model and shapes) then loads the train, eval and decode
 programs instead of compiling them again. The step's learning rate is an input, not a constant,
 so a new rate or schedule hits the same entry.
+
+JAX keeps only programs that compiled. A program the compiler refused for want of memory (XLA:TPU
+refuses at compile time a step past the chip) is remembered here too, in `refused.json` beside
+JAX's files, by the lowered program and the devices and versions that refused it, so that
+`train.remat: auto`'s next run skips that candidate's minutes-long compile.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -36,3 +44,77 @@ def folder_of(store_root: str | Path) -> Path:
     """`$JAXTUNE_COMPILE_CACHE` when set (several stores, one cache), else `<store root>/xla-cache`."""
     shared = os.environ.get(SHARED_FOLDER_VARIABLE)
     return Path(shared) if shared else Path(store_root) / "xla-cache"
+
+
+REFUSALS_FILE = "refused.json"
+# libtpu's refusal of a step that does not fit: "... (55.40G) exceeds available HBM (15.75G) ..."
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED: ([^\n]*)")
+
+
+def refusal(error: BaseException) -> str | None:
+    """The compiler's one-line reason when `error` is its refusal of a program for want of memory, else None."""
+    found = OUT_OF_MEMORY.search(str(error))
+    return found[1].strip() if found else None
+
+
+class RefusedBefore(RuntimeError):
+    """The compiler refused this very program before; the message carries its words, as its own error did."""
+
+
+def _refusals() -> Path | None:
+    folder = jax.config.jax_compilation_cache_dir
+    return Path(folder) / REFUSALS_FILE if folder else None
+
+
+def program_key(lowered, devices) -> str:
+    """What identifies a compile's outcome: the lowered program, the devices it is for (kind and count), and
+    the versions compiling it (jax, and the backend's own: libtpu's, the CUDA plugin's)."""
+    devices = list(devices)
+    client = getattr(devices[0], "client", None)
+    parts = [lowered.as_text(), jax.__version__, devices[0].platform, getattr(client, "platform_version", ""),
+             *sorted({d.device_kind for d in devices}), str(len(devices))]
+    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
+
+
+def known_refusal(lowered, devices) -> str | None:
+    """The compiler's words when it refused `lowered` for `devices` before (with the cache enabled), else None."""
+    path = _refusals()
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get(program_key(lowered, devices))
+    except (OSError, ValueError):
+        return None  # an unreadable record costs a compile, nothing more
+
+
+def remember_refusal(lowered, devices, words: str) -> None:
+    """Record that the compiler refused `lowered` for `devices`, saying `words` (with the cache enabled)."""
+    path = _refusals()
+    if path is None:
+        return
+    try:
+        found = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        found = {}
+    found[program_key(lowered, devices)] = words
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(found, indent=1, sort_keys=True))
+    temporary.replace(path)
+
+
+def compile_remembering_refusals(lowered, devices):
+    """`lowered.compile()`, except where the compiler refused the same program before (for want of
+    memory): then RefusedBefore at once, with the compiler's words."""
+    devices = list(devices)
+    known = known_refusal(lowered, devices)
+    if known is not None:
+        raise RefusedBefore(f"RESOURCE_EXHAUSTED: {known} (refused before; remembered in the compilation cache's "
+                            f"{REFUSALS_FILE})")
+    try:
+        return lowered.compile()
+    except Exception as error:
+        words = refusal(error)
+        if words is not None:
+            remember_refusal(lowered, devices, words)
+        raise
+

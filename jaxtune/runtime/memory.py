@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import re
 
 import jax
 import numpy as np
 
 from jaxtune.config import MESH_AXES, TrainConfig
+from jaxtune.runtime import compile_cache
 
 
 def tree_bytes(tree) -> int:
@@ -207,14 +207,8 @@ def advice(plan: dict, cfg: TrainConfig) -> str:
     return f"No mesh of {devices} device{'s' * (devices != 1)} fits by estimate{closest}. Try: {knobs(cfg)}"
 
 
-# libtpu's refusal of a step that does not fit: "... (55.40G) exceeds available HBM (15.75G) ..."
-OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED: ([^\n]*)")
-
-
-def refusal(error: BaseException) -> str | None:
-    """The compiler's one-line reason when `error` is its refusal of a program for want of memory, else None."""
-    found = OUT_OF_MEMORY.search(str(error))
-    return found[1].strip() if found else None
+# The compiler's refusals for want of memory are read where programs are compiled (compile_cache).
+refusal = compile_cache.refusal
 
 
 def check_fits(plan: dict, cfg: TrainConfig) -> None:

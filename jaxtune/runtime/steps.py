@@ -18,7 +18,7 @@ import optax
 import torch
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime import programs
+from jaxtune.runtime import compile_cache, programs
 from jaxtune.runtime.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.model import JaxModel
 from jaxtune.runtime.preference import SFT, Objective, summed_objective
@@ -253,7 +253,8 @@ def compiled_train_step(model: JaxModel, optimizer: optax.GradientTransformation
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
     with model.env:
-        return program.lower(model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr).compile()
+        lowered = program.lower(model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr)
+    return compile_cache.compile_remembering_refusals(lowered, model.placement.mesh.devices.flat)
 
 
 def shapes_of(tree) -> Any:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import compile_cache, programs, steps, training
+from jaxtune.runtime import compile_cache, memory, programs, steps, training
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime.feed import make_feed
 from jaxtune.runtime.mesh import make_placement
@@ -199,3 +199,31 @@ def test_one_folder_can_hold_the_compile_cache_of_every_store(monkeypatch, tmp_p
     assert compile_cache.folder_of(tmp_path / "store") == tmp_path / "store" / "xla-cache"
     monkeypatch.setenv(compile_cache.SHARED_FOLDER_VARIABLE, str(tmp_path / "shared"))
     assert compile_cache.folder_of(tmp_path / "a") == compile_cache.folder_of(tmp_path / "b") == tmp_path / "shared"
+
+
+@pytest.mark.usefixtures("restored_cache_settings")
+def test_a_step_the_compiler_refused_is_refused_again_without_compiling(tmp_path, monkeypatch):
+    """XLA:TPU refuses, at compile time, a step past the chip's memory; JAX caches only what compiled. The
+    refusal is remembered beside the cache, so `train.remat: auto`'s next run skips that candidate."""
+    compile_cache.enable(tmp_path / "xla-cache")
+    model, optimizer = lora_model(), steps.make_optimizer(TrainConfig())
+    words = "Ran out of memory on HBM, the total memory required for HLO temporaries (17.10G) exceeds available HBM (15.75G)."
+    compiles = []
+
+    def refuse(self):
+        compiles.append(self)
+        raise RuntimeError(f"RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. {words}")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+    for attempt in range(2):
+        with pytest.raises(RuntimeError) as refused:
+            steps.train_step_memory(model, optimizer, 1, 2, 32, remat="none")
+        assert words in memory.refusal(refused.value)
+    assert len(compiles) == 1 and isinstance(refused.value, compile_cache.RefusedBefore)
+    # Another program (another length) is compiled, and refused on its own account.
+    with pytest.raises(RuntimeError):
+        steps.train_step_memory(model, optimizer, 1, 2, 48, remat="none")
+    assert len(compiles) == 2
+    monkeypatch.undo()  # the real compiler: a program it compiles is never held refused
+    compile_cache.enable(tmp_path / "xla-cache")
+    assert steps.train_step_memory(model, optimizer, 1, 2, 64, remat="none")["peak_bytes"] > 0
