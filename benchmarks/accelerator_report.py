@@ -22,7 +22,7 @@ GiB = 2**30
 # What Tunix's LoRA step does otherwise than jaxtune's (accelerator_tunix.py's docstring says why).
 TUNIX_DIFFERS = ("what differs: no rematerialisation (Tunix's default), its einsum attention over a (rows, length, length) "
                  "mask, the loss over all logits at once (jaxtune's is chunked), one qwix LoRA A shared by Gemma's fused "
-                 "k and v projections, and no llama3 RoPE scaling in its Llama 3.")
+                 "k and v projections, LoRA weights and AdamW state in the weights' dtype (jaxtune's: float32), and no llama3 RoPE scaling in its Llama 3.")
 
 
 def gather(work: Path, parts: dict) -> list[dict]:

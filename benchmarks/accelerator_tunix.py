@@ -8,10 +8,11 @@ Its packages come from a site folder of their own, first on sys.path (TUNIX_SITE
 benchmarks/tunix_wheels.sh): only what the step imports, not google-tunix's declared requirements.
 
 What differs from jaxtune's LoRA step, by Tunix's design: no rematerialisation (its default,
-RematConfig.NONE; jaxtune's train.remat auto picks one per case), its plain einsum attention (jaxtune's
-runs SDPA as XLA lowers it), the loss over the whole logits at once (jaxtune's is chunked); Gemma's k and
+RematConfig.NONE; jaxtune's train.remat auto picks one per case), its plain einsum attention over a
+(rows, length, length) mask (jaxtune's: its fused attention), the loss over the whole logits at once (jaxtune's is chunked); Gemma's k and
 v projections are one fused einsum in Tunix, so qwix gives them one LoRA A between them (PEFT and
-jaxtune: one each); Tunix's Llama 3 applies no llama3 RoPE scaling (Llama 3.2's factor 32)."""
+jaxtune: one each); qwix makes the adapters in the weights' dtype (bf16 on the chip, so AdamW's state
+too; jaxtune keeps both in float32); Tunix's Llama 3 applies no llama3 RoPE scaling (Llama 3.2's factor 32)."""
 
 from __future__ import annotations
 
