@@ -57,6 +57,38 @@ def versions() -> dict:
     return {name: version(name) for name in ("google-tunix", "qwix", "flax", "jax", "optax", "safetensors")}
 
 
+def tunix_config(raw: dict, dtype: str):
+    """(Tunix's ModelConfig, the layers' attention kinds or None) of a transformers config.json: for the published
+    shapes, Tunix's own `gemma3_1b_pt` and `llama3p2_1b` (tests/test_bench_accelerator.py checks it)."""
+    import jax.numpy as jnp
+
+    kind = raw["model_type"]
+    if kind == "gemma3_text":
+        from tunix.models.gemma3 import model as gemma3
+
+        rope = raw["rope_parameters"]
+        if raw["query_pre_attn_scalar"] != raw["head_dim"]:  # Tunix scales queries by 1/sqrt(head_dim) (as the 1B)
+            raise ValueError(f"Tunix's Gemma 3 cannot scale queries by 1/sqrt({raw['query_pre_attn_scalar']})")
+        config = gemma3.ModelConfig(
+            num_layers=raw["num_hidden_layers"], num_embed=raw["vocab_size"], embed_dim=raw["hidden_size"],
+            hidden_dim=raw["intermediate_size"], num_heads=raw["num_attention_heads"], head_dim=raw["head_dim"],
+            num_kv_heads=raw["num_key_value_heads"], sliding_window_size=raw["sliding_window"],
+            local_base_frequency=rope["sliding_attention"]["rope_theta"],
+            global_base_frequency=rope["full_attention"]["rope_theta"], param_dtype=jnp.dtype(dtype))
+        kinds = tuple(gemma3.AttentionType.LOCAL_SLIDING if t == "sliding_attention" else gemma3.AttentionType.GLOBAL
+                      for t in raw["layer_types"])
+        return config, kinds
+    if kind == "llama":
+        from tunix.models.llama3 import model as llama3
+
+        return llama3.ModelConfig(
+            num_layers=raw["num_hidden_layers"], vocab_size=raw["vocab_size"], embed_dim=raw["hidden_size"],
+            hidden_dim=raw["intermediate_size"], num_heads=raw["num_attention_heads"], head_dim=raw["head_dim"],
+            num_kv_heads=raw["num_key_value_heads"], rope_theta=int(raw["rope_parameters"]["rope_theta"]),
+            norm_eps=raw["rms_norm_eps"], weight_tying=raw.get("tie_word_embeddings", False)), None
+    raise ValueError(f"the Tunix side runs Gemma 3 and Llama 3 shapes, not {kind}")
+
+
 def tunix_model(folder: Path, dtype: str):
     """(model, its config.json): Tunix's model of the folder's config, its weights read by Tunix's safetensors loader."""
     import json
@@ -64,36 +96,18 @@ def tunix_model(folder: Path, dtype: str):
     import jax.numpy as jnp
 
     raw = json.loads((folder / "config.json").read_text())
-    kind, dtype = raw["model_type"], jnp.dtype(dtype)
-    if kind == "gemma3_text":
+    config, kinds = tunix_config(raw, dtype)
+    if raw["model_type"] == "gemma3_text":
         from tunix.models.gemma3 import model as gemma3
         from tunix.models.gemma3 import params_safetensors
 
-        rope = raw["rope_parameters"]
-        config = gemma3.ModelConfig(
-            num_layers=raw["num_hidden_layers"], num_embed=raw["vocab_size"], embed_dim=raw["hidden_size"],
-            hidden_dim=raw["intermediate_size"], num_heads=raw["num_attention_heads"], head_dim=raw["head_dim"],
-            num_kv_heads=raw["num_key_value_heads"], sliding_window_size=raw["sliding_window"],
-            local_base_frequency=rope["sliding_attention"]["rope_theta"],
-            global_base_frequency=rope["full_attention"]["rope_theta"], param_dtype=dtype)
-        if raw["query_pre_attn_scalar"] != raw["head_dim"]:  # Tunix scales queries by 1/sqrt(head_dim) (as the 1B)
-            raise ValueError(f"Tunix's Gemma 3 cannot scale queries by 1/sqrt({raw['query_pre_attn_scalar']})")
-        # The layers' kinds as the config lists them; for the published 1B, Tunix's own pattern (5 local, 1 global).
-        gemma3.GEMMA3_ATTENTION_PATTERN = tuple(
-            gemma3.AttentionType.LOCAL_SLIDING if t == "sliding_attention" else gemma3.AttentionType.GLOBAL
-            for t in raw["layer_types"])
-        return params_safetensors.create_model_from_safe_tensors(str(folder), config, dtype=dtype), raw
-    if kind == "llama":
-        from tunix.models.llama3 import model as llama3
-        from tunix.models.llama3 import params
+        # Tunix's Gemma 3 cycles this module-level pattern over its layers: the config's own list instead (for the
+        # published 1B, the same: 5 local, 1 global; for --tiny's two layers, one of each as on the other sides).
+        gemma3.GEMMA3_ATTENTION_PATTERN = kinds
+        return params_safetensors.create_model_from_safe_tensors(str(folder), config, dtype=jnp.dtype(dtype)), raw
+    from tunix.models.llama3 import params
 
-        config = llama3.ModelConfig(
-            num_layers=raw["num_hidden_layers"], vocab_size=raw["vocab_size"], embed_dim=raw["hidden_size"],
-            hidden_dim=raw["intermediate_size"], num_heads=raw["num_attention_heads"], head_dim=raw["head_dim"],
-            num_kv_heads=raw["num_key_value_heads"], rope_theta=int(raw["rope_parameters"]["rope_theta"]),
-            norm_eps=raw["rms_norm_eps"], weight_tying=raw.get("tie_word_embeddings", False))
-        return params.create_model_from_safe_tensors(str(folder), config, dtype=dtype), raw
-    raise ValueError(f"the Tunix side runs Gemma 3 and Llama 3 shapes, not {kind}")
+    return params.create_model_from_safe_tensors(str(folder), config, dtype=jnp.dtype(dtype)), raw
 
 
 def with_lora(model, kind: str, lora):

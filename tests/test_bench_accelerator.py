@@ -133,6 +133,33 @@ def test_mfu_follows_from_tokens_per_second_and_the_model_flops(tiny):
         assert result["sides"]["torch-eager"]["flops_per_token"] == result["sides"]["jaxtune-lora"]["flops_per_token"] < full
 
 
+@pytest.mark.slow
+def test_tunix_side_builds_tunix_own_configs_of_the_published_shapes(tunix_site, monkeypatch):
+    """From the shipped config.json alone, Tunix's side builds the configs Tunix ships for Gemma 3 1B and Llama 3.2 1B,
+    and Gemma's layers alternate as Tunix's own pattern has them (Llama 3.2's RoPE scaling, which Tunix lacks, aside)."""
+    import itertools
+
+    site, why = tunix_site
+    if site is None:
+        pytest.skip(why)
+    monkeypatch.setenv("TUNIX_SITE", str(site))
+    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
+    monkeypatch.setitem(sys.modules, "tunix", None)  # import_tunix's bare package, gone after the test
+    from accelerator_setup import Settings, model_config
+    from accelerator_tunix import import_tunix, tunix_config
+
+    import_tunix()
+    from tunix.models.gemma3 import model as gemma3
+    from tunix.models.llama3 import model as llama3
+
+    raw = model_config(Settings.make("gemma-3-1b", tiny=False)).to_dict()
+    config, kinds = tunix_config(raw, "bfloat16")
+    assert config == gemma3.ModelConfig.gemma3_1b_pt()
+    assert kinds == tuple(itertools.islice(itertools.cycle(gemma3.GEMMA3_ATTENTION_PATTERN), 26))
+    raw = model_config(Settings.make("llama-3.2-1b", tiny=False)).to_dict()
+    assert tunix_config(raw, "bfloat16") == (llama3.ModelConfig.llama3p2_1b(), None)
+
+
 def tiny_shape(report: dict) -> dict:
     """The tiny model's sizes, and its matmul weights counted from its modules: every Linear, and the
     (tied) output head once."""
