@@ -5,6 +5,7 @@ whatever accelerator JAX and torch see, with the same weights and batches on eac
     python benchmarks/accelerator.py --model qwen2.5-0.5b   # another shape of benchmarks/configs
     python benchmarks/accelerator.py --minutes 15 --parts jaxtune --parts torch-compile
     python benchmarks/accelerator.py --tiny --out /tmp/acc  # every part on the CPU with a toy model (make test runs it)
+    TUNIX_SITE=/tmp/tunix-site python benchmarks/accelerator.py   # with Tunix's side (benchmarks/tunix_wheels.sh install)
 
 The driver builds the model's random weights once (one seed) from a config-only folder and saves
 them; then each part runs in a child process of its own (`--child PART`), one after another, each
@@ -34,7 +35,9 @@ from harness import RESULTS, ROOT, log, say
 # torch.compile's 107 s, PyTorch eager's 6 s, plus each process's imports and loading; jaxtune's is the
 # sum of its sections, accelerator_jaxtune.SECTIONS). A part's limit is the time left shared in these
 # proportions among the parts still to run: one that ends early leaves its time to the rest.
-PARTS = {"jaxtune": 255, "torch-eager": 35, "torch-compile": 125}
+# Tunix's (not measured on an H200: its LoRA step compiles as one XLA program, as jaxtune's does) is taken
+# as torch.compile's.
+PARTS = {"jaxtune": 255, "torch-eager": 35, "torch-compile": 125, "tunix": 125}
 MINIMUM_PART_SECONDS = 10  # the least a part is given; with less left, it is not started
 DEVICE_MINUTES, TINY_MINUTES = 7.0, 10.0
 
@@ -48,12 +51,21 @@ def run_child(part: str, work: Path, until: float) -> None:
         import accelerator_jaxtune
 
         accelerator_jaxtune.run(settings, folder, work, until)
+    elif part == "tunix":
+        import accelerator_tunix
+
+        accelerator_tunix.run(settings, folder, work)
     else:
         import accelerator_torch
 
         accelerator_torch.run_train(settings, folder, work, compiled=part == "torch-compile")
 
 
+def default_parts() -> list[str]:
+    """Every part, less Tunix's where its site folder holds no Tunix (it is not among jaxtune's dependencies)."""
+    from accelerator_tunix import site
+
+    return [p for p in PARTS if p != "tunix" or (site() / "tunix").is_dir()]
 
 
 def run_part(part: str, work: Path, limit: float) -> dict:
@@ -120,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(p.name for p in CONFIGS.iterdir()),
                         help="the shape: a config-only folder of benchmarks/configs")
     parser.add_argument("--tiny", action="store_true", help="a toy model of the family, on the CPU, in float32 (make test)")
-    parser.add_argument("--parts", action="append", choices=list(PARTS), help="run only these parts (repeatable)")
+    parser.add_argument("--parts", action="append", choices=list(PARTS), help="run only these parts (repeatable; default all, Tunix's where TUNIX_SITE holds it)")
     parser.add_argument("--cases", action="append", type=parse_case, help="train cases ROWSxLENGTH, in order (repeatable)")
     parser.add_argument("--remat", action="append", choices=["auto", "none", "matmuls", "layer"],
                         help="train.remat of jaxtune's train cases (repeatable: each runs every case; default auto)")
@@ -150,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.save(work)
         log(f"building {settings.model}{' (tiny)' if settings.tiny else ''} weights, {settings.dtype}")
         weights = build_weights(settings, work / "model")
-        parts = run_parts(args.parts or list(PARTS), work, deadline)
+        parts = run_parts(args.parts or default_parts(), work, deadline)
         md = write_report(stem, settings, weights, parts, work, date, time.perf_counter() - began, minutes)
     say(md)
     log(f"wrote {stem}.json and {stem}.md")

@@ -10,10 +10,19 @@ from pathlib import Path
 from accelerator_setup import Results, Settings, case_name, jaxtune_side
 from harness import fmt, machine_info
 
-SIDES = {"jaxtune-lora": "lora", "jaxtune-full": "full", "torch-eager": "lora", "torch-compile": "lora"}
-PART_OF = {"jaxtune-lora": "jaxtune", "jaxtune-full": "jaxtune", "torch-eager": "torch-eager", "torch-compile": "torch-compile"}
-BASELINES = ("torch-eager", "torch-compile")  # each compared with jaxtune-lora, case by case
+SIDES = {"jaxtune-lora": "lora", "jaxtune-full": "full", "torch-eager": "lora", "torch-compile": "lora", "tunix": "lora"}
+PART_OF = {"jaxtune-lora": "jaxtune", "jaxtune-full": "jaxtune", "torch-eager": "torch-eager", "torch-compile": "torch-compile",
+           "tunix": "tunix"}
+BASELINES = ("torch-eager", "torch-compile", "tunix")  # each compared with jaxtune-lora, case by case
+COLUMNS = ("jaxtune", "PyTorch eager", "torch.compile", "Tunix")
+# The column a PyTorch-on-TPU side would fill, and why it is not there.
+TORCH_XLA = ("PyTorch/XLA: not measured. torch_xla cannot be installed on the TPU machine: it has no network, and its "
+             "package index holds no torch_xla wheel (none for its Python 3.11 with its torch and libtpu).")
 GiB = 2**30
+# What Tunix's LoRA step does otherwise than jaxtune's (accelerator_tunix.py's docstring says why).
+TUNIX_DIFFERS = ("what differs: no rematerialisation (Tunix's default), its einsum attention over a (rows, length, length) "
+                 "mask, the loss over all logits at once (jaxtune's is chunked), one qwix LoRA A shared by Gemma's fused "
+                 "k and v projections, LoRA weights and AdamW state in the weights' dtype (jaxtune's: float32), and no llama3 RoPE scaling in its Llama 3.")
 
 
 def gather(work: Path, parts: dict) -> list[dict]:
@@ -73,6 +82,8 @@ def train_results(settings: Settings, lines: list[dict], parts: dict, peak: floa
         sides = {}
         for side, method in sides_of(settings).items():
             if PART_OF.get(side, "jaxtune") not in parts:
+                if side == "tunix":
+                    sides[side] = {"missing": "not run (no Tunix in its site folder, TUNIX_SITE, or not asked for)"}
                 continue
             figures = side_figures(lines, side, case, flops.get(method, {}).get(case), peak, matmul)
             if "tokens_per_second" not in figures:
@@ -123,7 +134,8 @@ def build_report(settings: Settings, weights: dict, parts: dict, work: Path, dat
         "model": settings.model, "parameters": weights["parameters"], "vocab_size": weights["vocab_size"],
         "settings": {**settings.__dict__, "weights": f"random {settings.dtype}, torch.manual_seed({settings.seed}), "
                                                       "AutoModelForCausalLM.from_config"},
-        "machine": {**machine_info(), "jax_device": device, "torch_device": torch_device},
+        "machine": {**machine_info(), "jax_device": device, "torch_device": torch_device,
+                    "tunix_device": first_event(lines, "device", "tunix") or {}},
         "peak": device.get("peak"), "measured_matmul": matmul or None,
         "mfu_derivation": "tokens/s x flops.train_flops_per_token (attention over half the row) / peak FLOP/s of one device",
         "parts": parts,
@@ -205,7 +217,7 @@ def train_rows(report: dict) -> list[str]:
         full = result["sides"].get("jaxtune-full")
         if full is not None and "full" in sections(report) and asked_auto(report):
             extra = f"; {memory(full)}, first step {first_step(full)}" if "tokens_per_second" in full else ""
-            rows.append(f"| full fine-tune {case}: tokens/s | {throughput(full)}{extra} | | |")
+            rows.append(f"| full fine-tune {case}: tokens/s | {throughput(full)}{extra} | | | |")
     return rows
 
 
@@ -266,7 +278,15 @@ def decode_row(report: dict) -> str:
         right += f" (jaxtune {d['jaxtune_vs_generate']:.2f}x)"
     if "tokens_identical" in d:
         right += "; tokens identical" if d["tokens_identical"] else f"; {d['tokens_agreeing']:.1%} of tokens agree"
-    return f"| greedy decode, {s['prompts']} prompts x {s['new_tokens']} new tokens | {left} | {right} | |"
+    return f"| greedy decode, {s['prompts']} prompts x {s['new_tokens']} new tokens | {left} | {right} | | |"
+
+
+def tunix_versions(machine: dict) -> str:
+    """Tunix's packages, where its side ran (reports from before it had one have no such entry)."""
+    found = machine.get("tunix_device") or {}
+    names = ("google-tunix", "qwix", "flax", "jax", "safetensors")
+    return (" Tunix's side: " + ", ".join(f"{n} {found[n]}" for n in names if n in found)
+            + f", from its own site folder; {TUNIX_DIFFERS}") if found else ""
 
 
 def markdown(report: dict) -> str:
@@ -279,7 +299,7 @@ def markdown(report: dict) -> str:
         f"{report['parameters']:,} parameters, {s['weights']}, the same on every side; random tokens, "
         f"{s['steps']} timed synchronised steps (median) after {s['warmups']} warm-ups. jax {versions.get('jax')}, "
         f"torch {versions.get('torch')}, transformers {versions.get('transformers')}, torchax {versions.get('torchax')}; "
-        f"torch.compile backend {s['compile_backend']}.", "",
+        f"torch.compile backend {s['compile_backend']}.{tunix_versions(m)}", "",
         f"MFU: {report['mfu_derivation']}; peak {peak.get('derivation', 'unknown')}. Measured matmul: "
         + (f"{matmul['n']}^3 {matmul['dtype']} at {matmul['flops_per_second'] / 1e12:,.3g} TFLOP/s." if matmul else "not measured."),
         "",
@@ -289,8 +309,8 @@ def markdown(report: dict) -> str:
     notes = ["Peak memory: jaxtune's is XLA's memory plan of the step (arguments + outputs + temporaries - donated), "
              "then in parentheses the process's measured peak so far (its cases run one after another)"
              + (f"; {measured}." if measured else ".")]
-    parts = ["", *notes, "", "| part | status | seconds | limit |", "|---|---|---|---|"]
+    parts = ["", *notes, "", TORCH_XLA, "", "| part | status | seconds | limit |", "|---|---|---|---|"]
     parts += [f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |" for name, p in report["parts"].items()]
     rows = train_rows(report) + ([decode_row(report)] if "decode" in sections(report) else [])
-    table = ["| case | jaxtune | PyTorch eager | torch.compile |", "|---|---|---|---|", *rows] if rows else []
+    table = ["| case | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS), *rows] if rows else []
     return "\n".join(header + table + remat_rows(report) + parts) + "\n"

@@ -86,6 +86,8 @@ def model_config(settings: Settings):
         if "layer_types" in raw or "sliding_window_pattern" in raw:  # Gemma: one sliding layer, one global
             raw.pop("sliding_window_pattern", None)
             raw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=TINY_WINDOW)
+        if "query_pre_attn_scalar" in raw:  # queries scaled by 1/sqrt(head_dim), as the published Gemma 3 1B (256 both)
+            raw["query_pre_attn_scalar"] = TINY_SIZES["head_dim"]
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             raw[key] = min(raw[key], 2) if isinstance(raw.get(key), int) else None
     return AutoConfig.for_model(raw.pop("model_type"), **raw)
