@@ -173,7 +173,19 @@ def device_info() -> dict:
 
     device = jax.devices()[0]
     return {"platform": device.platform, "device_kind": device.device_kind, "devices": jax.device_count(),
-            "jax": jax.__version__}
+            "jax": jax.__version__, "hbm_bandwidth": hbm_bandwidth(device)}
+
+
+def hbm_bandwidth(device) -> float | None:
+    """Bytes/s of the device's memory, from the chip table `doctor --target` plans with; None for a CPU or an unknown kind."""
+    from jaxtune.runtime import targets
+
+    tpus = {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e", "TPU v5p": "v5p", "TPU v5": "v5p", "TPU v4": "v4"}
+    name = next((chip for kind, chip in tpus.items() if device.device_kind.startswith(kind)), None)
+    if name is not None:
+        return targets.CHIPS[name].hbm_bandwidth
+    gpu = next((chip for chip in targets.GPUS.values() if chip.gpu.name == device.device_kind), None)
+    return gpu.hbm_bandwidth if gpu else None
 
 
 def measured_matmul(settings: Settings) -> dict:
@@ -201,12 +213,16 @@ def run_decode(settings: Settings, folder: Path, results: Results) -> None:
     stop): the first call compiles, then the median of `decode_repeats` calls."""
     import statistics
 
+    import jax
+
     from jaxtune.runtime.inference import greedy_generate
 
     _, model = open_benchmark_model(settings, folder, None)
     batch = prompts(settings, model.config.vocab_size).tolist()
+    # What one decoding step reads at least: every weight (the tied head reads the whole embedding).
+    weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((model.weights, model.buffers)))
 
-    def generate():
+    def generate(batch=batch):
         return greedy_generate(model, batch, len(batch), settings.new_tokens, eos_ids=(), pad_id=0)
 
     start = time.perf_counter()
@@ -221,5 +237,21 @@ def run_decode(settings: Settings, folder: Path, results: Results) -> None:
     seconds = statistics.median(times)
     new = len(batch) * settings.new_tokens
     results.add(event="decode", side="jaxtune", seconds=seconds, times=times, new_tokens_per_second=new / seconds,
-                **jax_memory(model))
+                weight_bytes=weight_bytes, **jax_memory(model))
     log(f"jaxtune decode: {new / seconds:,.0f} new tokens/s (first call {first:.1f} s)")
+    for count in (settings.prompts, *settings.decode_batches):
+        if count != settings.prompts:  # the first batch's figures are the ones above
+            larger = prompts(settings, model.config.vocab_size, count).tolist()
+            start = time.perf_counter()
+            generate(larger)
+            first = time.perf_counter() - start
+            times = []
+            for _ in range(settings.decode_repeats):
+                start = time.perf_counter()
+                generate(larger)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+        new = count * settings.new_tokens
+        results.add(event="decode_batch", side="jaxtune", prompts=count, first_call_seconds=first, seconds=seconds,
+                    new_tokens_per_second=new / seconds, weight_bytes=weight_bytes)
+        log(f"jaxtune decode, {count} prompts: {new / seconds:,.0f} new tokens/s (first call {first:.1f} s)")

@@ -113,7 +113,8 @@ def decode_results(lines: list[dict], parts: dict) -> dict:
         return found or {"missing": f"not measured: {part} {parts.get(part, {}).get('status', 'not run')}"}
 
     ours, theirs = merged("jaxtune", "jaxtune"), merged("torch", "torch-eager")
-    out = {"jaxtune": ours, "torch_generate": theirs}
+    batches = [{k: v for k, v in line.items() if k != "part"} for line in lines if line.get("event") == "decode_batch"]
+    out = {"jaxtune": ours, "torch_generate": theirs, "jaxtune_batches": batches}
     if ours.get("tokens") is not None and theirs.get("tokens") is not None:
         pairs = [(a, b) for row_a, row_b in zip(ours["tokens"], theirs["tokens"]) for a, b in zip(row_a, row_b)]
         out["tokens_identical"] = ours["tokens"] == theirs["tokens"]
@@ -281,6 +282,23 @@ def decode_row(report: dict) -> str:
     return f"| greedy decode, {s['prompts']} prompts x {s['new_tokens']} new tokens | {left} | {right} | | |"
 
 
+def decode_batch_rows(report: dict) -> list[str]:
+    """jaxtune's greedy decoding at each batch it ran, against the bound of reading every weight once per step."""
+    batches = report["decode"].get("jaxtune_batches") or []
+    if not batches:
+        return []
+    bandwidth = (report["machine"].get("jax_device") or {}).get("hbm_bandwidth")
+    rows = ["", "| greedy decode (jaxtune) | new tokens/s | of the weight-read bound | first call |", "|---|---|---|---|"]
+    for b in batches:
+        bound = b["prompts"] * bandwidth / b["weight_bytes"] if bandwidth and b.get("weight_bytes") else None
+        share = f"{b['new_tokens_per_second'] / bound:.1%} of {bound:,.0f}" if bound else "- (no bandwidth known for the device)"
+        rows.append(f"| {b['prompts']} prompts x {report['settings']['new_tokens']} new tokens | "
+                    f"{b['new_tokens_per_second']:,.0f} | {share} | {fmt_seconds(b['first_call_seconds'])} |")
+    rows += ["", "The weight-read bound: prompts x the device's memory bandwidth / the bytes of the model's weights, "
+                 "which each decoding step reads at least once (the KV cache's reads not counted)."]
+    return rows
+
+
 def tunix_versions(machine: dict) -> str:
     """Tunix's packages, where its side ran (reports from before it had one have no such entry)."""
     found = machine.get("tunix_device") or {}
@@ -313,4 +331,5 @@ def markdown(report: dict) -> str:
     parts += [f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |" for name, p in report["parts"].items()]
     rows = train_rows(report) + ([decode_row(report)] if "decode" in sections(report) else [])
     table = ["| case | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS), *rows] if rows else []
-    return "\n".join(header + table + remat_rows(report) + parts) + "\n"
+    batches = decode_batch_rows(report) if "decode" in sections(report) else []
+    return "\n".join(header + table + batches + remat_rows(report) + parts) + "\n"

@@ -42,6 +42,7 @@ class Settings:
     seed: int = 0
     remats: tuple[str, ...] = ("auto",)  # train.remat settings jaxtune's train cases run with, side by side
     sections: tuple[str, ...] = ("lora", "full", "decode")  # jaxtune's sections that run, in this order
+    decode_batches: tuple[int, ...] = ()  # jaxtune's greedy decoding again at these batches (prompts), after `prompts`
 
     @classmethod
     def make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None = None,
@@ -53,9 +54,11 @@ class Settings:
     def _make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None) -> "Settings":
         if tiny:  # inductor needs 35-45 s a shape for the tiny model on 2 CPU cores; aot_eager 4 s
             return cls(model, True, "float32", cases or ((8, 32), (8, 64)), steps=2, warmups=1, prompts=8,
-                       prompt_length=8, new_tokens=8, decode_repeats=1, matmul_n=256, compile_backend="aot_eager")
+                       prompt_length=8, new_tokens=8, decode_repeats=1, matmul_n=256, compile_backend="aot_eager",
+                       decode_batches=(16,))
         return cls(model, False, "bfloat16", cases or ((8, 512), (8, 2048), (16, 512)), steps=10, warmups=2, prompts=8,
-                   prompt_length=64, new_tokens=64, decode_repeats=3, matmul_n=8192, compile_backend="inductor")
+                   prompt_length=64, new_tokens=64, decode_repeats=3, matmul_n=8192, compile_backend="inductor",
+                   decode_batches=(32, 64))
 
     def save(self, work: Path) -> None:
         (work / "settings.json").write_text(json.dumps(dataclasses.asdict(self)))
@@ -64,7 +67,8 @@ class Settings:
     def load(cls, work: Path) -> "Settings":
         raw = json.loads((work / "settings.json").read_text())
         return cls(**{**raw, "cases": tuple(tuple(c) for c in raw["cases"]), "remats": tuple(raw.get("remats", ("auto",))),
-                      "sections": tuple(raw.get("sections", cls.sections))})
+                      "sections": tuple(raw.get("sections", cls.sections)),
+                      "decode_batches": tuple(raw.get("decode_batches", ()))})
 
 
 def case_name(rows: int, length: int) -> str:
@@ -114,10 +118,11 @@ def train_batch(settings: Settings, vocab: int, rows: int, length: int, index: i
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids.copy()}
 
 
-def prompts(settings: Settings, vocab: int) -> np.ndarray:
-    """(prompts, prompt_length) random prompt tokens, all the same length: no padding on either side."""
+def prompts(settings: Settings, vocab: int, count: int | None = None) -> np.ndarray:
+    """(count, prompt_length) random prompt tokens (`settings.prompts` of them unless given), all the same
+    length: no padding on either side. A larger count starts with the same prompts."""
     rng = np.random.default_rng([settings.seed, 1])
-    return rng.integers(3, vocab, size=(settings.prompts, settings.prompt_length), dtype=np.int32)
+    return rng.integers(3, vocab, size=(count or settings.prompts, settings.prompt_length), dtype=np.int32)
 
 
 class Results:

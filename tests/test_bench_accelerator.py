@@ -110,6 +110,12 @@ def test_decoded_tokens_match_generate(tiny):
     assert ours == theirs and decode["tokens_identical"]
     assert [len(row) for row in ours] == [settings["new_tokens"]] * settings["prompts"]
     assert decode["jaxtune"]["new_tokens_per_second"] > 0 and decode["jaxtune_vs_generate"] > 0
+    # Decoding again at each larger batch, from the same first prompts: one row per batch, the first the one above.
+    batches = decode["jaxtune_batches"]
+    assert [b["prompts"] for b in batches] == [settings["prompts"], *settings["decode_batches"]]
+    assert batches[0]["new_tokens_per_second"] == decode["jaxtune"]["new_tokens_per_second"]
+    weights = decode["jaxtune"]["weight_bytes"]
+    assert all(b["weight_bytes"] == weights > report["parameters"] * 4 * 0.99 for b in batches)  # float32 weights
 
 
 @pytest.mark.slow
