@@ -167,7 +167,7 @@ def gguf_refusal(tiny) -> str | None:
     """Why the GGUF writer refuses the offline model of `tiny` (model.tiny), from its config alone; None if it takes it."""
     from jaxtune.architectures import tiny_config
     from jaxtune.errors import ModelError
-    from jaxtune.gguf_writer import check_supported
+    from jaxtune.gguf.writer import check_supported
 
     try:
         check_supported(tiny_config(tiny.architecture, tiny, tiny.vocab_size, 0, 1, 2))

@@ -108,7 +108,7 @@ def as_trained(module, config: JaxtuneConfig, randomize_lora: bool):
     except ValueError as e:  # a ModelError names the model's linear layers
         raise DoctorError(str(e)) from None
     if config.model.base_quantization == "gguf":  # the file's own blocks, as the quantize_base stage reads them
-        from jaxtune.gguf_blocks import read_blocks
+        from jaxtune.gguf.blocks import read_blocks
 
         arrays, schemes, _ = read_blocks(config.model.name, module.config)
         load_base(module, {key: torch.from_numpy(value) for key, value in arrays.items()}, schemes)

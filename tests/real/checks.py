@@ -155,7 +155,7 @@ def check_gguf_export(export: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from jaxtune.runtime import parity
-    from jaxtune.gguf_reader import parsed_once
+    from jaxtune.gguf.reader import parsed_once
 
     def load(folder, gguf_file=None):
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()

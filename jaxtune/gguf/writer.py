@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxtune.config import GGUF_TYPES as TYPES
 from jaxtune.errors import ModelError, first_line
-from jaxtune.gguf_reader import tensor_reader
+from jaxtune.gguf.reader import tensor_reader
 
 
 

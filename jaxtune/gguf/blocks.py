@@ -53,7 +53,7 @@ def read_blocks(path: str | Path, config) -> tuple[dict[str, np.ndarray], dict[s
     left to the imported model."""
     import gguf
 
-    from jaxtune.gguf_reader import tensor_reader
+    from jaxtune.gguf.reader import tensor_reader
 
     reader = tensor_reader(path)
     field = reader.fields.get("general.architecture")
@@ -94,6 +94,6 @@ def _hf_row_order(layer: str, rows: int, config, architecture: str) -> np.ndarra
     if architecture != "llama" or not layer.endswith(("q_proj", "k_proj")):
         return order
     heads = config.num_attention_heads if layer.endswith("q_proj") else config.num_key_value_heads
-    # The writer's permutation (jaxtune.gguf_writer._rotary_rows) of HF rows: file row f holds HF row order[f].
+    # The writer's permutation (jaxtune.gguf.writer._rotary_rows) of HF rows: file row f holds HF row order[f].
     to_file = order.reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
     return np.argsort(to_file)
