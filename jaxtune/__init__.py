@@ -1,6 +1,6 @@
 """jaxtune: fine-tune Hugging Face causal LMs on JAX through torchax, as a cached Prefect pipeline."""
 
-from jaxtune.accelerators import cpu_without_accelerators
+from jaxtune.host.accelerators import cpu_without_accelerators
 
 __version__ = "0.1.0"
 

@@ -164,7 +164,7 @@ def _run(args, config) -> int:
         print(f"jaxtune: {_one_line(e)}", file=sys.stderr)
         return 1
     from jaxtune.flows.finetune import STAGE_NOTE, finetune
-    from jaxtune.temporary_server import start_guarded
+    from jaxtune.host.temporary_server import start_guarded
 
     if not args.debug:
         _console_without_tracebacks()
@@ -201,7 +201,7 @@ def _join_job(config) -> None:
     process other than 0 whose Prefect runs a temporary server (no PREFECT_API_URL) keeps its
     records in a database of its own, deleted at exit: processes on one machine would otherwise
     share, and race to migrate, the one in PREFECT_HOME; process 0's run is the job's record."""
-    from jaxtune import processes
+    from jaxtune.host import processes
 
     if not processes.join(config.mesh):
         return
@@ -275,7 +275,7 @@ def _console_without_tracebacks() -> None:
 
 
 def _launch(args) -> int:
-    from jaxtune import launch
+    from jaxtune.host import launch
 
     arguments = args.arguments[1:] if args.arguments[:1] == ["--"] else args.arguments
     if arguments and arguments[0] != "launch":

@@ -37,7 +37,8 @@ from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Crashed, State
 
-from jaxtune import processes, ui
+from jaxtune import ui
+from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.config import OFFLINE, JaxtuneConfig, MeshConfig, load_config, names_recipe

@@ -2,7 +2,7 @@
 and the few ways processes agree. Every process runs the same flow; process 0 alone writes the
 store and Prefect artifacts, and the others wait for it at a barrier, then read what it wrote.
 
-The job itself is `jaxtune.processes`' (it must be joined before this package is imported, and
+The job itself is `jaxtune.host.processes`' (it must be joined before this package is imported, and
 stages that never import the runtime use it too); these are its entry points for the runtime.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxtune import processes
+from jaxtune.host import processes
 from jaxtune.config import MeshConfig
 
 
@@ -19,13 +19,13 @@ def initialize(cfg: MeshConfig) -> None:
 
     Must come before anything touches a device: JAX fixes its device list on first use, and
     importing this package may already have (its torchax set-up makes a JAX array). So a process
-    joins through `jaxtune.processes.join` before importing the runtime (`jaxtune run` and the
+    joins through `jaxtune.host.processes.join` before importing the runtime (`jaxtune run` and the
     finetune flow do), and this is a no-op for callers such as `make_placement`."""
     try:
         processes.join(cfg)
     except RuntimeError as error:
         if not jax.distributed.is_initialized():
-            error.add_note("join a multi-process job with jaxtune.processes.join(mesh config) before importing "
+            error.add_note("join a multi-process job with jaxtune.host.processes.join(mesh config) before importing "
                            "jaxtune.runtime, whose torchax set-up starts JAX's backend")
         raise
 

@@ -29,7 +29,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from jaxtune.environment import temporary_environment
+from jaxtune.host.environment import temporary_environment
 from jaxtune.errors import TargetError
 
 GiB = 2**30

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxtune import processes, stopping
+from jaxtune.host import processes, stopping
 from jaxtune.config import TrainConfig
 from jaxtune.errors import NonFiniteLoss, TrainingGaveUp
 from jaxtune.runtime import attention, checkpoint, fit, memory, steps

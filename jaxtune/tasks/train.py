@@ -11,7 +11,8 @@ import yaml
 
 from prefect import get_run_logger, task
 
-from jaxtune import processes, ui
+from jaxtune import ui
+from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, Section, TrackingConfig, TrainConfig,
                             without_credentials)

@@ -11,7 +11,7 @@ the checkpoint is written goes to those handlers at once: two Ctrl-Cs stop witho
 In a multi-process job every process must stop at the same step, or the others would wait in the
 step's collectives for one that is gone. A notice may reach one host only, or each at a different
 step, so every step the processes agree through the job's coordination service whether any of
-them was signalled (`jaxtune.processes.any_of`); that costs two small requests to the coordinator
+them was signalled (`jaxtune.host.processes.any_of`); that costs two small requests to the coordinator
 per step and no device work. JAX's own preemption notifier cannot be used: it listens for SIGTERM
 through a C handler that Prefect's flow engine replaces with its own.
 """
@@ -23,7 +23,7 @@ import signal
 import time
 from collections.abc import Iterator
 
-from jaxtune import processes
+from jaxtune.host import processes
 from jaxtune.errors import TrainingStopped
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

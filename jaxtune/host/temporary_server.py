@@ -9,7 +9,7 @@ POLL_SECONDS, and once the parent is gone it terminates the server, then exits; 
 when the server stops first, as at a normal exit. Linux's parent-death signal would need the
 server's own start, which is Prefect's.
 
-`python -m jaxtune.temporary_server PARENT SERVER` runs the guard.
+`python -m jaxtune.host.temporary_server PARENT SERVER` runs the guard.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
         --worker={process_id} --command {command}' -- run configs/my-recipe.yaml
 
 Every process runs the same jaxtune command with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-JAX_PROCESS_ID set, which `jaxtune.processes.settings` reads (so the flow joins the job through
+JAX_PROCESS_ID set, which `jaxtune.host.processes.settings` reads (so the flow joins the job through
 `jax.distributed.initialize`). Locally (the default) they are child processes of this one; with
 `--host-command` each is started by a shell command built from a template holding
 `{process_id}` and `{command}`, the latter the shell-quoted jaxtune command with its environment
