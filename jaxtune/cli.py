@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, config) -> int:
     """`jaxtune run` once its config is loaded (and its job joined)."""
-    from jaxtune import preflight
+    from jaxtune.checks import preflight
     from jaxtune.config import OFFLINE
     from jaxtune.errors import ConfigError, TrainingStopped, chain
 
@@ -296,7 +296,7 @@ def _serve(args) -> int:
 
 
 def _doctor(args, config) -> int:
-    from jaxtune.doctor import diagnose, render
+    from jaxtune.checks.doctor import diagnose, render
     from jaxtune.errors import DoctorError, ModelError, TargetError
 
     if args.target == "":  # --target with no name: the one the config is written for
@@ -312,7 +312,7 @@ def _doctor(args, config) -> int:
         _compile_cache(config.store.root)
     try:
         if args.target:
-            from jaxtune.target_plan import plan_for_target
+            from jaxtune.checks.target_plan import plan_for_target
 
             name, base_revision = _planned_model(args.model)
             diagnosis = plan_for_target(name, config, args.target, revision=args.revision or base_revision)

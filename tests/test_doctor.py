@@ -92,7 +92,7 @@ def test_doctor_on_a_gguf_file_checks_the_folder_the_import_gguf_stage_builds(tm
 
     import torch
 
-    from jaxtune import doctor
+    from jaxtune.checks import doctor
     from jaxtune.cli import _model_folder
     from jaxtune.config import load_config
     from jaxtune.flows.finetune import pipeline
@@ -159,7 +159,7 @@ def test_doctor_on_a_lora_adapter_checks_the_model_merged_as_a_run_from_it_start
     from safetensors.numpy import load_file
 
     from jaxtune.config import config_from_dict, load_config
-    from jaxtune.doctor import as_trained
+    from jaxtune.checks.doctor import as_trained
     from jaxtune.flows.finetune import pipeline
     from jaxtune.runtime.model import load_torch_model
     from jaxtune.tasks.stage import input_keys, stage_key

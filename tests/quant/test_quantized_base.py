@@ -186,7 +186,7 @@ def test_codes_and_scales_are_split_over_the_mesh_as_the_weight_they_stand_for(l
 @pytest.mark.parametrize("scheme, ratio", [("none", 1.0), ("int8", (1 + 2 / 64) / 2), ("int4", (0.5 + 2 / 64) / 2)])
 def test_the_memory_plan_counts_the_base_layers_as_held(scheme, ratio):
     """A bfloat16 base: 2 bytes a weight, against 1 (int8) or 1/2 (int4) plus a 2-byte scale per 64."""
-    from jaxtune.doctor import base_text
+    from jaxtune.checks.doctor import base_text
     from jaxtune.runtime.memory import base_bytes
 
     module = lora_model("llama").to(torch.bfloat16)

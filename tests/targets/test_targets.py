@@ -71,10 +71,10 @@ def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, mon
 
 
 def _placed_model(folder, settings, target_name):
-    from jaxtune.doctor import as_trained
+    from jaxtune.checks.doctor import as_trained
     from jaxtune.runtime.mesh import make_placement
     from jaxtune.runtime.model import to_jax
-    from jaxtune.target_plan import meta_model
+    from jaxtune.checks.target_plan import meta_model
 
     config = load_config(None, settings)
     placement = make_placement(config.mesh, targets.devices(targets.resolve(target_name)))
@@ -236,8 +236,8 @@ def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figur
     assert named and "train.optimizer=adafactor" in advice, advice
     # The slice it names, on the mesh it names, plans the same train step within the chip's HBM.
     from jaxtune.config import config_from_dict
-    from jaxtune.doctor import render
-    from jaxtune.target_plan import plan_for_target
+    from jaxtune.checks.doctor import render
+    from jaxtune.checks.target_plan import plan_for_target
 
     settings = ["train.method=full", "train.batch_size=1", "data.max_length=16", *named[3].split(", ")]
     again = plan_for_target(str(tmp_path), config_from_dict({}, settings), named[1], train_only=True)  # as the doctor reads --set
@@ -264,7 +264,7 @@ def test_a_gguf_files_header_gives_the_meta_model_without_reading_its_tensors(tm
     """SmolLM2-135M's GGUF file (pip-installed): the architecture and every shape from its header,
     on the meta device, so planning a quantized checkpoint dequantizes nothing."""
     from jaxtune.offline.checkpoints import place_smollm2
-    from jaxtune.target_plan import meta_model
+    from jaxtune.checks.target_plan import meta_model
 
     module = meta_model(str(place_smollm2(tmp_path)), None, False, "bfloat16")
     config = module.config

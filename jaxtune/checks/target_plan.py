@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxtune.config import JaxtuneConfig
-from jaxtune.doctor import (DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, fit_row, part_rows,
+from jaxtune.checks.doctor import (DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, fit_row, part_rows,
                             size_text)
 from jaxtune.errors import DoctorError
 

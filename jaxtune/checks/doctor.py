@@ -40,7 +40,7 @@ class Diagnosis:
     model: str
     summary: str
     rows: list[Row] = field(default_factory=list)
-    plan_only: bool = False  # a target's memory plan, no parity checked (`jaxtune.target_plan`)
+    plan_only: bool = False  # a target's memory plan, no parity checked (`jaxtune.checks.target_plan`)
 
     @property
     def ok(self) -> bool:
