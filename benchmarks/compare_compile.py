@@ -48,7 +48,7 @@ def bench_warm_vs_cold_compile(ctx: Context) -> dict:
                              "warm_hits": sum(p["warm_hit"] for p in pairs), "pairs": pairs}
         log(f"warm_vs_cold_compile ({variant}): cold {cold:.2f} s, warm {warm:.2f} s, "
             f"{variants[variant]['warm_hits']}/{len(pairs)} warm children hit the cache")
-    # The `jaxtune` command runs under PYTHONHASHSEED=0 (jaxtune.cli.entry): that is the headline.
+    # The `jaxtune` command runs under PYTHONHASHSEED=0 (jaxtune.cli.main.entry): that is the headline.
     fixed, main = variants["default"], variants["PYTHONHASHSEED=0"]
     first = main["pairs"][0]["cold"]
     return {key: entry(main["ratio"], main["warm_seconds"], main["cold_seconds"], "s to first result",

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.chat import Conversation, Session, chat, open_session, prompt_ids, read_prompts, reply
-from jaxtune.cli import main
+from jaxtune.cli.chat import Conversation, Session, chat, open_session, prompt_ids, read_prompts, reply
+from jaxtune.cli.main import main
 from jaxtune.config import MeshConfig
 from jaxtune.runtime.mesh import make_placement
 from jaxtune.runtime.model import to_jax
@@ -262,7 +262,7 @@ def test_every_source_of_the_trained_weights_gives_the_same_answer(toy_store, tm
     """report, export, train and the merged weights as a base folder or an hf_model export: the
     same template, the same logits (to parity's 1e-4) and the same 16 greedy tokens; the
     untrained base model gives others."""
-    from jaxtune.model_source import open_source
+    from jaxtune.cli.model_source import open_source
 
     merged, merged_export = merged_copies(toy_store, tmp_path / "merged")
     sources = {stage: artifact(toy_store, stage) for stage in ("report", "export", "train")}

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxtune.cli import main
+from jaxtune.cli.main import main
 from jaxtune.config import ARCHITECTURES
 from tests.conftest import tiny_model
 
@@ -93,7 +93,7 @@ def test_doctor_on_a_gguf_file_checks_the_folder_the_import_gguf_stage_builds(tm
     import torch
 
     from jaxtune.checks import doctor
-    from jaxtune.cli import _model_folder
+    from jaxtune.cli.main import _model_folder
     from jaxtune.config import load_config
     from jaxtune.flows.finetune import pipeline
     from jaxtune.runtime.model import load_torch_model

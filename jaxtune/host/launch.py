@@ -107,7 +107,7 @@ def plan(count: int, arguments: Sequence[str], coordinator: str | None = None, h
     for index in range(count):
         variables = job_env(index, count, coordinator, cpu_devices, base_env)
         if host_command is None:
-            # PYTHONHASHSEED=0 as `jaxtune` itself sets it (see jaxtune.cli.entry), without its re-exec.
+            # PYTHONHASHSEED=0 as `jaxtune` itself sets it (see jaxtune.cli.main.entry), without its re-exec.
             env = {**base_env, **variables, "PYTHONHASHSEED": "0"}
             argv = [python, "-m", "jaxtune.cli", *arguments]
             shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items()) + " " + shlex.join(["jaxtune", *arguments])

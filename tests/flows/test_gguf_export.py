@@ -50,7 +50,7 @@ def test_a_lora_run_writes_each_gguf_type_that_reads_back_as_its_merged_model(ll
     import torch
     from transformers import AutoTokenizer
 
-    from jaxtune.chat import open_session, prompt_ids
+    from jaxtune.cli.chat import open_session, prompt_ids
     from jaxtune.runtime.parity import torch_greedy
 
     store = tmp_path / "store"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from jaxtune.host import launch
-from jaxtune.cli import main
+from jaxtune.cli.main import main
 
 pytestmark = pytest.mark.mesh
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxtune import cli
+from jaxtune.cli import main as cli
 from jaxtune.config import load_config
 from jaxtune.runtime import targets
 

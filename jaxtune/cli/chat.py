@@ -40,7 +40,7 @@ def open_session(source: str, store_root: str, max_new_tokens: int, seed: int, t
     """Open `source` (see `model_source.open_source`) with a decoder that stops at the end of a turn."""
     from jaxtune.data.templates import stop_ids
     from jaxtune.data.tokenize import pad_id_of
-    from jaxtune.model_source import open_source
+    from jaxtune.cli.model_source import open_source
     from jaxtune.runtime.sampling import Sampling
     from jaxtune.runtime.stream import StreamDecoder
 

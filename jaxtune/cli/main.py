@@ -326,7 +326,7 @@ def _doctor(args, config) -> int:
 
 
 def _decode(args) -> int:
-    from jaxtune import chat
+    from jaxtune.cli import chat
 
     chat.quiet_loading()
     _compile_cache(args.store)
