@@ -60,7 +60,7 @@ def demo_torch_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import load_config
 
     shape = load_config().model.tiny

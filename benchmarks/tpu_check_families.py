@@ -1,4 +1,4 @@
-"""The TPU check's second part: every model family's tiny random model (`jaxtune.architectures`, at the
+"""The TPU check's second part: every model family's tiny random model (`jaxtune.offline.architectures`, at the
 offline default's shape) takes a few LoRA steps on the default device in bfloat16, and its step-0 loss
 is compared with PyTorch eager in float32 on the CPU, for the same weights and the same batch.
 
@@ -47,7 +47,7 @@ def tiny_lora_module(family: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.runtime.model import attach_lora
 
     shape = TinyModelConfig(architecture=family)

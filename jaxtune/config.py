@@ -109,7 +109,7 @@ class DataConfig(Section):
         return (SourceConfig(**{key: getattr(self, key) for key in _SOURCE_KEYS}),)
 
 
-# Families of `jaxtune.architectures`, written out here so reading a config needs no transformers import.
+# Families of `jaxtune.offline.architectures`, written out here so reading a config needs no transformers import.
 ARCHITECTURES = ("gemma3", "gemma2", "llama", "qwen3", "mistral", "phi3", "gpt2")
 
 

@@ -34,7 +34,7 @@ def tiny_llama():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
 
     shape = TinyModelConfig(architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
