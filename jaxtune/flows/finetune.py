@@ -37,7 +37,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Crashed, State
 
-from jaxtune import ui
+from jaxtune.tracking import ui
 from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks

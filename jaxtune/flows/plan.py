@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed
 
-from jaxtune import ui
+from jaxtune.tracking import ui
 from jaxtune.config import OFFLINE
 from jaxtune.errors import ConfigError
 from jaxtune.flows.finetune import load_recipe

@@ -11,7 +11,7 @@ import yaml
 
 from prefect import get_run_logger, task
 
-from jaxtune import ui
+from jaxtune.tracking import ui
 from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, Section, TrackingConfig, TrainConfig,
