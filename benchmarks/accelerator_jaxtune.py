@@ -25,7 +25,7 @@ def open_benchmark_model(settings: Settings, folder: Path, method: str | None):
     the other side runs on one too."""
     import jax
 
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import open_model
 
     cfg = recipe(settings, method or "lora")
@@ -43,7 +43,8 @@ def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
     """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
     import os
 
-    from jaxtune.runtime import compile_cache, flops
+    from jaxtune.runtime import flops
+    from jaxtune.runtime.devices import compile_cache
 
     results = Results(work, "jaxtune")
     cache = os.environ.get(compile_cache.SHARED_FOLDER_VARIABLE)  # as `jaxtune run` keeps one, when given

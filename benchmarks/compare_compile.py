@@ -66,17 +66,17 @@ def child_compile(cache_dir: str) -> None:
     import jax
 
     try:
-        from jaxtune.runtime import compile_cache
+        from jaxtune.runtime.devices import compile_cache
 
         compile_cache.enable(cache_dir)
-        how = "jaxtune.runtime.compile_cache.enable"
+        how = "jaxtune.runtime.devices.compile_cache.enable"
     except ImportError:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         how = "jax.config (jax_compilation_cache_dir, min compile time 0, min entry size -1)"
     from jaxtune.config import MeshConfig, load_config
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import attach_lora, to_jax
 
     cfg = load_config()

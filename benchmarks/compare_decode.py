@@ -66,7 +66,7 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
 
     from jaxtune.config import MeshConfig
     from jaxtune.runtime import decode
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import load_torch_model, to_jax
     from jaxtune.runtime.stream import StreamDecoder
 
@@ -161,7 +161,7 @@ def bench_decode_vs_recipe(ctx: Context) -> dict:
     from jaxtune.config import MeshConfig
     from jaxtune.runtime.compat import torchax_env
     from jaxtune.runtime.decode import _cache_argument
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import load_torch_model, to_jax
     from jaxtune.runtime.stream import StreamDecoder
 

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from jaxtune.config import MeshConfig, ModelConfig
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.model import load_torch_model, to_jax
 from jaxtune.runtime.parity import torch_greedy
 from jaxtune.runtime.stream import StreamDecoder

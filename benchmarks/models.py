@@ -94,7 +94,7 @@ def jaxtune_model(folder: str, dtype: str = "float32", lora=None, before_jax=Non
     """What jaxtune trains: `load_torch_model` (eager attention), LoRA attached, `before_jax(module)`
     applied (a quantized base), tensors moved to JAX."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import attach_lora, load_torch_model, to_jax
 
     module = load_torch_model(folder, None, False, dtype)

@@ -33,8 +33,9 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxtune.config import load_config
-    from jaxtune.runtime import attention, memory, steps, targets
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime import attention, memory, steps
+    from jaxtune.runtime.devices import targets
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import attach_lora, to_jax
 
     parser = argparse.ArgumentParser()

@@ -117,7 +117,7 @@ def run_directly(config) -> dict[str, float]:
     steps = finetune.pipeline(config)
     root = Path(config.store.root).resolve()
     if config.store.compile_cache:  # as the flow does
-        from jaxtune.runtime import compile_cache
+        from jaxtune.runtime.devices import compile_cache
 
         compile_cache.enable(compile_cache.folder_of(root))
     done, seconds = {}, {}
@@ -257,7 +257,7 @@ def train_attention(summary: dict, head_dim: int) -> str:
     if not summary.get("fused_attention"):
         return "transformers eager (no fused attention for this model)"
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
 
     return families.attention_core(make_placement(MeshConfig()).mesh, summary["batch_shape"][-1], head_dim)
 

@@ -96,7 +96,7 @@ def prepared(family: str):
 
     from jaxtune.runtime import model as rt_model
     from jaxtune.runtime.batches import pad_batch
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
 
     module = tiny_lora_module(family)
     bf16 = copy.deepcopy(module).to(torch.bfloat16)

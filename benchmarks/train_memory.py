@@ -82,7 +82,7 @@ def child(data: Path, model_folder: Path, steps: int) -> None:
     from jaxtune.data.token_table import TokenTable
     from jaxtune.runtime import model as rt_model
     from jaxtune.runtime import training
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
 
     config = load_config(None, [f"train.max_steps={steps}", "train.eval_every=null", "train.log_every=5",
                                 "train.warmup_steps=1"])

@@ -80,7 +80,7 @@ def shared_compile_cache(tmp_path_factory, worker_id):
     """One XLA compilation cache for the whole session, every xdist worker and every process the
     tests start: the toy model's programs compile once instead of once per test store.
     test_reproducible opts out, to compile in each fresh process."""
-    from jaxtune.runtime.compile_cache import SHARED_FOLDER_VARIABLE
+    from jaxtune.runtime.devices.compile_cache import SHARED_FOLDER_VARIABLE
 
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if worker_id != "master" else base) / "xla-cache"

@@ -26,7 +26,7 @@ import pytest
 from jaxtune.cli.chat import Conversation, Session, chat, open_session, prompt_ids, read_prompts, reply
 from jaxtune.cli.main import main
 from jaxtune.config import MeshConfig
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.model import to_jax
 from jaxtune.runtime.parity import jax_logits, torch_greedy
 from jaxtune.runtime.sampling import Sampling, next_token

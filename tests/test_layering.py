@@ -49,7 +49,7 @@ def test_the_graph_reads_relative_and_function_level_imports():
     graph = import_graph()
     assert "jaxtune.artifacts.store" in graph["jaxtune.artifacts"]  # `from .store import ...`
     assert "jaxtune.data.loading" in graph["jaxtune.data.tokenize"]  # `from jaxtune.data import loading`
-    assert "jaxtune.runtime.compile_cache" in graph["jaxtune.flows.finetune"]  # imported inside a function
+    assert "jaxtune.runtime.devices.compile_cache" in graph["jaxtune.flows.finetune"]  # imported inside a function
 
 
 @pytest.mark.parametrize("low", LOW)

@@ -347,7 +347,7 @@ def _decode(args) -> int:
 
 
 def _compile_cache(store_root: str) -> None:
-    from jaxtune.runtime import compile_cache
+    from jaxtune.runtime.devices import compile_cache
 
     compile_cache.enable(compile_cache.folder_of(store_root))
 

@@ -168,7 +168,7 @@ def _open_base(name: str, revision: str | None, description: str) -> Opened:
 
 
 def _to_jax(module) -> Any:
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import to_jax
 
     return to_jax(module, make_placement(MeshConfig()))

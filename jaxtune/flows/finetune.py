@@ -303,13 +303,13 @@ def finetune(
     elif recipe != OFFLINE or overrides:
         raise ValueError("give either config, or recipe and overrides, not both")
     # A multi-process job: join it before anything starts JAX (`jaxtune run` has joined already).
-    # Not through jaxtune.runtime.distributed: importing the runtime starts JAX's backend.
+    # Not through jaxtune.runtime.devices.distributed: importing the runtime starts JAX's backend.
     processes.join(config.mesh)
     named = config  # run names keep the recipe's model.name
     config = _after_earlier_run(config)
     run = StageRunner(Path(config.store.root).resolve(), set(refresh), named)
     if config.store.compile_cache:
-        from jaxtune.runtime import compile_cache
+        from jaxtune.runtime.devices import compile_cache
 
         compile_cache.enable(compile_cache.folder_of(run.store.root))
     done: dict[str, ArtifactRef] = {}

@@ -86,7 +86,7 @@ def refusal(length: int, head: int, dropout: float) -> str | None:
 def attention(query, key, value, segment_ids, *, scale: float, window: int | None, softcap: float | None,
               mesh=None, interpret: bool = False):
     """q (b, t, n, h), k/v (b, t, kv, h), segment ids (b, t) -> (b, t, n, h), as `attention._core` computes it."""
-    from jaxtune.runtime.mesh import per_device
+    from jaxtune.runtime.devices.mesh import per_device
 
     settings = _Settings(float(scale), window, None if softcap is None else float(softcap), interpret)
     return per_device(lambda q, k, v, s: _flash(q, k, v, s, settings), mesh, query, key, value, segment_ids)

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from jaxtune.runtime import attention, decode, preference, steps
 from jaxtune.runtime.batches import bucket_length, pad_batch, row_lengths
-from jaxtune.runtime.mesh import fetch
+from jaxtune.runtime.devices.mesh import fetch
 from jaxtune.runtime.model import JaxModel
 from jaxtune.runtime.preference import Objective
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from jaxtune.config import LoraConfig, ModelConfig
 from jaxtune.errors import ModelError
 from jaxtune.runtime.compat import torchax_env
-from jaxtune.runtime.mesh import Placement, place
+from jaxtune.runtime.devices.mesh import Placement, place
 from jaxtune.runtime.quantize import SCHEMES, load_base, quantize_base
 
 
@@ -131,7 +131,7 @@ def linear_layer_names(module: torch.nn.Module) -> list[str]:
 def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None,
            shapes_only: bool = False) -> JaxModel:
     """Split trainable from frozen tensors and place both on the mesh, each split as its name
-    says (`jaxtune.runtime.sharding`); `trained` overrides weights.
+    says (`jaxtune.runtime.devices.sharding`); `trained` overrides weights.
 
     Frozen tensors keep the module's dtype; trainable ones become float32 master weights. With
     `shapes_only` the tensors are `jax.ShapeDtypeStruct`s (a module on the meta device will do):

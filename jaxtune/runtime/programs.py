@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from jaxtune.runtime import attention
-from jaxtune.runtime.mesh import lowering
+from jaxtune.runtime.devices.mesh import lowering
 
 MAX_KEPT = 32
 

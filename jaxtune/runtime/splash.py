@@ -39,7 +39,7 @@ def refusal(length: int, head: int, dropout: float) -> str | None:
 def attention(query, key, value, segment_ids, *, scale: float, window: int | None, softcap: float | None,
               mesh=None, interpret: bool = False):
     """q (b, t, n, h), k/v (b, t, kv, h), segment ids (b, t) -> (b, t, n, h), as `attention._core` computes it."""
-    from jaxtune.runtime.mesh import per_device
+    from jaxtune.runtime.devices.mesh import per_device
 
     local = functools.partial(_local, scale=scale, window=window, softcap=softcap, interpret=interpret)
     return per_device(local, mesh, query, key, value, segment_ids)

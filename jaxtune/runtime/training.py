@@ -24,7 +24,7 @@ from jaxtune.errors import NonFiniteLoss, TrainingGaveUp
 from jaxtune.runtime import attention, checkpoint, fit, memory, steps
 from jaxtune.runtime.batches import row_lengths, stack_micro_batches
 from jaxtune.runtime.feed import Feed, make_feed
-from jaxtune.runtime.mesh import fetch
+from jaxtune.runtime.devices.mesh import fetch
 from jaxtune.runtime.model import JaxModel
 from jaxtune.runtime.preference import SFT, Objective
 

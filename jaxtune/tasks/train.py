@@ -53,7 +53,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         from jaxtune.runtime import model as rt_model
         from jaxtune.runtime import training
         from jaxtune.runtime.checkpoint import tree_to_arrays
-        from jaxtune.runtime.mesh import make_placement
+        from jaxtune.runtime.devices.mesh import make_placement
         from jaxtune.runtime.preference import objective_of
         from jaxtune.tasks.reference import read_reference
         from jaxtune.tasks.trained import held_base

@@ -87,7 +87,7 @@ class Recorder:
 
     def __init__(self):
         from jaxtune.runtime import steps
-        from jaxtune.runtime.mesh import Placement
+        from jaxtune.runtime.devices.mesh import Placement
 
         self.batches, self.xla, self.moments = {}, None, []
         for method, kind in self.KINDS.items():
@@ -143,7 +143,7 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
     from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
     from jaxtune.runtime import inference, memory, steps, training
     from jaxtune.runtime import model as rt_model
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
 
     data, fsdp, tensor = sizes
     placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
@@ -234,7 +234,7 @@ def overridden(sizes: tuple[int, int, int]) -> dict:
     {weight: its jax.Array's spec and per-device shape}."""
     from jaxtune.config import MeshConfig
     from jaxtune.runtime import model as rt_model
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
 
     data, fsdp, tensor = sizes
     placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor, shardings=OVERRIDES))

@@ -17,7 +17,7 @@ import torch
 from jaxtune.config import ARCHITECTURES, LoraConfig, MeshConfig
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime import inference, parity, steps
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity

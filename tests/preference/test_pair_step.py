@@ -13,7 +13,7 @@ from jaxtune.runtime import model as rt_model
 from jaxtune.runtime import preference, steps
 from jaxtune.runtime.feed import make_feed
 from jaxtune.runtime.inference import pair_summary, row_nll
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.preference

@@ -12,7 +12,7 @@ from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
 from jaxtune.runtime import checkpoint, preference, steps, training
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime.inference import row_nll
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, tiny_model
 from tests.preference.test_pair_step import pair_rows
 from tests.training.test_loop import Killed, nan_loss_at, stops_after

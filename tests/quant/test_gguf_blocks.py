@@ -12,7 +12,7 @@ import torch
 from jaxtune.gguf import blocks as gguf_blocks
 from jaxtune.config import MeshConfig
 from jaxtune.runtime import parity, quantize
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.model import to_jax
 
 pytestmark = pytest.mark.quant

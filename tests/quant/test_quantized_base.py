@@ -14,7 +14,7 @@ import torch
 from jaxtune.config import LoraConfig, MeshConfig
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime import parity, quantize
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.quant
@@ -173,7 +173,7 @@ def test_a_full_fine_tune_over_a_quantized_base_is_refused():
 def test_codes_and_scales_are_split_over_the_mesh_as_the_weight_they_stand_for(layer):
     from jax.sharding import PartitionSpec
 
-    from jaxtune.runtime.sharding import rule_spec
+    from jaxtune.runtime.devices.sharding import rule_spec
 
     sizes = {"data": 1, "fsdp": 2, "tensor": 2}
     prefix = f"base_model.model.model.layers.0.{'self_attn' if layer == 'q_proj' else 'mlp'}.{layer}.base_layer"
@@ -232,7 +232,8 @@ def test_on_a_tpu_the_int4_step_peaks_below_the_bfloat16_one():
     XLA dequantized every layer's weights ahead of time: 348.1 MiB of temporaries, a higher peak
     than the bfloat16 base's."""
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime import steps, targets
+    from jaxtune.runtime import steps
+    from jaxtune.runtime.devices import targets
 
     devices = targets.devices(targets.resolve("v5e-1"))
     plans = {}

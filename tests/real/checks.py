@@ -82,7 +82,7 @@ def lora_model(checkpoint: Checkpoint):
     """The float32 model with random-B LoRA on every linear layer, on JAX (`doctor`'s set-up)."""
     from jaxtune.config import load_config
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import load_torch_model, to_jax
 
     config = load_config(None, [f"model.name={checkpoint.folder}", "lora.target_modules=all-linear"])

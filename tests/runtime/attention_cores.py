@@ -10,7 +10,7 @@ import numpy as np
 def tiny_gemma_and_batch():
     """(model, batch, labels): two rows of 128 tokens, the second padded from token 90."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import to_jax
     from tests.conftest import tiny_model
 

@@ -16,7 +16,7 @@ from jaxtune.data.tokenize import IGNORE_INDEX
 from jaxtune.runtime import attention, packing, steps
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime.forward import forward_token_nll
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity

@@ -11,7 +11,7 @@ import pytest
 from jaxtune.config import MeshConfig
 from jaxtune.runtime import attention, steps
 from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity

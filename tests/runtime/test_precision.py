@@ -7,7 +7,7 @@ import torch
 
 from jaxtune.config import LoraConfig, MeshConfig, ModelConfig
 from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import tiny_model
 
 

@@ -15,7 +15,7 @@ import pytest
 from jaxtune.config import LoraConfig, MeshConfig
 from jaxtune.runtime import attention, programs, steps
 from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import VOCAB, tiny_model
 
 

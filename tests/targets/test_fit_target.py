@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 
-from jaxtune.runtime import fit, memory, steps, targets
+from jaxtune.runtime import fit, memory, steps
+from jaxtune.runtime.devices import targets
 
 pytestmark = pytest.mark.target
 
@@ -25,7 +26,7 @@ def planned(tiny_folder):
     for every policy, and layer at 2 rows a micro-batch (2 micro-batches)."""
     from jaxtune.config import config_from_dict
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import to_jax
     from jaxtune.checks.target_plan import meta_model
 

@@ -32,7 +32,7 @@ def checkpoint_of(tmp_path_factory):
 
 
 def test_every_recipe_names_a_known_chip_and_a_checkpoint_of_known_shape(checkpoint_of):
-    from jaxtune.runtime import targets
+    from jaxtune.runtime.devices import targets
     from jaxtune.checks.target_plan import meta_model
 
     for recipe in RECIPES:
@@ -49,7 +49,7 @@ def test_every_recipe_names_a_known_chip_and_a_checkpoint_of_known_shape(checkpo
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.stem)
 def test_the_recipe_fits_its_chip(recipe, checkpoint_of):
     from jaxtune.checks.doctor import MEMORY_CHECK, render
-    from jaxtune.runtime import targets
+    from jaxtune.runtime.devices import targets
     from jaxtune.checks.target_plan import plan_for_target
 
     config = load_config(recipe)

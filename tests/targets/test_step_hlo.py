@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxtune.config import load_config
-from jaxtune.runtime import targets
+from jaxtune.runtime.devices import targets
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import step_hlo  # noqa: E402
@@ -36,7 +36,7 @@ def _breakdown(folder, target: str) -> tuple[dict, object]:
     from jaxtune.checks.doctor import as_trained
     from jaxtune.runtime import steps
     from jaxtune.runtime.flops import train_flops_per_token
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import to_jax
     from jaxtune.checks.target_plan import meta_model
 

@@ -12,7 +12,7 @@ import pytest
 
 from jaxtune.cli import main as cli
 from jaxtune.config import load_config
-from jaxtune.runtime import targets
+from jaxtune.runtime.devices import targets
 
 pytestmark = pytest.mark.target
 
@@ -72,7 +72,7 @@ def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, mon
 
 def _placed_model(folder, settings, target_name):
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.model import to_jax
     from jaxtune.checks.target_plan import meta_model
 

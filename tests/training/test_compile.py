@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import compile_cache, programs, steps, training
+from jaxtune.runtime import programs, steps, training
+from jaxtune.runtime.devices import compile_cache
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime.feed import make_feed
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.training

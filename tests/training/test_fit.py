@@ -15,7 +15,7 @@ import pytest
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.runtime import fit, loss, memory, steps, training
 from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 from tests.mesh.bounds import RHO
 

@@ -10,7 +10,7 @@ from jaxtune.errors import ConfigError
 from jaxtune.runtime import model as rt_model
 from jaxtune.runtime import steps
 from jaxtune.runtime.feed import make_feed
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.training import total_steps
 from tests.conftest import PAD, VOCAB, tiny_model
 

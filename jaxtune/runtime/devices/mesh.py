@@ -1,6 +1,6 @@
 """The device mesh (data, fsdp, tensor) and where every array goes on it.
 
-The batch is split over data × fsdp; each parameter as `jaxtune.runtime.sharding` says.
+The batch is split over data × fsdp; each parameter as `jaxtune.runtime.devices.sharding` says.
 Arrays are placed with `make_array_from_callback`, which asks each process only for the
 slices its own devices hold: the same code places a batch or a weight on one device, on
 eight, or on the devices of several hosts, where each process feeds its own slice.
@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxtune.config import MESH_AXES, MeshConfig
-from jaxtune.runtime.sharding import spec_for
+from jaxtune.runtime.devices.sharding import spec_for
 
 BATCH_AXES = ("data", "fsdp")  # the axes a batch's rows are split over
 
@@ -113,9 +113,9 @@ def fetch(tree):
 
 def make_placement(cfg: MeshConfig, devices: Sequence | None = None) -> Placement:
     """The mesh `cfg` asks for, on this job's devices (every host's, after jax.distributed starts),
-    or on `devices` (a target's compile-only ones: `jaxtune.runtime.targets`)."""
+    or on `devices` (a target's compile-only ones: `jaxtune.runtime.devices.targets`)."""
     if devices is None:
-        from jaxtune.runtime.distributed import initialize
+        from jaxtune.runtime.devices.distributed import initialize
 
         initialize(cfg)
         devices = jax.devices()
