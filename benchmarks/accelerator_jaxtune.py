@@ -26,7 +26,7 @@ def open_benchmark_model(settings: Settings, folder: Path, method: str | None):
     import jax
 
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import open_model
+    from jaxtune.runtime.modeling.model import open_model
 
     cfg = recipe(settings, method or "lora")
     placement = make_placement(cfg.mesh, devices=jax.devices()[:1])

@@ -77,7 +77,7 @@ def child_compile(cache_dir: str) -> None:
         how = "jax.config (jax_compilation_cache_dir, min compile time 0, min entry size -1)"
     from jaxtune.config import MeshConfig, load_config
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import attach_lora, to_jax
+    from jaxtune.runtime.modeling.model import attach_lora, to_jax
 
     cfg = load_config()
     model = to_jax(attach_lora(demo_torch_model(), cfg.lora), make_placement(MeshConfig()))

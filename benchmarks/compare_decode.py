@@ -67,7 +67,7 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
     from jaxtune.config import MeshConfig
     from jaxtune.runtime import decode
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import load_torch_model, to_jax
+    from jaxtune.runtime.modeling.model import load_torch_model, to_jax
     from jaxtune.runtime.stream import StreamDecoder
 
     n, pad = ctx.decode_tokens, pad_id_of(folder)
@@ -162,7 +162,7 @@ def bench_decode_vs_recipe(ctx: Context) -> dict:
     from jaxtune.runtime.compat import torchax_env
     from jaxtune.runtime.decode import _cache_argument
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import load_torch_model, to_jax
+    from jaxtune.runtime.modeling.model import load_torch_model, to_jax
     from jaxtune.runtime.stream import StreamDecoder
 
     pad = pad_id_of(folder)

@@ -48,7 +48,7 @@ def tiny_lora_module(family: str):
     from transformers import AutoModelForCausalLM
 
     from jaxtune.offline.architectures import tiny_config
-    from jaxtune.runtime.model import attach_lora
+    from jaxtune.runtime.modeling.model import attach_lora
 
     shape = TinyModelConfig(architecture=family)
     torch.manual_seed(shape.seed)
@@ -94,7 +94,7 @@ def prepared(family: str):
     rows, the padded batch with its labels) for `family`."""
     import torch
 
-    from jaxtune.runtime import model as rt_model
+    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.batches import pad_batch
     from jaxtune.runtime.devices.mesh import make_placement
 
@@ -135,7 +135,7 @@ def check_family(family: str) -> dict:
 def attention_core(mesh, length: int, head_dim: int, dropout: float = 0.0) -> str:
     """Which attention a fused step on `mesh` runs for sequences of `length`: the platform's kernel
     (splash on a TPU), or XLA's where the kernel does not take them (and why)."""
-    from jaxtune.runtime import attention
+    from jaxtune.runtime.modeling import attention
 
     name = attention.kernel_for(mesh).name
     kernel = attention.KERNELS.get(name)

@@ -27,7 +27,7 @@ from jaxtune.cli.chat import Conversation, Session, chat, open_session, prompt_i
 from jaxtune.cli.main import main
 from jaxtune.config import MeshConfig
 from jaxtune.runtime.devices.mesh import make_placement
-from jaxtune.runtime.model import to_jax
+from jaxtune.runtime.modeling.model import to_jax
 from jaxtune.runtime.parity import jax_logits, torch_greedy
 from jaxtune.runtime.sampling import Sampling, next_token
 from jaxtune.runtime.stream import StreamDecoder
@@ -242,7 +242,7 @@ def merged_copies(store: Path, folder: Path) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
     from jaxtune.artifacts import ArtifactStore
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
 
     export = artifact(store, "export")
     manifest = json.loads((export / "manifest.json").read_text())
@@ -380,7 +380,7 @@ def test_a_gguf_file_opens_as_its_imported_model_and_stops_at_im_end(real_store)
     assert im_end in session.decoder.stop_ids
     ids = prompt_ids(session.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
     tokens = list(session.decoder.stream(ids, 24))
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
 
     expected = torch_greedy(load_torch_model(str(folder), None, False, "float32"), ids, 24, PAD, eos_ids=[im_end])
     assert len(tokens) < 24 and expected == [*tokens, im_end]

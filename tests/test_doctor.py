@@ -96,7 +96,7 @@ def test_doctor_on_a_gguf_file_checks_the_folder_the_import_gguf_stage_builds(tm
     from jaxtune.cli.main import _model_folder
     from jaxtune.config import load_config
     from jaxtune.flows.finetune import pipeline
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
     from jaxtune.tasks.stage import stage_key
     from tests.models.test_model_errors import write_tiny_gguf
 
@@ -161,7 +161,7 @@ def test_doctor_on_a_lora_adapter_checks_the_model_merged_as_a_run_from_it_start
     from jaxtune.config import config_from_dict, load_config
     from jaxtune.checks.doctor import as_trained
     from jaxtune.flows.finetune import pipeline
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
     from jaxtune.tasks.stage import input_keys, stage_key
 
     store = tmp_path / "store"

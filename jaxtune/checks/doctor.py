@@ -51,7 +51,7 @@ def diagnose(name: str, config: JaxtuneConfig, revision: str | None = None, toke
     """Logits, loss, gradients and greedy tokens on JAX vs PyTorch; sizes and XLA's memory plan."""
     from jaxtune.runtime import parity
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import load_torch_model, to_jax
+    from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
     module = load_torch_model(name, revision, config.model.trust_remote_code, "float32")
     total = sum(p.numel() for p in module.parameters())
@@ -98,8 +98,8 @@ def as_trained(module, config: JaxtuneConfig, randomize_lora: bool):
     `randomize_lora`, since at PEFT's B = 0 no A gets a gradient), or every weight trainable."""
     import torch
 
-    from jaxtune.runtime.model import attach_lora
-    from jaxtune.runtime.quantize import load_base, quantize_base
+    from jaxtune.runtime.modeling.model import attach_lora
+    from jaxtune.runtime.modeling.quantize import load_base, quantize_base
 
     if config.train.method == "full":
         return module.requires_grad_(True)
@@ -145,7 +145,7 @@ def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]
     """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
     from jaxtune.runtime import fit, steps
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import load_torch_model, to_jax
+    from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
     dtype = config.model.model_copy(update={"name": name}).compute_dtype
     module = as_trained(load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)

@@ -66,7 +66,7 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
     every way `fit.choose` tries)."""
     from jaxtune.runtime import fit, memory, steps
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
+    from jaxtune.runtime.modeling.model import to_jax
 
     try:
         placement = make_placement(mesh, devices)
@@ -128,7 +128,7 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
     """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
     from jaxtune.runtime import decode, memory, steps
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
+    from jaxtune.runtime.modeling.model import to_jax
 
     model = to_jax(module, make_placement(config.mesh, devices), shapes_only=True)
     shards = model.placement.batch_shards

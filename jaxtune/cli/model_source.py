@@ -120,7 +120,7 @@ def _base_ref(folder: Path, manifest: dict, cfg: ModelConfig) -> ArtifactRef:
 def _open_export(folder: Path, manifest: dict) -> Opened:
     from transformers import AutoTokenizer
 
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
     from jaxtune.tasks.sources import pretrained_location
 
     try:
@@ -161,7 +161,7 @@ def _open_train(folder: Path, manifest: dict) -> Opened:
 def _open_base(name: str, revision: str | None, description: str) -> Opened:
     from transformers import AutoTokenizer
 
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
 
     module = load_torch_model(name, revision, False, "float32")
     return Opened(_to_jax(module), AutoTokenizer.from_pretrained(name, revision=revision), description)
@@ -169,6 +169,6 @@ def _open_base(name: str, revision: str | None, description: str) -> Opened:
 
 def _to_jax(module) -> Any:
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
+    from jaxtune.runtime.modeling.model import to_jax
 
     return to_jax(module, make_placement(MeshConfig()))

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from jaxtune.runtime import programs
-from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.modeling.model import JaxModel
 
 
 def kv_shape(model: JaxModel, batch: int, length: int) -> tuple[int, int, int, int]:

@@ -36,7 +36,8 @@ import re
 from collections.abc import Callable
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime import loss, memory
+from jaxtune.runtime import memory
+from jaxtune.runtime.modeling import loss
 
 HEADROOM = 0.03  # of the device's memory, kept free beyond XLA's plan
 POLICIES = ("none", "matmuls", "layer")  # least recomputation first

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.modeling.model import JaxModel
 
 # Dense (no sparsity) bf16 peak FLOP/s of one chip, by the device kind JAX reports: the first key
 # the kind starts with. The data sheets quote NVIDIA's figures with sparsity, twice the dense ones.

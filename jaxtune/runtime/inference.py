@@ -9,10 +9,11 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from jaxtune.runtime import attention, decode, preference, steps
+from jaxtune.runtime import decode, preference, steps
+from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.batches import bucket_length, pad_batch, row_lengths
 from jaxtune.runtime.devices.mesh import fetch
-from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.preference import Objective
 
 

@@ -66,7 +66,7 @@ def base_bytes(model) -> dict:
     quantizes): `held`, their codes and scales or their weights as placed; `unquantized`, the same
     layers as weights in the compute dtype, split alike; `by_scheme`, what int8 and int4 blocks of
     them would hold (from their shapes); and the `scheme` they are held in."""
-    from jaxtune.runtime.quantize import BLOCK, base_layers, scheme_of
+    from jaxtune.runtime.modeling.quantize import BLOCK, base_layers, scheme_of
 
     held = weights = 0
     for names, elements in base_layers(model.module):

@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from jaxtune.runtime import decode, programs, steps
-from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.modeling.model import JaxModel
 
 
 def _to_torch(tree: dict[str, jax.Array]) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from jaxtune.runtime import attention
+from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.devices.mesh import lowering
 
 MAX_KEPT = 32

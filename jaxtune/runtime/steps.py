@@ -19,8 +19,8 @@ import torch
 
 from jaxtune.config import TrainConfig
 from jaxtune.runtime import programs
-from jaxtune.runtime.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
-from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.modeling.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
+from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.preference import SFT, Objective, summed_objective
 
 

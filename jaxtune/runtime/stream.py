@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxtune.runtime.batches import bucket_length
 from jaxtune.runtime.decode import _cached_forward, kv_shape, left_pad
-from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.sampling import Sampling, next_token
 
 

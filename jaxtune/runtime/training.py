@@ -21,11 +21,12 @@ from tqdm import tqdm
 from jaxtune.host import processes, stopping
 from jaxtune.config import TrainConfig
 from jaxtune.errors import NonFiniteLoss, TrainingGaveUp
-from jaxtune.runtime import attention, checkpoint, fit, memory, steps
+from jaxtune.runtime import checkpoint, fit, memory, steps
+from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.batches import row_lengths, stack_micro_batches
 from jaxtune.runtime.feed import Feed, make_feed
 from jaxtune.runtime.devices.mesh import fetch
-from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.preference import SFT, Objective
 
 

@@ -30,8 +30,8 @@ def trained_torch_model(inputs: dict[str, ArtifactRef], model_cfg: ModelConfig):
     so a merge is that base plus the adapter."""
     import torch
 
-    from jaxtune.runtime.model import attach_lora, load_torch_model, load_weights
-    from jaxtune.runtime.quantize import dequantize_base
+    from jaxtune.runtime.modeling.model import attach_lora, load_torch_model, load_weights
+    from jaxtune.runtime.modeling.quantize import dequantize_base
     from jaxtune.tasks.trained import held_base
 
     method, lora = method_of(inputs["train"])

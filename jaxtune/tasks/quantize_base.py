@@ -43,8 +43,8 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
         import torch
         from safetensors.torch import save_file
 
-        from jaxtune.runtime.model import load_torch_model
-        from jaxtune.runtime.quantize import quantize_base
+        from jaxtune.runtime.modeling.model import load_torch_model
+        from jaxtune.runtime.modeling.quantize import quantize_base
 
         name, revision = pretrained_location(inputs["model"])
         module = load_torch_model(name, revision, section.trust_remote_code, section.dtype).requires_grad_(False)

@@ -50,7 +50,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         from safetensors.numpy import save_file
 
         from jaxtune.data.token_table import TokenTable
-        from jaxtune.runtime import model as rt_model
+        from jaxtune.runtime.modeling import model as rt_model
         from jaxtune.runtime import training
         from jaxtune.runtime.checkpoint import tree_to_arrays
         from jaxtune.runtime.devices.mesh import make_placement

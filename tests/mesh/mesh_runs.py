@@ -142,7 +142,7 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
 
     from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
     from jaxtune.runtime import inference, memory, steps, training
-    from jaxtune.runtime import model as rt_model
+    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.devices.mesh import make_placement
 
     data, fsdp, tensor = sizes
@@ -233,7 +233,7 @@ def overridden(sizes: tuple[int, int, int]) -> dict:
     """The tiny Llama placed (nothing trained) on a mesh of `sizes` with OVERRIDES in its config:
     {weight: its jax.Array's spec and per-device shape}."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime import model as rt_model
+    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.devices.mesh import make_placement
 
     data, fsdp, tensor = sizes

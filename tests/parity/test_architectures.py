@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from jaxtune.config import ARCHITECTURES, LoraConfig, MeshConfig
-from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime import inference, parity, steps
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model

@@ -13,7 +13,7 @@ def losses(sizes: tuple[int, int, int]) -> list[float]:
     import numpy as np
 
     from jaxtune.config import LoraConfig, MeshConfig
-    from jaxtune.runtime import model as rt_model
+    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime import training
     from jaxtune.runtime.inference import row_nll
     from jaxtune.runtime.devices.mesh import make_placement

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
-from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime import preference, steps
 from jaxtune.runtime.feed import make_feed
 from jaxtune.runtime.inference import pair_summary, row_nll

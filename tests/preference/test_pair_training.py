@@ -10,7 +10,7 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
 from jaxtune.runtime import checkpoint, preference, steps, training
-from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.inference import row_nll
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, tiny_model

@@ -11,9 +11,10 @@ import torch
 
 from jaxtune.gguf import blocks as gguf_blocks
 from jaxtune.config import MeshConfig
-from jaxtune.runtime import parity, quantize
+from jaxtune.runtime import parity
+from jaxtune.runtime.modeling import quantize
 from jaxtune.runtime.devices.mesh import make_placement
-from jaxtune.runtime.model import to_jax
+from jaxtune.runtime.modeling.model import to_jax
 
 pytestmark = pytest.mark.quant
 TEXTS = ["the quick brown fox jumps over the lazy dog", "yes, it is the answer", "a fox and a dog"] * 20

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from jaxtune.config import LoraConfig, MeshConfig
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime import parity, quantize
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime import parity
+from jaxtune.runtime.modeling import quantize
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 

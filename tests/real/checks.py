@@ -83,7 +83,7 @@ def lora_model(checkpoint: Checkpoint):
     from jaxtune.config import load_config
     from jaxtune.checks.doctor import as_trained
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import load_torch_model, to_jax
+    from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
     config = load_config(None, [f"model.name={checkpoint.folder}", "lora.target_modules=all-linear"])
     module = load_torch_model(str(checkpoint.folder), None, False, "float32")

@@ -182,7 +182,7 @@ def test_on_a_tpu_every_micro_batch_is_a_multiple_of_splash_tiles_and_holds_the_
     """Splash attention takes lengths in 128-token tiles; a feed for it packs into such lengths
     (more rows per sequence, fewer sequences) and pads its padded batches to them."""
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime import attention
+    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.feed import make_feed
 
     from tests.conftest import tiny_model

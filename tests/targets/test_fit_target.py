@@ -27,7 +27,7 @@ def planned(tiny_folder):
     from jaxtune.config import config_from_dict
     from jaxtune.checks.doctor import as_trained
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
+    from jaxtune.runtime.modeling.model import to_jax
     from jaxtune.checks.target_plan import meta_model
 
     config = config_from_dict({}, SETTINGS)  # as `jaxtune doctor --set` reads them

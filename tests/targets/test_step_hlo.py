@@ -37,7 +37,7 @@ def _breakdown(folder, target: str) -> tuple[dict, object]:
     from jaxtune.runtime import steps
     from jaxtune.runtime.flops import train_flops_per_token
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
+    from jaxtune.runtime.modeling.model import to_jax
     from jaxtune.checks.target_plan import meta_model
 
     config = load_config(None, [f"lora.r={RANK}", "lora.modules_to_save=[]",  # the Gemma recipe's LoRA: a frozen head

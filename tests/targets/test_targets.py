@@ -73,7 +73,7 @@ def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, mon
 def _placed_model(folder, settings, target_name):
     from jaxtune.checks.doctor import as_trained
     from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
+    from jaxtune.runtime.modeling.model import to_jax
     from jaxtune.checks.target_plan import meta_model
 
     config = load_config(None, settings)
@@ -170,7 +170,8 @@ def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device_and_on_a_gp
     import jax
     import jax.numpy as jnp
 
-    from jaxtune.runtime import attention, steps
+    from jaxtune.runtime import steps
+    from jaxtune.runtime.modeling import attention
 
     def kernels(target: str, choice: str | None = None) -> tuple[int, int, int, int]:
         config, model = _placed_model(tiny_folder, FSDP4 if target == "v5e:2x2" else [], target)

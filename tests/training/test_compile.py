@@ -14,7 +14,7 @@ import pytest
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.runtime import programs, steps, training
 from jaxtune.runtime.devices import compile_cache
-from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
@@ -103,7 +103,8 @@ def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(
 def test_on_a_tpu_eval_batches_pad_to_splash_tiles_and_lose_nothing(monkeypatch):
     """Where the kernel takes only 128-token tiles (splash), eval pads every batch to them: the same
     losses, one program of length 128 (here the CPU's XLA attention computes it)."""
-    from jaxtune.runtime import attention, inference
+    from jaxtune.runtime import inference
+    from jaxtune.runtime.modeling import attention
 
     model = lora_model()
     ids, labels = rows()

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import fit, loss, memory, steps, training
-from jaxtune.runtime import model as rt_model
+from jaxtune.runtime import fit, memory, steps, training
+from jaxtune.runtime.modeling import loss
+from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 from tests.mesh.bounds import RHO

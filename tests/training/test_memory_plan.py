@@ -8,7 +8,7 @@ import pytest
 
 from jaxtune.config import MeshConfig, load_config
 from jaxtune.runtime import memory, steps
-from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement
 
 pytestmark = pytest.mark.training

@@ -7,7 +7,7 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig, load_config
 from jaxtune.errors import ConfigError
-from jaxtune.runtime import model as rt_model
+from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime import steps
 from jaxtune.runtime.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement

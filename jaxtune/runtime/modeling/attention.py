@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jaxtune.runtime import gpu_flash, splash
-from jaxtune.runtime.remat import next_key, tied_checkpoint
+from jaxtune.runtime.modeling import gpu_flash, splash
+from jaxtune.runtime.modeling.remat import next_key, tied_checkpoint
 
 ATTENTION = "jaxtune_fused"
 KERNELS = {"splash": splash, "gpu-flash": gpu_flash}  # each has `refusal(length, head, dropout)` and `attention`

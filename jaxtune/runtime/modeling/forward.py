@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from jaxtune.data.tokenize import IGNORE_INDEX
-from jaxtune.runtime import attention
-from jaxtune.runtime.model import JaxModel
+from jaxtune.runtime.modeling import attention
+from jaxtune.runtime.modeling.model import JaxModel
 
 # Model types whose causal-LM forward is `logits = lm_head(hidden)`, soft-capped by
 # `final_logit_softcapping` where set; the chunked loss reproduces exactly that. Others
@@ -51,7 +51,7 @@ def model_kwargs(batch: dict, fused: bool) -> dict:
 @contextlib.contextmanager
 def tracing(model: JaxModel, training: bool, remat: str, fused: bool):
     """Module state while a step is traced: train mode (dropout), keyed or remat layers, the attention used."""
-    from jaxtune.runtime.remat import keyed_layers
+    from jaxtune.runtime.modeling.remat import keyed_layers
 
     module = model.module
     module.train(training)
@@ -130,7 +130,7 @@ class _Parts:
             chunk_tokens: int | None = None) -> torch.Tensor:
         from torchax import interop
 
-        from jaxtune.runtime import loss
+        from jaxtune.runtime.modeling import loss
 
         vocab = self.head.out_features if hasattr(self.head, "out_features") else self.head.weight.shape[0]
         chunk = chunk_tokens or loss.chunk_tokens_on(platform, vocab)

@@ -16,7 +16,7 @@ from jaxtune.config import LoraConfig, ModelConfig
 from jaxtune.errors import ModelError
 from jaxtune.runtime.compat import torchax_env
 from jaxtune.runtime.devices.mesh import Placement, place
-from jaxtune.runtime.quantize import SCHEMES, load_base, quantize_base
+from jaxtune.runtime.modeling.quantize import SCHEMES, load_base, quantize_base
 
 
 @dataclass
