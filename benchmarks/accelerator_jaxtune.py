@@ -96,7 +96,8 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     import jax
     import numpy as np
 
-    from jaxtune.runtime import fit, steps
+    from jaxtune.runtime import fit
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.packing import unpacked_segments
 
     rows, length = case

@@ -92,7 +92,7 @@ def child_compile(cache_dir: str) -> None:
         # The same first call, ahead of time, to see its phases: trace + lower, compile (or cache load), run.
         import jax.numpy as jnp
 
-        from jaxtune.runtime import steps
+        from jaxtune.runtime.compiled import steps
 
         batch, labels = feed
         placed = model.placement.shard_micro_batches({**batch, "labels": labels})

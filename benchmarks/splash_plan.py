@@ -33,7 +33,8 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxtune.config import load_config
-    from jaxtune.runtime import memory, steps
+    from jaxtune.runtime import memory
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.devices import targets
     from jaxtune.runtime.devices.mesh import make_placement

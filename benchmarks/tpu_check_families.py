@@ -71,7 +71,7 @@ def torch_loss(module, batch: dict[str, np.ndarray]) -> float:
     """The mean token loss PyTorch eager computes in float32 on the CPU."""
     import torch
 
-    from jaxtune.runtime.steps import mean_token_loss
+    from jaxtune.runtime.compiled.steps import mean_token_loss
 
     tensors = {name: torch.from_numpy(value).long() for name, value in batch.items()}
     with torch.no_grad():
@@ -95,7 +95,7 @@ def prepared(family: str):
     import torch
 
     from jaxtune.runtime.modeling import model as rt_model
-    from jaxtune.runtime.batches import pad_batch
+    from jaxtune.runtime.compiled.batches import pad_batch
     from jaxtune.runtime.devices.mesh import make_placement
 
     module = tiny_lora_module(family)

@@ -51,9 +51,9 @@ def test_doctor_passes_and_prints_the_table(family, model_dirs, capsys):
 
 @pytest.fixture
 def programs_traced_afresh():
-    """No step kept from an earlier test (see `jaxtune.runtime.programs`), and none of this test's
+    """No step kept from an earlier test (see `jaxtune.runtime.compiled.programs`), and none of this test's
     kept after it: a step traced with a broken op computes with it for as long as it is kept."""
-    from jaxtune.runtime import programs
+    from jaxtune.runtime.compiled import programs
 
     programs.clear()
     yield

@@ -143,7 +143,8 @@ def _batch(vocab_size: int, tokens: int) -> tuple[dict[str, np.ndarray], np.ndar
 
 def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]:
     """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
-    from jaxtune.runtime import fit, steps
+    from jaxtune.runtime import fit
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 

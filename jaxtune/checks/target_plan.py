@@ -64,7 +64,8 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
     """(the memory plan of the step on `devices` with `mesh`, its `fit.Fit` under "fit", None), or
     (None, {"mesh", "message"}) when XLA:TPU refuses it for want of memory (with train.remat auto:
     every way `fit.choose` tries)."""
-    from jaxtune.runtime import fit, memory, steps
+    from jaxtune.runtime import fit, memory
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
 
@@ -126,7 +127,8 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
 
 def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
     """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
-    from jaxtune.runtime import decode, memory, steps
+    from jaxtune.runtime import decode, memory
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
 

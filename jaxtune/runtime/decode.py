@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from jaxtune.runtime import programs
+from jaxtune.runtime.compiled import programs
 from jaxtune.runtime.modeling.model import JaxModel
 
 
@@ -127,7 +127,7 @@ def _jitted_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, .
 def generate_memory(model: JaxModel, rows: int, prompt_length: int, max_new_tokens: int) -> dict:
     """XLA's memory plan (see `steps.train_step_memory`) of decoding `max_new_tokens` after `rows`
     prompts of `prompt_length`, the prompts split as `Placement.shard_prompts` splits them."""
-    from jaxtune.runtime import steps
+    from jaxtune.runtime.compiled import steps
 
     prompts = jax.ShapeDtypeStruct((rows, prompt_length), jnp.int32, sharding=model.placement.prompt_sharding(rows))
     generate = make_generate(model, max_new_tokens, eos_ids=(0,))  # which ids stop decoding changes no buffer
@@ -139,7 +139,7 @@ def generate_memory(model: JaxModel, rows: int, prompt_length: int, max_new_toke
 def left_pad(prompts: list[list[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(b, p) ids and mask; p is `length`, or else a bucket length (see `batches.bucket_length`) so
     few prompt shapes compile."""
-    from jaxtune.runtime.batches import bucket_length
+    from jaxtune.runtime.compiled.batches import bucket_length
 
     p = length or bucket_length(max(len(x) for x in prompts))
     ids = np.full((len(prompts), p), pad_id, np.int32)

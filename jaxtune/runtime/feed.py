@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxtune.config import TrainConfig
 from jaxtune.runtime import packing
-from jaxtune.runtime.batches import bucket_length, pad_batch, train_batches
+from jaxtune.runtime.compiled.batches import bucket_length, pad_batch, train_batches
 
 
 @dataclass(frozen=True)

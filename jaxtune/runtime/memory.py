@@ -30,7 +30,7 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
     `objective` and `segments` those of a preference run's steps (default: train.objective's, padded pairs);
     `chunk_tokens` the loss's (default: the platform's, `loss.chunk_tokens_on`). `cfg.remat` is a policy, not auto
     (see `fit`)."""
-    from jaxtune.runtime import preference, steps
+    from jaxtune.runtime.compiled import preference, steps
 
     objective = objective or preference.objective_of(cfg.objective, None)
     if objective.pairs and not rows:

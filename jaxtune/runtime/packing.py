@@ -18,7 +18,7 @@ from itertools import islice
 import numpy as np
 
 from jaxtune.data.tokenize import IGNORE_INDEX
-from jaxtune.runtime.batches import bucket_length, epoch_order
+from jaxtune.runtime.compiled.batches import bucket_length, epoch_order
 
 
 @dataclass(frozen=True)

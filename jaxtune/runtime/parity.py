@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from jaxtune.runtime import decode, programs, steps
+from jaxtune.runtime import decode
+from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.modeling.model import JaxModel
 
 
@@ -102,7 +103,7 @@ def torch_greedy(module: torch.nn.Module, prompt: Sequence[int], max_new_tokens:
 def logits_parity(model: JaxModel, rows: Sequence[Sequence[int]], pad_id: int) -> dict:
     """JAX against PyTorch logits on `rows` (right-padded together), over their real tokens:
     max |difference|, the logits' own scale, and how often both pick the same top token."""
-    from jaxtune.runtime.batches import bucket_length, pad_batch
+    from jaxtune.runtime.compiled.batches import bucket_length, pad_batch
 
     padded = pad_batch(rows, rows, pad_id, bucket_length(max(len(r) for r in rows)), len(rows))
     batch = {"input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"]}

@@ -21,13 +21,14 @@ from tqdm import tqdm
 from jaxtune.host import processes, stopping
 from jaxtune.config import TrainConfig
 from jaxtune.errors import NonFiniteLoss, TrainingGaveUp
-from jaxtune.runtime import checkpoint, fit, memory, steps
+from jaxtune.runtime import checkpoint, fit, memory
+from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import attention
-from jaxtune.runtime.batches import row_lengths, stack_micro_batches
+from jaxtune.runtime.compiled.batches import row_lengths, stack_micro_batches
 from jaxtune.runtime.feed import Feed, make_feed
 from jaxtune.runtime.devices.mesh import fetch
 from jaxtune.runtime.modeling.model import JaxModel
-from jaxtune.runtime.preference import SFT, Objective
+from jaxtune.runtime.compiled.preference import SFT, Objective
 
 
 @dataclass

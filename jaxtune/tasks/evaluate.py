@@ -86,7 +86,7 @@ def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: 
     import numpy as np
 
     from jaxtune.runtime.inference import _loss_summary, _per_category, per_pair, row_nll, summarize_pairs
-    from jaxtune.runtime.preference import objective_of
+    from jaxtune.runtime.compiled.preference import objective_of
     from jaxtune.tasks.reference import read_reference
 
     nll, count = row_nll(model, table.input_ids, table.labels, section.eval.batch_size, pad_id)

@@ -54,7 +54,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         from jaxtune.runtime import training
         from jaxtune.runtime.checkpoint import tree_to_arrays
         from jaxtune.runtime.devices.mesh import make_placement
-        from jaxtune.runtime.preference import objective_of
+        from jaxtune.runtime.compiled.preference import objective_of
         from jaxtune.tasks.reference import read_reference
         from jaxtune.tasks.trained import held_base
 
@@ -99,7 +99,8 @@ def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path
     import jax
 
     from jaxtune.artifacts.space import require_free
-    from jaxtune.runtime import checkpoint, steps
+    from jaxtune.runtime import checkpoint
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.memory import tree_bytes
 
     state = tree_bytes(model.weights) + tree_bytes(jax.eval_shape(steps.make_optimizer(section.train).init, model.weights))

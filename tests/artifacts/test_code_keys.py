@@ -51,7 +51,7 @@ def test_a_string_that_is_not_a_docstring_counts():
 def test_a_stage_is_keyed_by_every_module_it_imports_and_only_those():
     train = code_identity("jaxtune.tasks.train")["modules"]
     # Imported inside functions (runtime), relatively (artifacts), and their packages' __init__.
-    for module in ("jaxtune.runtime.training", "jaxtune.runtime.steps", "jaxtune.runtime.modeling.remat", "jaxtune.runtime",
+    for module in ("jaxtune.runtime.training", "jaxtune.runtime.compiled.steps", "jaxtune.runtime.modeling.remat", "jaxtune.runtime",
                    "jaxtune.data.tokenize", "jaxtune.artifacts.keys", "jaxtune.artifacts.code", "jaxtune.config"):
         assert module in train, module
     tokenize = code_identity("jaxtune.tasks.tokenize")["modules"]

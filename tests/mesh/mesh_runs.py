@@ -86,7 +86,7 @@ class Recorder:
     KINDS = {"shard_micro_batches": "train", "shard_batch": "eval", "shard_prompts": "prompts"}
 
     def __init__(self):
-        from jaxtune.runtime import steps
+        from jaxtune.runtime.compiled import steps
         from jaxtune.runtime.devices.mesh import Placement
 
         self.batches, self.xla, self.moments = {}, None, []
@@ -141,7 +141,8 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
     import numpy as np
 
     from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-    from jaxtune.runtime import inference, memory, steps, training
+    from jaxtune.runtime import inference, memory, training
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.devices.mesh import make_placement
 
@@ -205,7 +206,7 @@ def _optimizer_specs(cfg, model) -> dict:
     """{weight: [spec of each optimizer-state leaf kept for it]} (Adam: mu and nu; SGD: the momentum)."""
     import jax
 
-    from jaxtune.runtime import steps
+    from jaxtune.runtime.compiled import steps
 
     state = steps.init_optimizer(model, steps.make_optimizer(cfg))
     specs = {}

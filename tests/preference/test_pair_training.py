@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
-from jaxtune.runtime import checkpoint, preference, steps, training
+from jaxtune.runtime import checkpoint, training
+from jaxtune.runtime.compiled import preference, steps
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.inference import row_nll
 from jaxtune.runtime.devices.mesh import make_placement

@@ -233,7 +233,7 @@ def test_on_a_tpu_the_int4_step_peaks_below_the_bfloat16_one():
     XLA dequantized every layer's weights ahead of time: 348.1 MiB of temporaries, a higher peak
     than the bfloat16 base's."""
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime import steps
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices import targets
 
     devices = targets.devices(targets.resolve("v5e-1"))

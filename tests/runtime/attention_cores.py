@@ -25,7 +25,7 @@ def tiny_gemma_and_batch():
 
 def loss_and_gradients(model, batch, labels, core: str):
     """The loss and every weight's gradient with attention's core `core` ("xla", "splash-interpret", …)."""
-    from jaxtune.runtime import steps
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.modeling import attention
 
     with attention.choose(core):

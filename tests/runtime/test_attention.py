@@ -13,7 +13,8 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.data.tokenize import IGNORE_INDEX
-from jaxtune.runtime import packing, steps
+from jaxtune.runtime import packing
+from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.modeling.forward import forward_token_nll

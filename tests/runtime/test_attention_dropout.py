@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import MeshConfig
-from jaxtune.runtime import steps
+from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxtune.data.tokenize import IGNORE_INDEX as X
-from jaxtune.runtime.batches import bucket_length, epoch_order, pad_batch, train_batches
+from jaxtune.runtime.compiled.batches import bucket_length, epoch_order, pad_batch, train_batches
 from jaxtune.runtime.packing import (PackedShape, micro_batches_per_epoch, nonpad_fraction, pack, packed_micro_batches,
                                      packed_shape, unpacked_segments)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig
-from jaxtune.runtime import programs, steps
+from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement

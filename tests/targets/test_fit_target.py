@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 
-from jaxtune.runtime import fit, memory, steps
+from jaxtune.runtime import fit, memory
+from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.devices import targets
 
 pytestmark = pytest.mark.target

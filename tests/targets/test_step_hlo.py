@@ -34,7 +34,7 @@ def gemma_vocabulary_folder(tmp_path_factory):
 
 def _breakdown(folder, target: str) -> tuple[dict, object]:
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime import steps
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.flops import train_flops_per_token
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import programs, steps, training
+from jaxtune.runtime import training
+from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.devices import compile_cache
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.feed import make_feed
@@ -89,7 +90,7 @@ def compiled(caplog, name: str, run) -> int:
 
 def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(caplog):
     from jaxtune.runtime import inference
-    from jaxtune.runtime.batches import bucket_length
+    from jaxtune.runtime.compiled.batches import bucket_length
 
     model = lora_model()
     ids, labels = rows()

@@ -8,7 +8,7 @@ import pytest
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig, load_config
 from jaxtune.errors import ConfigError
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime import steps
+from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.training import total_steps

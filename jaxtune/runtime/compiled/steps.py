@@ -18,10 +18,10 @@ import optax
 import torch
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime import programs
+from jaxtune.runtime.compiled import programs
 from jaxtune.runtime.modeling.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.modeling.model import JaxModel
-from jaxtune.runtime.preference import SFT, Objective, summed_objective
+from jaxtune.runtime.compiled.preference import SFT, Objective, summed_objective
 
 
 class GradNormState(NamedTuple):
