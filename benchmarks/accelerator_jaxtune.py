@@ -179,7 +179,7 @@ def run_decode(settings: Settings, folder: Path, results: Results) -> None:
     stop): the first call compiles, then the median of `decode_repeats` calls."""
     import statistics
 
-    from jaxtune.runtime.inference import greedy_generate
+    from jaxtune.runtime.decoding.inference import greedy_generate
 
     _, model = open_benchmark_model(settings, folder, None)
     batch = prompts(settings, model.config.vocab_size).tolist()

@@ -29,8 +29,8 @@ from jaxtune.config import MeshConfig
 from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling.model import to_jax
 from jaxtune.runtime.parity import jax_logits, torch_greedy
-from jaxtune.runtime.sampling import Sampling, next_token
-from jaxtune.runtime.stream import StreamDecoder
+from jaxtune.runtime.decoding.sampling import Sampling, next_token
+from jaxtune.runtime.decoding.stream import StreamDecoder
 from tests.conftest import PAD, VOCAB, tiny_model
 
 QUESTION, FOLLOW_UP = "Yara has a silver book and Dara has a blue map. Who has the book?", "And who has the map?"
@@ -122,7 +122,7 @@ class ScriptedDecoder:
         self.last = None
 
     def stream(self, prompt_ids, max_new_tokens, seed):
-        from jaxtune.runtime.stream import Stats
+        from jaxtune.runtime.decoding.stream import Stats
 
         self.last = Stats(tokens=len(self.text.encode()), seconds=1.0)
         yield from self.text.encode()[:max_new_tokens]

@@ -127,7 +127,8 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
 
 def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
     """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
-    from jaxtune.runtime import decode, memory
+    from jaxtune.runtime import memory
+    from jaxtune.runtime.decoding import decode
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax

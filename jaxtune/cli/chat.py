@@ -41,8 +41,8 @@ def open_session(source: str, store_root: str, max_new_tokens: int, seed: int, t
     from jaxtune.data.templates import stop_ids
     from jaxtune.data.tokenize import pad_id_of
     from jaxtune.cli.model_source import open_source
-    from jaxtune.runtime.sampling import Sampling
-    from jaxtune.runtime.stream import StreamDecoder
+    from jaxtune.runtime.decoding.sampling import Sampling
+    from jaxtune.runtime.decoding.stream import StreamDecoder
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -164,7 +164,7 @@ def generate(session: Session, prompts: Sequence[str], out: TextIO, err: TextIO,
         out.flush()
         last = session.decoder.last
         tokens, seconds, compiling = tokens + last.tokens, seconds + last.seconds, compiling + last.compile_seconds
-    from jaxtune.runtime.stream import Stats
+    from jaxtune.runtime.decoding.stream import Stats
 
     err.write(f"{len(prompts)} answers: {_speed(Stats(tokens, seconds, compiling))}\n")
     return answers

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from jaxtune.runtime import decode
+from jaxtune.runtime.decoding import decode
 from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.modeling.model import JaxModel
 

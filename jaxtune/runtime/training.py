@@ -277,7 +277,7 @@ def _record(step: int, loss: float, grad_norm: float, tokens: int, schedule, tok
 def _evaluator(model: JaxModel, eval_data, cfg: TrainConfig, pad_id: int, objective: Objective = SFT,
                reference: np.ndarray | None = None) -> Callable:
     """weights -> eval-split loss (the objective's), with one compiled eval step reused across calls."""
-    from jaxtune.runtime.inference import evaluate, evaluate_pairs
+    from jaxtune.runtime.decoding.inference import evaluate, evaluate_pairs
 
     eval_step = steps.make_eval_step(model)
     ids, labels = eval_data

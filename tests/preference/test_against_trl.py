@@ -39,7 +39,7 @@ from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.compiled import preference, steps
 from jaxtune.runtime.feed import make_feed
-from jaxtune.runtime.inference import row_nll
+from jaxtune.runtime.decoding.inference import row_nll
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import EOS, PAD, VOCAB, tiny_model
 

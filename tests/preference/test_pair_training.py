@@ -12,7 +12,7 @@ from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
 from jaxtune.runtime import checkpoint, training
 from jaxtune.runtime.compiled import preference, steps
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.inference import row_nll
+from jaxtune.runtime.decoding.inference import row_nll
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, tiny_model
 from tests.preference.test_pair_step import pair_rows

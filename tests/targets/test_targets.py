@@ -151,7 +151,8 @@ def test_the_eval_and_decode_steps_compile_for_v5e_2x2_holding_the_weight_shards
     """Their arguments are the weights as placed (a quarter of each matrix on fsdp=4), the frozen
     tensors, and the batch: eval rows split over the four devices, prompts whole (data=1 does not
     split them). Within 2,332 bytes, as the train step (XLA:TPU's tiles for the 1-D norms)."""
-    from jaxtune.runtime import decode, memory
+    from jaxtune.runtime import memory
+    from jaxtune.runtime.decoding import decode
     from jaxtune.runtime.compiled import steps
 
     config, model = _placed_model(aligned_folder, ["train.method=full", *FSDP4], "v5e:2x2")

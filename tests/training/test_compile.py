@@ -89,7 +89,7 @@ def compiled(caplog, name: str, run) -> int:
 
 
 def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(caplog):
-    from jaxtune.runtime import inference
+    from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.compiled.batches import bucket_length
 
     model = lora_model()
@@ -104,7 +104,7 @@ def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(
 def test_on_a_tpu_eval_batches_pad_to_splash_tiles_and_lose_nothing(monkeypatch):
     """Where the kernel takes only 128-token tiles (splash), eval pads every batch to them: the same
     losses, one program of length 128 (here the CPU's XLA attention computes it)."""
-    from jaxtune.runtime import inference
+    from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.modeling import attention
 
     model = lora_model()

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.runtime.compiled.batches import bucket_length
-from jaxtune.runtime.decode import _cached_forward, kv_shape, left_pad
+from jaxtune.runtime.decoding.decode import _cached_forward, kv_shape, left_pad
 from jaxtune.runtime.modeling.model import JaxModel
-from jaxtune.runtime.sampling import Sampling, next_token
+from jaxtune.runtime.decoding.sampling import Sampling, next_token
 
 
 @dataclass

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from jaxtune.runtime import decode
+from jaxtune.runtime.decoding import decode
 from jaxtune.runtime.compiled import preference, steps
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.compiled.batches import bucket_length, pad_batch, row_lengths
