@@ -43,7 +43,7 @@ def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
     """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
     import os
 
-    from jaxtune.runtime import flops
+    from jaxtune.runtime.measures import flops
     from jaxtune.runtime.devices import compile_cache
 
     results = Results(work, "jaxtune")
@@ -66,7 +66,7 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
     """`method`'s train step on every case, in order, none started after `deadline`."""
     import jax
 
-    from jaxtune.runtime import flops
+    from jaxtune.runtime.measures import flops
 
     start = time.perf_counter()
     cfg, model = open_benchmark_model(settings, folder, method)
@@ -96,7 +96,7 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     import jax
     import numpy as np
 
-    from jaxtune.runtime import fit
+    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.packing import unpacked_segments
 

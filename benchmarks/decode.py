@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from jaxtune.config import MeshConfig, ModelConfig
 from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling.model import load_torch_model, to_jax
-from jaxtune.runtime.parity import torch_greedy
+from jaxtune.runtime.measures.parity import torch_greedy
 from jaxtune.runtime.decoding.stream import StreamDecoder
 from jaxtune.tasks.import_gguf import imported
 from jaxtune.tasks.sources import model_ref

@@ -33,7 +33,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxtune.config import load_config
-    from jaxtune.runtime import memory
+    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.devices import targets

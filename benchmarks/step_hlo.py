@@ -246,7 +246,7 @@ def table(groups: list[dict]) -> str:
 def compile_step(recipe: Path, target_name: str, rows: int, length: int, attention_core: str | None):
     from jaxtune.config import load_config
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime import fit
+    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.devices import targets

@@ -108,7 +108,7 @@ def prepared(family: str):
 
 def jax_loss(model, batch: dict[str, np.ndarray]) -> float:
     """The mean token loss of jaxtune's fused step (as the parity tests take it; splash attention on a TPU)."""
-    from jaxtune.runtime import parity
+    from jaxtune.runtime.measures import parity
 
     loss, _ = parity.jax_loss_and_grads(model, {k: batch[k] for k in ("input_ids", "attention_mask")}, batch["labels"])
     return loss

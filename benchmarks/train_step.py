@@ -74,7 +74,7 @@ class JaxtuneTrainer:
 
     def __init__(self, model, lr: float = 1e-4):
         from jaxtune.config import TrainConfig
-        from jaxtune.runtime import fit
+        from jaxtune.runtime.measures import fit
         from jaxtune.runtime.compiled import steps
 
         self.model, self.lr = model, lr

@@ -146,7 +146,7 @@ def model_flops(model, ids) -> dict:
            "sum_row_length_squared": int(squares), "dense_flops": int(dense), "attention_flops": int(attention),
            "total_flops": int(dense + attention), "flops_per_token": (dense + attention) / tokens}
     with contextlib.suppress(ImportError, AttributeError):  # cross-check against jaxtune's own count, where it has one
-        from jaxtune.runtime import flops
+        from jaxtune.runtime.measures import flops
 
         theirs = flops.train_flops_per_token(model, squares / tokens)  # context: the token-weighted mean row length
         out["jaxtune_flops_module_per_token"] = float(theirs["total"])

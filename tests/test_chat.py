@@ -28,7 +28,7 @@ from jaxtune.cli.main import main
 from jaxtune.config import MeshConfig
 from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling.model import to_jax
-from jaxtune.runtime.parity import jax_logits, torch_greedy
+from jaxtune.runtime.measures.parity import jax_logits, torch_greedy
 from jaxtune.runtime.decoding.sampling import Sampling, next_token
 from jaxtune.runtime.decoding.stream import StreamDecoder
 from tests.conftest import PAD, VOCAB, tiny_model

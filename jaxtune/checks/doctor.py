@@ -49,7 +49,7 @@ class Diagnosis:
 
 def diagnose(name: str, config: JaxtuneConfig, revision: str | None = None, tokens: int = 48) -> Diagnosis:
     """Logits, loss, gradients and greedy tokens on JAX vs PyTorch; sizes and XLA's memory plan."""
-    from jaxtune.runtime import parity
+    from jaxtune.runtime.measures import parity
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
@@ -143,7 +143,7 @@ def _batch(vocab_size: int, tokens: int) -> tuple[dict[str, np.ndarray], np.ndar
 
 def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]:
     """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
-    from jaxtune.runtime import fit
+    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
@@ -169,7 +169,7 @@ def fit_row(chosen, train) -> Row:
 def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str, chosen=None) -> list[Row]:
     """The mesh the plan is for, its peak against the device's memory (FAIL when over), its parts,
     and when it does not fit, a mesh of the same devices that would (or that none would) and the settings to change."""
-    from jaxtune.runtime import memory
+    from jaxtune.runtime.measures import memory
 
     train = chosen.train_config(config.train) if chosen else config.train
     shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {config.data.max_length}"

@@ -31,7 +31,7 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
     unknown or cannot be compiled for here (both found before the model is read). When the train
     step does not fit, the larger slices of the same chip are compiled in turn, the smallest that
     fits named. `train_only`: leave out the eval and decode steps (each another compile)."""
-    from jaxtune.runtime import memory
+    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.devices import targets
 
     target = targets.resolve(target_name)
@@ -64,7 +64,7 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
     """(the memory plan of the step on `devices` with `mesh`, its `fit.Fit` under "fit", None), or
     (None, {"mesh", "message"}) when XLA:TPU refuses it for want of memory (with train.remat auto:
     every way `fit.choose` tries)."""
-    from jaxtune.runtime import fit, memory
+    from jaxtune.runtime.measures import fit, memory
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
@@ -89,7 +89,7 @@ def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int)
     step on each larger slice of the chip in turn, its parameters split over every device (fsdp
     where the batch divides, else tensor); None when none of the first few does."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime import memory
+    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.devices import targets
 
     for name in targets.larger_slices(target, devices)[:MAX_SLICES_TRIED]:
@@ -105,7 +105,7 @@ def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int)
 
 
 def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
-    from jaxtune.runtime import memory
+    from jaxtune.runtime.measures import memory
 
     # The program itself lies in HBM beside its buffers: hundreds of MiB for a 1B model's step.
     needed = plan["peak"] + plan["code"]
@@ -127,7 +127,7 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
 
 def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
     """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
-    from jaxtune.runtime import memory
+    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.decoding import decode
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement

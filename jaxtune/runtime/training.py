@@ -21,7 +21,8 @@ from tqdm import tqdm
 from jaxtune.host import processes, stopping
 from jaxtune.config import TrainConfig
 from jaxtune.errors import NonFiniteLoss, TrainingGaveUp
-from jaxtune.runtime import checkpoint, fit, memory
+from jaxtune.runtime import checkpoint
+from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.compiled.batches import row_lengths, stack_micro_batches
@@ -248,7 +249,7 @@ def _save(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: Tra
 
 def flops_per_token(model: JaxModel, feed: Feed) -> dict:
     """Model FLOPs per real token (attention over about half the mean row, causally) and the devices' peak."""
-    from jaxtune.runtime.flops import device_peak, train_flops_per_token
+    from jaxtune.runtime.measures.flops import device_peak, train_flops_per_token
 
     context = float(np.mean(feed.lengths)) / 2
     per_token = train_flops_per_token(model, context)["total"]

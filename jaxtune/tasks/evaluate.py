@@ -55,7 +55,7 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
     def build(folder: Path) -> None:
         from jaxtune.data.token_table import TokenTable
         from jaxtune.runtime.decoding.inference import loss_summary, row_nll
-        from jaxtune.runtime.parity import logits_parity
+        from jaxtune.runtime.measures.parity import logits_parity
 
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]
         model = open_trained_model(inputs, section.model, mesh)

@@ -101,7 +101,7 @@ def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path
     from jaxtune.artifacts.space import require_free
     from jaxtune.runtime import checkpoint
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.memory import tree_bytes
+    from jaxtune.runtime.measures.memory import tree_bytes
 
     state = tree_bytes(model.weights) + tree_bytes(jax.eval_shape(steps.make_optimizer(section.train).init, model.weights))
     copies = 1 if section.train.max_steps is not None and section.train.checkpoint_every >= section.train.max_steps \

@@ -57,7 +57,7 @@ def test_a_stage_is_keyed_by_every_module_it_imports_and_only_those():
     tokenize = code_identity("jaxtune.tasks.tokenize")["modules"]
     assert "jaxtune.data.rows" in tokenize and not [m for m in tokenize if m.startswith("jaxtune.runtime")]
     evaluate = code_identity("jaxtune.tasks.evaluate")["modules"]
-    assert "jaxtune.runtime.parity" in evaluate and "jaxtune.runtime.training" not in evaluate
+    assert "jaxtune.runtime.measures.parity" in evaluate and "jaxtune.runtime.training" not in evaluate
     assert "jaxtune.tasks.train" not in evaluate  # reading a train artifact does not run the trainer
 
 

@@ -51,7 +51,7 @@ def test_a_lora_run_writes_each_gguf_type_that_reads_back_as_its_merged_model(ll
     from transformers import AutoTokenizer
 
     from jaxtune.cli.chat import open_session, prompt_ids
-    from jaxtune.runtime.parity import torch_greedy
+    from jaxtune.runtime.measures.parity import torch_greedy
 
     store = tmp_path / "store"
     result = run_toy(store, f"model.name={llama}", "export.merge=true", "export.gguf=[f16, q8_0]", until="report")

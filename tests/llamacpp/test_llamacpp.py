@@ -129,7 +129,7 @@ def test_q8_0_keeps_the_top_token_under_teacher_forcing(exported, prompts):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.runtime.parity import torch_greedy
+    from jaxtune.runtime.measures.parity import torch_greedy
 
     reference = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32).eval()
     model = llama(gguf_file(exported, "q8_0"))

@@ -16,7 +16,7 @@ import torch
 
 from jaxtune.config import ARCHITECTURES, LoraConfig, MeshConfig
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime import parity
+from jaxtune.runtime.measures import parity
 from jaxtune.runtime.decoding import inference
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.devices.mesh import make_placement

@@ -11,7 +11,7 @@ import torch
 
 from jaxtune.gguf import blocks as gguf_blocks
 from jaxtune.config import MeshConfig
-from jaxtune.runtime import parity
+from jaxtune.runtime.measures import parity
 from jaxtune.runtime.modeling import quantize
 from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling.model import to_jax

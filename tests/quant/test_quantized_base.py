@@ -13,7 +13,7 @@ import torch
 
 from jaxtune.config import LoraConfig, MeshConfig
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime import parity
+from jaxtune.runtime.measures import parity
 from jaxtune.runtime.modeling import quantize
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
@@ -188,7 +188,7 @@ def test_codes_and_scales_are_split_over_the_mesh_as_the_weight_they_stand_for(l
 def test_the_memory_plan_counts_the_base_layers_as_held(scheme, ratio):
     """A bfloat16 base: 2 bytes a weight, against 1 (int8) or 1/2 (int4) plus a 2-byte scale per 64."""
     from jaxtune.checks.doctor import base_text
-    from jaxtune.runtime.memory import base_bytes
+    from jaxtune.runtime.measures.memory import base_bytes
 
     module = lora_model("llama").to(torch.bfloat16)
     if scheme != "none":

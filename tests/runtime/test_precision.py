@@ -40,7 +40,7 @@ def test_bf16_load_is_scoped_to_its_model(model_dir):
 
 def test_bf16_model_evaluates_close_to_fp32(model_dir):
     """A bf16 forward stays within bf16 rounding of the fp32 one (logits ~0.7 here, rounding ~1e-2)."""
-    from jaxtune.runtime import parity
+    from jaxtune.runtime.measures import parity
 
     placement = make_placement(MeshConfig())
     bf16 = rt_model.open_model(model_dir, None, ModelConfig(name=model_dir), placement)

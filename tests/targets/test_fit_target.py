@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from jaxtune.runtime import fit, memory
+from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.devices import targets
 

@@ -35,7 +35,7 @@ def gemma_vocabulary_folder(tmp_path_factory):
 def _breakdown(folder, target: str) -> tuple[dict, object]:
     from jaxtune.checks.doctor import as_trained
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.flops import train_flops_per_token
+    from jaxtune.runtime.measures.flops import train_flops_per_token
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
     from jaxtune.checks.target_plan import meta_model

@@ -98,7 +98,7 @@ def aligned_folder(tmp_path_factory):
 def _argument_bytes(folder, method: str, mesh: list[str], target: str = "v5e:2x2") -> tuple[int, int]:
     """(the compiler's argument bytes per device of the train step on `target`, the bytes of what
     placement gives one device: weights, frozen tensors, optimizer state, batch rows, key and rate)."""
-    from jaxtune.runtime import memory
+    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
 
     config, model = _placed_model(folder, [f"train.method={method}", "train.batch_size=32", "lora.r=128", *mesh], target)
@@ -151,7 +151,7 @@ def test_the_eval_and_decode_steps_compile_for_v5e_2x2_holding_the_weight_shards
     """Their arguments are the weights as placed (a quarter of each matrix on fsdp=4), the frozen
     tensors, and the batch: eval rows split over the four devices, prompts whole (data=1 does not
     split them). Within 2,332 bytes, as the train step (XLA:TPU's tiles for the 1-D norms)."""
-    from jaxtune.runtime import memory
+    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.decoding import decode
     from jaxtune.runtime.compiled import steps
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import fit, memory, training
+from jaxtune.runtime import training
+from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import loss
 from jaxtune.runtime.modeling import model as rt_model

@@ -10,7 +10,8 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.errors import TrainingGaveUp, TrainingStopped
-from jaxtune.runtime import checkpoint, memory, training
+from jaxtune.runtime import checkpoint, training
+from jaxtune.runtime.measures import memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement

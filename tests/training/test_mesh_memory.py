@@ -9,7 +9,7 @@ import json
 import pytest
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime import memory
+from jaxtune.runtime.measures import memory
 
 pytestmark = pytest.mark.training
 

@@ -36,7 +36,7 @@ import re
 from collections.abc import Callable
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime import memory
+from jaxtune.runtime.measures import memory
 from jaxtune.runtime.modeling import loss
 
 HEADROOM = 0.03  # of the device's memory, kept free beyond XLA's plan
