@@ -98,7 +98,7 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
 
     from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.packing import unpacked_segments
+    from jaxtune.runtime.train.packing import unpacked_segments
 
     rows, length = case
     model.weights = jax.device_put(initial, jax.tree.map(lambda a: a.sharding, model.weights))

@@ -116,7 +116,7 @@ def jax_loss(model, batch: dict[str, np.ndarray]) -> float:
 
 def few_steps(model, rows: list[list[int]]) -> list[float]:
     """The loss of each of `STEPS` LoRA steps of jaxtune's training loop on `rows` (one padded batch)."""
-    from jaxtune.runtime import training
+    from jaxtune.runtime.train import training
 
     records: list[dict] = []
     training.train(model, rows, rows, TRAIN, PAD, max(LENGTHS), records.extend, check_memory=False, packing=False)

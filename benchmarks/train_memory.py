@@ -81,7 +81,7 @@ def child(data: Path, model_folder: Path, steps: int) -> None:
     from jaxtune.config import load_config
     from jaxtune.data.token_table import TokenTable
     from jaxtune.runtime.modeling import model as rt_model
-    from jaxtune.runtime import training
+    from jaxtune.runtime.train import training
     from jaxtune.runtime.devices.mesh import make_placement
 
     config = load_config(None, [f"train.max_steps={steps}", "train.eval_every=null", "train.log_every=5",

@@ -58,7 +58,7 @@ def make_optimizer(cfg, total_steps: int):
 
 def with_segments(padded: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A right-padded batch plus segment and position ids (`packing.unpacked_segments`)."""
-    from jaxtune.runtime import packing
+    from jaxtune.runtime.train import packing
 
     return {**padded, **packing.unpacked_segments(padded["attention_mask"])}
 

@@ -25,7 +25,7 @@ def training_rows(ctx: Context):
 
 def packed_epoch(ids, labels, pad_id: int, batch_size: int = 8, max_length: int = 512):
     """jaxtune's packed micro-batches covering every row exactly once (the first epoch)."""
-    from jaxtune.runtime import packing
+    from jaxtune.runtime.train import packing
 
     lengths = [len(r) for r in ids]
     shape = packing.packed_shape(lengths, batch_size, max_length)
@@ -59,7 +59,7 @@ class PackedJaxtune:
     def __init__(self, ctx: Context):
         import jax
 
-        from jaxtune.runtime import packing
+        from jaxtune.runtime.train import packing
 
         folder, ids, labels = training_rows(ctx)
         self.shape, packed = packed_epoch(ids, labels, pad_id_of(folder))

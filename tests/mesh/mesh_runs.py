@@ -141,7 +141,7 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
     import numpy as np
 
     from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-    from jaxtune.runtime import training
+    from jaxtune.runtime.train import training
     from jaxtune.runtime.measures import memory
     from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.compiled import steps

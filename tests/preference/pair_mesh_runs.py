@@ -14,7 +14,7 @@ def losses(sizes: tuple[int, int, int]) -> list[float]:
 
     from jaxtune.config import LoraConfig, MeshConfig
     from jaxtune.runtime.modeling import model as rt_model
-    from jaxtune.runtime import training
+    from jaxtune.runtime.train import training
     from jaxtune.runtime.decoding.inference import row_nll
     from jaxtune.runtime.devices.mesh import make_placement
     from tests.conftest import PAD, tiny_model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
-from jaxtune.runtime import checkpoint, training
+from jaxtune.runtime.train import checkpoint, training
 from jaxtune.runtime.compiled import preference, steps
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.decoding.inference import row_nll

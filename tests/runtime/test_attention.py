@@ -13,7 +13,7 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.data.tokenize import IGNORE_INDEX
-from jaxtune.runtime import packing
+from jaxtune.runtime.train import packing
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import training
+from jaxtune.runtime.train import training
 from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.devices import compile_cache
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.feed import make_feed
+from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 

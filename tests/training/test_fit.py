@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import training
+from jaxtune.runtime.train import training
 from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import loss

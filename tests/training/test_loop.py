@@ -10,7 +10,7 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.errors import TrainingGaveUp, TrainingStopped
-from jaxtune.runtime import checkpoint, training
+from jaxtune.runtime.train import checkpoint, training
 from jaxtune.runtime.measures import memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import model as rt_model

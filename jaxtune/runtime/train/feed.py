@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime import packing
+from jaxtune.runtime.train import packing
 from jaxtune.runtime.compiled.batches import bucket_length, pad_batch, train_batches
 
 

@@ -21,12 +21,12 @@ from tqdm import tqdm
 from jaxtune.host import processes, stopping
 from jaxtune.config import TrainConfig
 from jaxtune.errors import NonFiniteLoss, TrainingGaveUp
-from jaxtune.runtime import checkpoint
+from jaxtune.runtime.train import checkpoint
 from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.compiled.batches import row_lengths, stack_micro_batches
-from jaxtune.runtime.feed import Feed, make_feed
+from jaxtune.runtime.train.feed import Feed, make_feed
 from jaxtune.runtime.devices.mesh import fetch
 from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.compiled.preference import SFT, Objective
