@@ -2,6 +2,8 @@
 
 Unknown keys and bad values raise errors that name the key. Each section is what one
 stage's cache key hashes, so a setting lives in the section of the stage it changes.
+
+May import: jaxtune.errors
 """
 
 from __future__ import annotations
