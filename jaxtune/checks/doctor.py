@@ -162,7 +162,7 @@ def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]
 
 
 def fit_row(chosen, train) -> Row:
-    """How the train step runs on the devices: `train.remat` resolved (see `runtime.fit`)."""
+    """How the train step runs on the devices: `train.remat` resolved (see `runtime.measures.fit`)."""
     return Row("train step runs as", chosen.describe(train))
 
 

@@ -1,5 +1,5 @@
 """`jaxtune chat` (a conversation on a terminal) and `jaxtune generate` (answers to prompts, for
-scripts), both decoding through `runtime.stream` so each token can be shown as it is made.
+scripts), both decoding through `runtime.decoding.stream` so each token can be shown as it is made.
 
 The whole conversation is kept as messages and rendered again with the chat template every
 turn, so the model sees exactly the format it was trained on, earlier turns included.
@@ -18,7 +18,7 @@ from typing import Any, TextIO
 class Session:
     """A model opened for decoding: its streaming decoder and tokenizer."""
 
-    decoder: Any  # runtime.stream.StreamDecoder
+    decoder: Any  # runtime.decoding.stream.StreamDecoder
     tokenizer: Any
     description: str
     max_new_tokens: int

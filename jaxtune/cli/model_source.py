@@ -24,7 +24,7 @@ from jaxtune.errors import SourceError
 
 @dataclass
 class Opened:
-    model: Any  # runtime.model.JaxModel
+    model: Any  # runtime.modeling.model.JaxModel
     tokenizer: Any
     description: str  # what was opened, for the user
 

@@ -2,8 +2,8 @@
 (`model.base_quantization: gguf`): no round trip through float32.
 
 Q8_0, Q4_0, Q4_1 and Q5_0 tensors (ggml's blocks of 32 values along a row, a row being one
-output's inputs, as `runtime.quantize` blocks them) are split into their blocks' fields (see
-`runtime.quantize.GGUF_SCHEMES`) byte for byte: `join_blocks` puts the file's bytes back. Other
+output's inputs, as `runtime.modeling.quantize` blocks them) are split into their blocks' fields (see
+`runtime.modeling.quantize.GGUF_SCHEMES`) byte for byte: `join_blocks` puts the file's bytes back. Other
 types (K-quants, float tensors) are not returned; the model keeps those layers as the imported
 float weights. Each tensor is named as the HF layer it loads into, with the rows of a llama
 model's Q and K projections put back in HF's rotary order (llama.cpp's converter interleaves

@@ -3,7 +3,7 @@ over a quantized base (`model.base_quantization`).
 
 Made once, keyed by the model's weights and the scheme, and read by every stage that opens the
 model (the reference, the evals, train, generate, export): `int8`, `int4` quantize the weights
-in the compute dtype (`runtime.quantize`); `gguf` keeps the blocks of the GGUF file the model
+in the compute dtype (`runtime.modeling.quantize`); `gguf` keeps the blocks of the GGUF file the model
 was imported from (Q8_0, Q4_0, Q4_1, Q5_0) byte for byte (`jaxtune.gguf.blocks`), and its
 layers of other types stay as the imported float weights. Writes `base.safetensors` (tensors
 '<layer>.codes', '<layer>.scales', ... named as the plain HF model names its layers) and

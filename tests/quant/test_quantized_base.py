@@ -1,4 +1,4 @@
-"""A LoRA base held as int8 or int4 blocks (`runtime.quantize`): the codes and their error bound,
+"""A LoRA base held as int8 or int4 blocks (`runtime.modeling.quantize`): the codes and their error bound,
 and the quantized model's logits and LoRA gradients in JAX against PyTorch running the same
 model with each quantized layer's weight dequantized by numpy (an independent reading of the
 codes), for three families."""

@@ -1,4 +1,4 @@
-"""train.remat auto (`runtime.fit`): the cheapest way to run a batch whose compiled plan fits the
+"""train.remat auto (`runtime.measures.fit`): the cheapest way to run a batch whose compiled plan fits the
 device, and a split batch that trains as the whole one did.
 
 The CPU reports no memory, so each test names the device's memory (`limit`) from the plans the

@@ -16,7 +16,7 @@ torchprime's Llama table; a torch Linear weight is (out, in)):
 - norms, and every other vector but a column layer's bias: replicated;
 - any other matrix: fsdp over its largest dimension that divides evenly;
 - a quantized base layer's codes (out, in or in / 2) and scales (out, in / block), which stand
-  for its weight (`runtime.quantize`): split as that weight, so each device dequantizes its own
+  for its weight (`runtime.modeling.quantize`): split as that weight, so each device dequantizes its own
   shard of it.
 
 LoRA follows its base layer: A (r, in) splits `in` like the base, B (out, r) splits `out`

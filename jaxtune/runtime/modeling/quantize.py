@@ -12,7 +12,7 @@ largest magnitude.
 
 `QuantizedLinear` replaces the layer's `nn.Linear`: its codes and scales are buffers, so
 `to_jax` places them like any frozen tensor (split on a mesh as the weight they stand for would
-be, `runtime.sharding`), and its forward
+be, `runtime.devices.sharding`), and its forward
 dequantizes them with torch ops that torchax traces into the compiled step. Dequantizing
 happens inside each layer's forward, so remat recomputes it with the layer and no whole
 dequantized base is ever held. Per weight, the base then takes 1 + 2/64 bytes (int8) or
