@@ -25,8 +25,8 @@ def open_benchmark_model(settings: Settings, folder: Path, method: str | None):
     the other side runs on one too."""
     import jax
 
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import open_model
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import open_model
 
     cfg = recipe(settings, method or "lora")
     placement = make_placement(cfg.mesh, devices=jax.devices()[:1])
@@ -65,7 +65,8 @@ def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
     """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
     import os
 
-    from jaxtune.runtime import compile_cache, flops
+    from jaxtune.runtime.measures import flops
+    from jaxtune.runtime.devices import compile_cache
 
     results = Results(work, "jaxtune")
     monitor_compiling()
@@ -88,7 +89,7 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
     """`method`'s train step on every case, in order, none started after `deadline`."""
     import jax
 
-    from jaxtune.runtime import flops
+    from jaxtune.runtime.measures import flops
 
     start = time.perf_counter()
     cfg, model = open_benchmark_model(settings, folder, method)
@@ -118,8 +119,9 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     import jax
     import numpy as np
 
-    from jaxtune.runtime import fit, steps
-    from jaxtune.runtime.packing import unpacked_segments
+    from jaxtune.runtime.measures import fit
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.train.packing import unpacked_segments
 
     rows, length = case
     model.weights = jax.device_put(initial, jax.tree.map(lambda a: a.sharding, model.weights))
@@ -178,7 +180,7 @@ def device_info() -> dict:
 
 def hbm_bandwidth(device) -> float | None:
     """Bytes/s of the device's memory, from the chip table `doctor --target` plans with; None for a CPU or an unknown kind."""
-    from jaxtune.runtime import targets
+    from jaxtune.runtime.devices import targets
 
     tpus = {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e", "TPU v5p": "v5p", "TPU v5": "v5p", "TPU v4": "v4"}
     name = next((chip for kind, chip in tpus.items() if device.device_kind.startswith(kind)), None)
@@ -215,7 +217,7 @@ def run_decode(settings: Settings, folder: Path, results: Results) -> None:
 
     import jax
 
-    from jaxtune.runtime.inference import greedy_generate
+    from jaxtune.runtime.decoding.inference import greedy_generate
 
     _, model = open_benchmark_model(settings, folder, None)
     batch = prompts(settings, model.config.vocab_size).tolist()

@@ -57,7 +57,7 @@ def run_train(settings: Settings, folder: Path, work: Path, compiled: bool) -> N
 
 
 def peft_model(folder: Path, lora, dtype: str):
-    """The base with SDPA attention and PEFT LoRA, built as `jaxtune.runtime.model.attach_lora` builds it (the
+    """The base with SDPA attention and PEFT LoRA, built as `jaxtune.runtime.modeling.model.attach_lora` builds it (the
     same seed before the adapters are drawn, so both sides start from the same adapters)."""
     import torch
     from peft import LoraConfig, get_peft_model

@@ -48,7 +48,7 @@ def bench_warm_vs_cold_compile(ctx: Context) -> dict:
                              "warm_hits": sum(p["warm_hit"] for p in pairs), "pairs": pairs}
         log(f"warm_vs_cold_compile ({variant}): cold {cold:.2f} s, warm {warm:.2f} s, "
             f"{variants[variant]['warm_hits']}/{len(pairs)} warm children hit the cache")
-    # The `jaxtune` command runs under PYTHONHASHSEED=0 (jaxtune.cli.entry): that is the headline.
+    # The `jaxtune` command runs under PYTHONHASHSEED=0 (jaxtune.cli.main.entry): that is the headline.
     fixed, main = variants["default"], variants["PYTHONHASHSEED=0"]
     first = main["pairs"][0]["cold"]
     return {key: entry(main["ratio"], main["warm_seconds"], main["cold_seconds"], "s to first result",
@@ -66,18 +66,18 @@ def child_compile(cache_dir: str) -> None:
     import jax
 
     try:
-        from jaxtune.runtime import compile_cache
+        from jaxtune.runtime.devices import compile_cache
 
         compile_cache.enable(cache_dir)
-        how = "jaxtune.runtime.compile_cache.enable"
+        how = "jaxtune.runtime.devices.compile_cache.enable"
     except ImportError:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         how = "jax.config (jax_compilation_cache_dir, min compile time 0, min entry size -1)"
     from jaxtune.config import MeshConfig, load_config
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import attach_lora, to_jax
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import attach_lora, to_jax
 
     cfg = load_config()
     model = to_jax(attach_lora(demo_torch_model(), cfg.lora), make_placement(MeshConfig()))
@@ -92,7 +92,7 @@ def child_compile(cache_dir: str) -> None:
         # The same first call, ahead of time, to see its phases: trace + lower, compile (or cache load), run.
         import jax.numpy as jnp
 
-        from jaxtune.runtime import steps
+        from jaxtune.runtime.compiled import steps
 
         batch, labels = feed
         placed = model.placement.shard_micro_batches({**batch, "labels": labels})

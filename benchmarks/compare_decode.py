@@ -65,10 +65,10 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
     import jax
 
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime import decode
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import load_torch_model, to_jax
-    from jaxtune.runtime.stream import StreamDecoder
+    from jaxtune.runtime.decoding import decode
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import load_torch_model, to_jax
+    from jaxtune.runtime.decoding.stream import StreamDecoder
 
     n, pad = ctx.decode_tokens, pad_id_of(folder)
     prompts = chat_prompts(folder, PROMPTS)
@@ -160,10 +160,10 @@ def bench_decode_vs_recipe(ctx: Context) -> dict:
 
     from jaxtune.config import MeshConfig
     from jaxtune.runtime.compat import torchax_env
-    from jaxtune.runtime.decode import _cache_argument
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import load_torch_model, to_jax
-    from jaxtune.runtime.stream import StreamDecoder
+    from jaxtune.runtime.decoding.decode import _cache_argument
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import load_torch_model, to_jax
+    from jaxtune.runtime.decoding.stream import StreamDecoder
 
     pad = pad_id_of(folder)
     prompt = chat_prompts(folder, [PROMPT])[0]

@@ -26,7 +26,7 @@ def bench_quantized_base(ctx: Context) -> dict:
         return dict.fromkeys(keys, skipped(SKIP_SMOLLM2))
     import jax
 
-    from jaxtune.runtime.quantize import quantize_base
+    from jaxtune.runtime.modeling.quantize import quantize_base
 
     shape, packed = packed_epoch(ids, labels, pad_id_of(folder))
     feed = [micro_batch(b) for b in packed]

@@ -22,10 +22,10 @@ import torch
 from transformers import AutoTokenizer
 
 from jaxtune.config import MeshConfig, ModelConfig
-from jaxtune.runtime.mesh import make_placement
-from jaxtune.runtime.model import load_torch_model, to_jax
-from jaxtune.runtime.parity import torch_greedy
-from jaxtune.runtime.stream import StreamDecoder
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling.model import load_torch_model, to_jax
+from jaxtune.runtime.measures.parity import torch_greedy
+from jaxtune.runtime.decoding.stream import StreamDecoder
 from jaxtune.tasks.import_gguf import imported
 from jaxtune.tasks.sources import model_ref
 

@@ -60,7 +60,7 @@ def demo_torch_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import load_config
 
     shape = load_config().model.tiny
@@ -94,8 +94,8 @@ def jaxtune_model(folder: str, dtype: str = "float32", lora=None, before_jax=Non
     """What jaxtune trains: `load_torch_model` (eager attention), LoRA attached, `before_jax(module)`
     applied (a quantized base), tensors moved to JAX."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import attach_lora, load_torch_model, to_jax
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import attach_lora, load_torch_model, to_jax
 
     module = load_torch_model(folder, None, False, dtype)
     if lora is not None:
@@ -110,7 +110,7 @@ def torch_lora_model(folder: str, lora):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.runtime.model import attach_lora
+    from jaxtune.runtime.modeling.model import attach_lora
 
     module = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     return attach_lora(module, lora).train()

@@ -33,9 +33,12 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxtune.config import load_config
-    from jaxtune.runtime import attention, memory, steps, targets
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import attach_lora, to_jax
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.modeling import attention
+    from jaxtune.runtime.devices import targets
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import attach_lora, to_jax
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="v5e-1")

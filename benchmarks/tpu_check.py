@@ -117,7 +117,7 @@ def run_directly(config) -> dict[str, float]:
     steps = finetune.pipeline(config)
     root = Path(config.store.root).resolve()
     if config.store.compile_cache:  # as the flow does
-        from jaxtune.runtime import compile_cache
+        from jaxtune.runtime.devices import compile_cache
 
         compile_cache.enable(compile_cache.folder_of(root))
     done, seconds = {}, {}
@@ -165,9 +165,9 @@ def seconds_from_artifacts(store, keys: dict[str, str], started: float) -> dict[
 
 def gguf_refusal(tiny) -> str | None:
     """Why the GGUF writer refuses the offline model of `tiny` (model.tiny), from its config alone; None if it takes it."""
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.errors import ModelError
-    from jaxtune.gguf_writer import check_supported
+    from jaxtune.gguf.writer import check_supported
 
     try:
         check_supported(tiny_config(tiny.architecture, tiny, tiny.vocab_size, 0, 1, 2))
@@ -257,7 +257,7 @@ def train_attention(summary: dict, head_dim: int) -> str:
     if not summary.get("fused_attention"):
         return "transformers eager (no fused attention for this model)"
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.devices.mesh import make_placement
 
     return families.attention_core(make_placement(MeshConfig()).mesh, summary["batch_shape"][-1], head_dim)
 

@@ -1,4 +1,4 @@
-"""The TPU check's second part: every model family's tiny random model (`jaxtune.architectures`, at the
+"""The TPU check's second part: every model family's tiny random model (`jaxtune.offline.architectures`, at the
 offline default's shape) takes a few LoRA steps on the default device in bfloat16, and its step-0 loss
 is compared with PyTorch eager in float32 on the CPU, for the same weights and the same batch.
 
@@ -47,8 +47,8 @@ def tiny_lora_module(family: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
-    from jaxtune.runtime.model import attach_lora
+    from jaxtune.offline.architectures import tiny_config
+    from jaxtune.runtime.modeling.model import attach_lora
 
     shape = TinyModelConfig(architecture=family)
     torch.manual_seed(shape.seed)
@@ -71,7 +71,7 @@ def torch_loss(module, batch: dict[str, np.ndarray]) -> float:
     """The mean token loss PyTorch eager computes in float32 on the CPU."""
     import torch
 
-    from jaxtune.runtime.steps import mean_token_loss
+    from jaxtune.runtime.compiled.steps import mean_token_loss
 
     tensors = {name: torch.from_numpy(value).long() for name, value in batch.items()}
     with torch.no_grad():
@@ -94,9 +94,9 @@ def prepared(family: str):
     rows, the padded batch with its labels) for `family`."""
     import torch
 
-    from jaxtune.runtime import model as rt_model
-    from jaxtune.runtime.batches import pad_batch
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.compiled.batches import pad_batch
+    from jaxtune.runtime.devices.mesh import make_placement
 
     module = tiny_lora_module(family)
     bf16 = copy.deepcopy(module).to(torch.bfloat16)
@@ -108,7 +108,7 @@ def prepared(family: str):
 
 def jax_loss(model, batch: dict[str, np.ndarray]) -> float:
     """The mean token loss of jaxtune's fused step (as the parity tests take it; splash attention on a TPU)."""
-    from jaxtune.runtime import parity
+    from jaxtune.runtime.measures import parity
 
     loss, _ = parity.jax_loss_and_grads(model, {k: batch[k] for k in ("input_ids", "attention_mask")}, batch["labels"])
     return loss
@@ -116,7 +116,7 @@ def jax_loss(model, batch: dict[str, np.ndarray]) -> float:
 
 def few_steps(model, rows: list[list[int]]) -> list[float]:
     """The loss of each of `STEPS` LoRA steps of jaxtune's training loop on `rows` (one padded batch)."""
-    from jaxtune.runtime import training
+    from jaxtune.runtime.train import training
 
     records: list[dict] = []
     training.train(model, rows, rows, TRAIN, PAD, max(LENGTHS), records.extend, check_memory=False, packing=False)
@@ -135,7 +135,7 @@ def check_family(family: str) -> dict:
 def attention_core(mesh, length: int, head_dim: int, dropout: float = 0.0) -> str:
     """Which attention a fused step on `mesh` runs for sequences of `length`: the platform's kernel
     (splash on a TPU), or XLA's where the kernel does not take them (and why)."""
-    from jaxtune.runtime import attention
+    from jaxtune.runtime.modeling import attention
 
     name = attention.kernel_for(mesh).name
     kernel = attention.KERNELS.get(name)

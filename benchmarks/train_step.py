@@ -36,7 +36,7 @@ def call_train_step(step, weights, buffers, opt_state, batch: dict, labels, key,
 
 
 def api_state(step=None) -> str:
-    from jaxtune.runtime import steps
+    from jaxtune.runtime.compiled import steps
 
     if step is None:
         step_new = STEP_TAKES_LR if STEP_TAKES_LR is not None else hasattr(steps, "with_learning_rate")
@@ -49,7 +49,7 @@ def api_state(step=None) -> str:
 
 def make_optimizer(cfg, total_steps: int):
     """`steps.make_optimizer`: (cfg) now that the rate is a step input, (cfg, total_steps) before."""
-    from jaxtune.runtime import steps
+    from jaxtune.runtime.compiled import steps
 
     if len(inspect.signature(steps.make_optimizer).parameters) >= 2:
         return steps.make_optimizer(cfg, total_steps)
@@ -58,7 +58,7 @@ def make_optimizer(cfg, total_steps: int):
 
 def with_segments(padded: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A right-padded batch plus segment and position ids (`packing.unpacked_segments`)."""
-    from jaxtune.runtime import packing
+    from jaxtune.runtime.train import packing
 
     return {**padded, **packing.unpacked_segments(padded["attention_mask"])}
 
@@ -74,7 +74,8 @@ class JaxtuneTrainer:
 
     def __init__(self, model, lr: float = 1e-4):
         from jaxtune.config import TrainConfig
-        from jaxtune.runtime import fit, steps
+        from jaxtune.runtime.measures import fit
+        from jaxtune.runtime.compiled import steps
 
         self.model, self.lr = model, lr
         cfg = TrainConfig(learning_rate=lr, warmup_steps=0, lr_schedule="constant", max_steps=1000, max_grad_norm=1.0,
@@ -86,7 +87,7 @@ class JaxtuneTrainer:
         self.n = 0
 
     def step(self, batch: dict[str, np.ndarray], labels: np.ndarray):
-        from jaxtune.runtime import steps
+        from jaxtune.runtime.compiled import steps
 
         self.n += 1
         placed = self.model.placement.shard_micro_batches({**batch, "labels": labels})

@@ -25,7 +25,7 @@ def training_rows(ctx: Context):
 
 def packed_epoch(ids, labels, pad_id: int, batch_size: int = 8, max_length: int = 512):
     """jaxtune's packed micro-batches covering every row exactly once (the first epoch)."""
-    from jaxtune.runtime import packing
+    from jaxtune.runtime.train import packing
 
     lengths = [len(r) for r in ids]
     shape = packing.packed_shape(lengths, batch_size, max_length)
@@ -59,7 +59,7 @@ class PackedJaxtune:
     def __init__(self, ctx: Context):
         import jax
 
-        from jaxtune.runtime import packing
+        from jaxtune.runtime.train import packing
 
         folder, ids, labels = training_rows(ctx)
         self.shape, packed = packed_epoch(ids, labels, pad_id_of(folder))
@@ -146,7 +146,7 @@ def model_flops(model, ids) -> dict:
            "sum_row_length_squared": int(squares), "dense_flops": int(dense), "attention_flops": int(attention),
            "total_flops": int(dense + attention), "flops_per_token": (dense + attention) / tokens}
     with contextlib.suppress(ImportError, AttributeError):  # cross-check against jaxtune's own count, where it has one
-        from jaxtune.runtime import flops
+        from jaxtune.runtime.measures import flops
 
         theirs = flops.train_flops_per_token(model, squares / tokens)  # context: the token-weighted mean row length
         out["jaxtune_flops_module_per_token"] = float(theirs["total"])

@@ -1,6 +1,13 @@
-"""jaxtune: fine-tune Hugging Face causal LMs on JAX through torchax, as a cached Prefect pipeline."""
+"""jaxtune: fine-tune Hugging Face causal LMs on JAX through torchax, as a cached Prefect pipeline.
 
-from jaxtune.accelerators import cpu_without_accelerators
+At the root: the `jaxtune` command's package (`cli`), the config and the errors; every other
+module lives in a package named for its concern, whose docstring says which packages it may
+import (tests/test_layering.py checks them).
+
+May import: jaxtune.host
+"""
+
+from jaxtune.host.accelerators import cpu_without_accelerators
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,8 @@
 
 Unknown keys and bad values raise errors that name the key. Each section is what one
 stage's cache key hashes, so a setting lives in the section of the stage it changes.
+
+May import: jaxtune.errors
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class DataConfig(Section):
         return (SourceConfig(**{key: getattr(self, key) for key in _SOURCE_KEYS}),)
 
 
-# Families of `jaxtune.architectures`, written out here so reading a config needs no transformers import.
+# Families of `jaxtune.offline.architectures`, written out here so reading a config needs no transformers import.
 ARCHITECTURES = ("gemma3", "gemma2", "llama", "qwen3", "mistral", "phi3", "gpt2")
 
 

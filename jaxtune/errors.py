@@ -3,6 +3,8 @@
 Each is a subclass of the built-in error callers caught before it had a name of its own (a
 missing model is still a FileNotFoundError), and its message's first line is what the CLI
 prints: the file, row or key at fault, what is wrong, and what is accepted.
+
+May import: nothing from jaxtune
 """
 
 from __future__ import annotations

@@ -60,11 +60,11 @@ VOCAB = 256
 
 def tiny_model(family: str = "gemma3", layers: int = 2, sliding_window: int = 16, seed: int = 0, hidden_size: int = 64,
                intermediate_size: int = 128):
-    """A random fp32 model of `family` (see jaxtune.architectures), eager attention, in eval mode."""
+    """A random fp32 model of `family` (see jaxtune.offline.architectures), eager attention, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
 
     shape = TinyModelConfig(architecture=family, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
@@ -80,7 +80,7 @@ def shared_compile_cache(tmp_path_factory, worker_id):
     """One XLA compilation cache for the whole session, every xdist worker and every process the
     tests start: the toy model's programs compile once instead of once per test store.
     test_reproducible opts out, to compile in each fresh process."""
-    from jaxtune.runtime.compile_cache import SHARED_FOLDER_VARIABLE
+    from jaxtune.runtime.devices.compile_cache import SHARED_FOLDER_VARIABLE
 
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if worker_id != "master" else base) / "xla-cache"

@@ -23,14 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.chat import Conversation, Session, chat, open_session, prompt_ids, read_prompts, reply
-from jaxtune.cli import main
+from jaxtune.cli.chat import Conversation, Session, chat, open_session, prompt_ids, read_prompts, reply
+from jaxtune.cli.main import main
 from jaxtune.config import MeshConfig
-from jaxtune.runtime.mesh import make_placement
-from jaxtune.runtime.model import to_jax
-from jaxtune.runtime.parity import jax_logits, torch_greedy
-from jaxtune.runtime.sampling import Sampling, next_token
-from jaxtune.runtime.stream import StreamDecoder
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling.model import to_jax
+from jaxtune.runtime.measures.parity import jax_logits, torch_greedy
+from jaxtune.runtime.decoding.sampling import Sampling, next_token
+from jaxtune.runtime.decoding.stream import StreamDecoder
 from tests.conftest import PAD, VOCAB, tiny_model
 
 QUESTION, FOLLOW_UP = "Yara has a silver book and Dara has a blue map. Who has the book?", "And who has the map?"
@@ -122,7 +122,7 @@ class ScriptedDecoder:
         self.last = None
 
     def stream(self, prompt_ids, max_new_tokens, seed):
-        from jaxtune.runtime.stream import Stats
+        from jaxtune.runtime.decoding.stream import Stats
 
         self.last = Stats(tokens=len(self.text.encode()), seconds=1.0)
         yield from self.text.encode()[:max_new_tokens]
@@ -242,7 +242,7 @@ def merged_copies(store: Path, folder: Path) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
     from jaxtune.artifacts import ArtifactStore
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
 
     export = artifact(store, "export")
     manifest = json.loads((export / "manifest.json").read_text())
@@ -262,7 +262,7 @@ def test_every_source_of_the_trained_weights_gives_the_same_answer(toy_store, tm
     """report, export, train and the merged weights as a base folder or an hf_model export: the
     same template, the same logits (to parity's 1e-4) and the same 16 greedy tokens; the
     untrained base model gives others."""
-    from jaxtune.model_source import open_source
+    from jaxtune.cli.model_source import open_source
 
     merged, merged_export = merged_copies(toy_store, tmp_path / "merged")
     sources = {stage: artifact(toy_store, stage) for stage in ("report", "export", "train")}
@@ -380,7 +380,7 @@ def test_a_gguf_file_opens_as_its_imported_model_and_stops_at_im_end(real_store)
     assert im_end in session.decoder.stop_ids
     ids = prompt_ids(session.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
     tokens = list(session.decoder.stream(ids, 24))
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
 
     expected = torch_greedy(load_torch_model(str(folder), None, False, "float32"), ids, 24, PAD, eos_ids=[im_end])
     assert len(tokens) < 24 and expected == [*tokens, im_end]

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.cli import main
+from jaxtune.cli.main import main
 
 
 def test_help_lists_run_and_doctor(capsys):
@@ -44,7 +44,7 @@ def test_the_command_runs_under_a_fixed_hash_seed(monkeypatch):
     import os
     import sys
 
-    from jaxtune import cli
+    from jaxtune.cli import main as cli
 
     execs = []
 

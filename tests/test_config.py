@@ -129,7 +129,7 @@ def test_architecture_and_optimizer_are_checked():
 
 
 def test_every_family_in_the_config_has_a_tiny_config():
-    from jaxtune.architectures import FAMILIES
+    from jaxtune.offline.architectures import FAMILIES
     from jaxtune.config import ARCHITECTURES
 
     assert tuple(FAMILIES) == ARCHITECTURES

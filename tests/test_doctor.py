@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxtune.cli import main
+from jaxtune.cli.main import main
 from jaxtune.config import ARCHITECTURES
 from tests.conftest import tiny_model
 
@@ -51,9 +51,9 @@ def test_doctor_passes_and_prints_the_table(family, model_dirs, capsys):
 
 @pytest.fixture
 def programs_traced_afresh():
-    """No step kept from an earlier test (see `jaxtune.runtime.programs`), and none of this test's
+    """No step kept from an earlier test (see `jaxtune.runtime.compiled.programs`), and none of this test's
     kept after it: a step traced with a broken op computes with it for as long as it is kept."""
-    from jaxtune.runtime import programs
+    from jaxtune.runtime.compiled import programs
 
     programs.clear()
     yield
@@ -92,11 +92,11 @@ def test_doctor_on_a_gguf_file_checks_the_folder_the_import_gguf_stage_builds(tm
 
     import torch
 
-    from jaxtune import doctor
-    from jaxtune.cli import _model_folder
+    from jaxtune.checks import doctor
+    from jaxtune.cli.main import _model_folder
     from jaxtune.config import load_config
     from jaxtune.flows.finetune import pipeline
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
     from jaxtune.tasks.stage import stage_key
     from tests.models.test_model_errors import write_tiny_gguf
 
@@ -159,9 +159,9 @@ def test_doctor_on_a_lora_adapter_checks_the_model_merged_as_a_run_from_it_start
     from safetensors.numpy import load_file
 
     from jaxtune.config import config_from_dict, load_config
-    from jaxtune.doctor import as_trained
+    from jaxtune.checks.doctor import as_trained
     from jaxtune.flows.finetune import pipeline
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
     from jaxtune.tasks.stage import input_keys, stage_key
 
     store = tmp_path / "store"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.cli import main
+from jaxtune.cli.main import main
 
 PREFECT_YAML = str(Path(__file__).parents[1] / "prefect.yaml")
 

@@ -19,7 +19,7 @@ import pytest
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
-from jaxtune import accelerators
+from jaxtune.host import accelerators
 from jaxtune.artifacts import ArtifactStore
 from jaxtune.config import OFFLINE
 from jaxtune.flows import finetune

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxtune import ui
+from jaxtune.tracking import ui
 
 
 def test_a_flow_run_asks_for_its_label_once(monkeypatch):

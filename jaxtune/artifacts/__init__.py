@@ -1,4 +1,7 @@
-"""Content-addressed artifacts: cache keys, verified folders and the refs stages pass around."""
+"""Content-addressed artifacts: cache keys, verified folders and the refs stages pass around.
+
+May import: jaxtune.config, jaxtune.errors
+"""
 
 from jaxtune.errors import ArtifactMissing
 

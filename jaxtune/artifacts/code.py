@@ -25,7 +25,7 @@ DIGEST_LENGTH = 20
 
 
 def module_file(module: str, root: Path = PACKAGE_ROOT) -> Path | None:
-    """The source file of `module` ('jaxtune.runtime.steps') below the package folder `root`."""
+    """The source file of `module` ('jaxtune.runtime.compiled.steps') below the package folder `root`."""
     parts = module.split(".")
     if parts[0] != PACKAGE:
         return None
@@ -53,7 +53,7 @@ def imported_modules(module: str, tree: ast.Module, path: Path, root: Path = PAC
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             found.add(base)
-            # `from jaxtune.runtime import steps` imports the module steps, not just a name.
+            # `from jaxtune.runtime.compiled import steps` imports the module steps, not just a name.
             found.update(f"{base}.{alias.name}" for alias in node.names if module_file(f"{base}.{alias.name}", root))
     return {name for name in found if module_file(name, root) is not None}
 

@@ -1,1 +1,4 @@
-"""Data layer: raw rows -> normalized chat examples (`rows`) -> token tables (`tokenize`)."""
+"""Data layer: raw rows -> normalized chat examples (`rows`) -> token tables (`tokenize`).
+
+May import: jaxtune.config, jaxtune.errors
+"""

@@ -1,7 +1,7 @@
 """Artifacts a person browses in the Prefect UI beside the report: where each stage's output is.
 
 Each stage gets a markdown artifact naming its state, key, store folder and files, and the run
-gets one table of all its stages. Keys come from `jaxtune.ui.artifact_key`, so each
+gets one table of all its stages. Keys come from `jaxtune.tracking.ui.artifact_key`, so each
 deployment's artifacts keep their history in the UI.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from jaxtune import ui
+from jaxtune.tracking import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
 
 

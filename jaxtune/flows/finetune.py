@@ -37,7 +37,8 @@ from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Crashed, State
 
-from jaxtune import processes, ui
+from jaxtune.tracking import ui
+from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.config import OFFLINE, JaxtuneConfig, MeshConfig, load_config, names_recipe
@@ -302,13 +303,13 @@ def finetune(
     elif recipe != OFFLINE or overrides:
         raise ValueError("give either config, or recipe and overrides, not both")
     # A multi-process job: join it before anything starts JAX (`jaxtune run` has joined already).
-    # Not through jaxtune.runtime.distributed: importing the runtime starts JAX's backend.
+    # Not through jaxtune.runtime.devices.distributed: importing the runtime starts JAX's backend.
     processes.join(config.mesh)
     named = config  # run names keep the recipe's model.name
     config = _after_earlier_run(config)
     run = StageRunner(Path(config.store.root).resolve(), set(refresh), named)
     if config.store.compile_cache:
-        from jaxtune.runtime import compile_cache
+        from jaxtune.runtime.devices import compile_cache
 
         compile_cache.enable(compile_cache.folder_of(run.store.root))
     done: dict[str, ArtifactRef] = {}

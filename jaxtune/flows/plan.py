@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed
 
-from jaxtune import ui
+from jaxtune.tracking import ui
 from jaxtune.config import OFFLINE
 from jaxtune.errors import ConfigError
 from jaxtune.flows.finetune import load_recipe
@@ -58,8 +58,8 @@ def plan(recipe: str, overrides: list[str] = [], target: str | None = None, then
         raise ConfigError(f"{recipe}: no plan.target to plan for; set one in the recipe, or give the flow a target")
     # Planning compiles for the target's devices alone: no local accelerator is looked for.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jaxtune.doctor import render_markdown, verdict
-    from jaxtune.target_plan import plan_for_target
+    from jaxtune.checks.doctor import render_markdown, verdict
+    from jaxtune.checks.target_plan import plan_for_target
 
     diagnosis = plan_for_target(config.model.name, config, name, revision=config.model.revision)
     create_markdown_artifact(key=f"{ui.slug(ui.recipe_label(recipe))}-plan", markdown=render_markdown(diagnosis),

@@ -20,7 +20,7 @@ def build_tiny_model(section: TinyModelConfig, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
 
     config = tiny_config(section.architecture, section, len(tokenizer), tokenizer.pad_token_id,
                          tokenizer.bos_token_id, tokenizer.eos_token_id)

@@ -54,8 +54,8 @@ def row_losses(nll, count) -> dict:
 def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, mesh: MeshConfig) -> ArtifactRef:
     def build(folder: Path) -> None:
         from jaxtune.data.token_table import TokenTable
-        from jaxtune.runtime.inference import loss_summary, row_nll
-        from jaxtune.runtime.parity import logits_parity
+        from jaxtune.runtime.decoding.inference import loss_summary, row_nll
+        from jaxtune.runtime.measures.parity import logits_parity
 
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]
         model = open_trained_model(inputs, section.model, mesh)
@@ -85,8 +85,8 @@ def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: 
     and each pair's figures (`inference.per_pair`)."""
     import numpy as np
 
-    from jaxtune.runtime.inference import _loss_summary, _per_category, per_pair, row_nll, summarize_pairs
-    from jaxtune.runtime.preference import objective_of
+    from jaxtune.runtime.decoding.inference import _loss_summary, _per_category, per_pair, row_nll, summarize_pairs
+    from jaxtune.runtime.compiled.preference import objective_of
     from jaxtune.tasks.reference import read_reference
 
     nll, count = row_nll(model, table.input_ids, table.labels, section.eval.batch_size, pad_id)

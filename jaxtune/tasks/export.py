@@ -30,8 +30,8 @@ def trained_torch_model(inputs: dict[str, ArtifactRef], model_cfg: ModelConfig):
     so a merge is that base plus the adapter."""
     import torch
 
-    from jaxtune.runtime.model import attach_lora, load_torch_model, load_weights
-    from jaxtune.runtime.quantize import dequantize_base
+    from jaxtune.runtime.modeling.model import attach_lora, load_torch_model, load_weights
+    from jaxtune.runtime.modeling.quantize import dequantize_base
     from jaxtune.tasks.trained import held_base
 
     method, lora = method_of(inputs["train"])
@@ -72,7 +72,7 @@ def check_gguf_export(model_ref: ArtifactRef, model_cfg: ModelConfig) -> None:
     """Raise ModelError if `export.gguf` could not write this model: the flow asks before training."""
     from transformers import AutoConfig
 
-    from jaxtune.gguf_writer import check_exportable
+    from jaxtune.gguf.writer import check_exportable
 
     name, revision = pretrained_location(model_ref)
     config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=model_cfg.trust_remote_code)
@@ -84,7 +84,7 @@ def save_gguf(folder: Path, section: ExportSection, inputs: dict[str, ArtifactRe
 
     Written from the trained model merged in float32 (a folder removed afterwards), so every type
     rounds the weights once, whatever export.dtype is. Returns each file's name, type and bytes."""
-    from jaxtune.gguf_writer import gguf_architecture, ollama_modelfile, write_ggufs
+    from jaxtune.gguf.writer import gguf_architecture, ollama_modelfile, write_ggufs
 
     source = folder.with_name(f".{folder.name}-source")
     module, _ = trained_torch_model(inputs, section.model)

@@ -29,7 +29,7 @@ def exact_match(output: str, reference: str) -> bool:
 
 
 def _answers(model, tokenizer, prompts: list[list[int]], cfg: GenerateConfig) -> list[str]:
-    from jaxtune.runtime.inference import greedy_generate
+    from jaxtune.runtime.decoding.inference import greedy_generate
 
     eos = stop_ids(tokenizer, getattr(model.module, "generation_config", None))
     tokens = greedy_generate(model, prompts, cfg.batch_size, cfg.max_new_tokens, eos, pad_id_of(tokenizer))

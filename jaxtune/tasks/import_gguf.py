@@ -7,7 +7,7 @@ users a folder of float32 safetensors plus tokenizer (and chat template, when th
 that loads in a second like any HF checkpoint.
 
 The file is read with its header parsed once, through a plain array view of its memory map
-(`jaxtune.gguf_reader`): SmolLM2-135M's import takes 25 s here rather than 73, the folder byte
+(`jaxtune.gguf.reader`): SmolLM2-135M's import takes 25 s here rather than 73, the folder byte
 for byte the same.
 """
 
@@ -19,7 +19,7 @@ from prefect import task
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.errors import ModelError, first_line
-from jaxtune.gguf_reader import parsed_once
+from jaxtune.gguf.reader import parsed_once
 from jaxtune.tasks.stage import build_artifact, built_outside_flow
 
 STAGE = "import_gguf"

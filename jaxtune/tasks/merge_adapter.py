@@ -27,7 +27,7 @@ def write_merged(adapter: Path, base: ArtifactRef, folder: Path, trust_remote_co
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
 
     name, revision = pretrained_location(base)
     module = PeftModel.from_pretrained(load_torch_model(name, revision, trust_remote_code, "float32"), str(adapter))

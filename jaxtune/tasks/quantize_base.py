@@ -3,8 +3,8 @@ over a quantized base (`model.base_quantization`).
 
 Made once, keyed by the model's weights and the scheme, and read by every stage that opens the
 model (the reference, the evals, train, generate, export): `int8`, `int4` quantize the weights
-in the compute dtype (`runtime.quantize`); `gguf` keeps the blocks of the GGUF file the model
-was imported from (Q8_0, Q4_0, Q4_1, Q5_0) byte for byte (`jaxtune.gguf_blocks`), and its
+in the compute dtype (`runtime.modeling.quantize`); `gguf` keeps the blocks of the GGUF file the model
+was imported from (Q8_0, Q4_0, Q4_1, Q5_0) byte for byte (`jaxtune.gguf.blocks`), and its
 layers of other types stay as the imported float weights. Writes `base.safetensors` (tensors
 '<layer>.codes', '<layer>.scales', ... named as the plain HF model names its layers) and
 `quantize.json`: the scheme of each layer, those left unquantized and why, and the bytes held
@@ -43,14 +43,14 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
         import torch
         from safetensors.torch import save_file
 
-        from jaxtune.runtime.model import load_torch_model
-        from jaxtune.runtime.quantize import quantize_base
+        from jaxtune.runtime.modeling.model import load_torch_model
+        from jaxtune.runtime.modeling.quantize import quantize_base
 
         name, revision = pretrained_location(inputs["model"])
         module = load_torch_model(name, revision, section.trust_remote_code, section.dtype).requires_grad_(False)
         left: dict[str, str] = {}
         if section.scheme == "gguf":
-            from jaxtune.gguf_blocks import read_blocks
+            from jaxtune.gguf.blocks import read_blocks
 
             arrays, schemes, left = read_blocks(inputs["gguf"].path, module.config)
             tensors = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}

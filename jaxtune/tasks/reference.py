@@ -35,7 +35,7 @@ def reference(section: ReferenceSection, inputs: dict[str, ArtifactRef], store_r
 
     def build(folder: Path) -> None:
         from jaxtune.data.token_table import TokenTable
-        from jaxtune.runtime.inference import row_nll
+        from jaxtune.runtime.decoding.inference import row_nll
         from jaxtune.tasks.trained import open_trained_model
 
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]

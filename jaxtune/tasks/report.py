@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from jaxtune import ui
+from jaxtune.tracking import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
 from jaxtune.tasks.hardest import HARDEST, hardest_examples, hardest_lines
 from jaxtune.tasks.stage import build_artifact

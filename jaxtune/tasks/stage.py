@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jaxtune import processes
+from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore, artifact_key
 from jaxtune.artifacts.code import code_identity
 from jaxtune.artifacts.locks import StoreLocks

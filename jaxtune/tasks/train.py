@@ -11,7 +11,8 @@ import yaml
 
 from prefect import get_run_logger, task
 
-from jaxtune import processes, ui
+from jaxtune.tracking import ui
+from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, Section, TrackingConfig, TrainConfig,
                             without_credentials)
@@ -39,7 +40,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
     Checkpoints go to the store's scratch folder for this key, so re-running the flow after a
     crash resumes from the newest one; they are removed once the artifact is complete.
     `restart`: the flow run is an automatic restart of a crashed one (it may give up, see
-    `jaxtune.runtime.training.GIVE_UP_AFTER`).
+    `jaxtune.runtime.train.training.GIVE_UP_AFTER`).
     `tracking`: where the curves also go as training runs (the Prefect UI always; TensorBoard
     event files in the artifact's tensorboard/ with `tracking.tensorboard`); not in the key.
     """
@@ -49,11 +50,11 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         from safetensors.numpy import save_file
 
         from jaxtune.data.token_table import TokenTable
-        from jaxtune.runtime import model as rt_model
-        from jaxtune.runtime import training
-        from jaxtune.runtime.checkpoint import tree_to_arrays
-        from jaxtune.runtime.mesh import make_placement
-        from jaxtune.runtime.preference import objective_of
+        from jaxtune.runtime.modeling import model as rt_model
+        from jaxtune.runtime.train import training
+        from jaxtune.runtime.train.checkpoint import tree_to_arrays
+        from jaxtune.runtime.devices.mesh import make_placement
+        from jaxtune.runtime.compiled.preference import objective_of
         from jaxtune.tasks.reference import read_reference
         from jaxtune.tasks.trained import held_base
 
@@ -98,8 +99,9 @@ def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path
     import jax
 
     from jaxtune.artifacts.space import require_free
-    from jaxtune.runtime import checkpoint, steps
-    from jaxtune.runtime.memory import tree_bytes
+    from jaxtune.runtime.train import checkpoint
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures.memory import tree_bytes
 
     state = tree_bytes(model.weights) + tree_bytes(jax.eval_shape(steps.make_optimizer(section.train).init, model.weights))
     copies = 1 if section.train.max_steps is not None and section.train.checkpoint_every >= section.train.max_steps \

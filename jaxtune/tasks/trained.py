@@ -21,8 +21,8 @@ def method_of(train_ref: ArtifactRef | None) -> tuple[str, LoraConfig | None]:
 
 def open_trained_model(inputs: dict[str, ArtifactRef | None], model_cfg: ModelConfig, mesh: MeshConfig):
     """The base model with the `train` input's weights applied (or the base model alone when it is None)."""
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import open_model
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import open_model
 
     train_ref = inputs.get("train")
     _, lora = method_of(train_ref)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 
-from jaxtune import ui
+from jaxtune.tracking import ui
 from jaxtune.tracking.curves import live_curve_png
 
 CURVE = "train-curve"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import JaxtuneConfig, without_credentials
-from jaxtune.environment import temporary_environment
+from jaxtune.host.environment import temporary_environment
 from jaxtune.errors import first_line
 
 KEY_TAG = "jaxtune.run_key"

@@ -51,13 +51,13 @@ def test_a_string_that_is_not_a_docstring_counts():
 def test_a_stage_is_keyed_by_every_module_it_imports_and_only_those():
     train = code_identity("jaxtune.tasks.train")["modules"]
     # Imported inside functions (runtime), relatively (artifacts), and their packages' __init__.
-    for module in ("jaxtune.runtime.training", "jaxtune.runtime.steps", "jaxtune.runtime.remat", "jaxtune.runtime",
+    for module in ("jaxtune.runtime.train.training", "jaxtune.runtime.compiled.steps", "jaxtune.runtime.modeling.remat", "jaxtune.runtime",
                    "jaxtune.data.tokenize", "jaxtune.artifacts.keys", "jaxtune.artifacts.code", "jaxtune.config"):
         assert module in train, module
     tokenize = code_identity("jaxtune.tasks.tokenize")["modules"]
     assert "jaxtune.data.rows" in tokenize and not [m for m in tokenize if m.startswith("jaxtune.runtime")]
     evaluate = code_identity("jaxtune.tasks.evaluate")["modules"]
-    assert "jaxtune.runtime.parity" in evaluate and "jaxtune.runtime.training" not in evaluate
+    assert "jaxtune.runtime.measures.parity" in evaluate and "jaxtune.runtime.train.training" not in evaluate
     assert "jaxtune.tasks.train" not in evaluate  # reading a train artifact does not run the trainer
 
 
@@ -104,12 +104,12 @@ def test_editing_the_training_loop_rekeys_train_and_downstream_only(tmp_path):
     moved = planned_keys_in(copy_with_edit(tmp_path, "same"))
     assert moved == here, "the package's location is not in any key"
     commented = planned_keys_in(copy_with_edit(
-        tmp_path, "commented", "runtime/training.py",
+        tmp_path, "commented", "runtime/train/training.py",
         '    """`max_steps`, or the optimizer steps in `epochs` passes over the feed\'s micro-batches."""',
         '    """The optimizer steps to take: `max_steps`, else `epochs` passes\' worth."""  # reworded'))
     assert commented == here, "a docstring or comment is not code"
     edited = planned_keys_in(copy_with_edit(
-        tmp_path, "edited", "runtime/training.py",
+        tmp_path, "edited", "runtime/train/training.py",
         "return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 1)",
         "return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 2)"))
     changed = {stage for stage in here if edited[stage] != here[stage]}

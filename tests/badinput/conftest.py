@@ -41,7 +41,7 @@ class Jaxtune:
         self.store, self.monkeypatch = store, monkeypatch
 
     def run(self, *args: str, toy: bool = True) -> Outcome:
-        from jaxtune import cli
+        from jaxtune.cli import main as cli
         from jaxtune.flows import finetune as flow_module
 
         started = []

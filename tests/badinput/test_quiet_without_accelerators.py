@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jaxtune import accelerators
+from jaxtune.host import accelerators
 from tests.badinput.conftest import dolly_rows, write_jsonl
 
 pytestmark = [pytest.mark.badinput, pytest.mark.skipif(accelerators.present(), reason="this machine has an accelerator")]

@@ -97,7 +97,7 @@ def test_the_mesh_is_checked_against_the_devices_and_every_batch_over_data_x_fsd
     """Unit-level: preflight.check_mesh on a config, with a device count instead of devices."""
     from jaxtune.config import load_config
     from jaxtune.errors import ConfigError
-    from jaxtune.preflight import check_mesh
+    from jaxtune.checks.preflight import check_mesh
 
     batches = lambda rows: [f"{stage}.batch_size={n}" for stage, n in zip(("train", "eval", "generate"), rows)]  # noqa: E731
     mesh = [f"mesh.{axis}={size}" for axis, size in settings.items()]

@@ -50,8 +50,8 @@ def test_a_lora_run_writes_each_gguf_type_that_reads_back_as_its_merged_model(ll
     import torch
     from transformers import AutoTokenizer
 
-    from jaxtune.chat import open_session, prompt_ids
-    from jaxtune.runtime.parity import torch_greedy
+    from jaxtune.cli.chat import open_session, prompt_ids
+    from jaxtune.runtime.measures.parity import torch_greedy
 
     store = tmp_path / "store"
     result = run_toy(store, f"model.name={llama}", "export.merge=true", "export.gguf=[f16, q8_0]", until="report")
@@ -88,7 +88,7 @@ def test_a_lora_run_writes_each_gguf_type_that_reads_back_as_its_merged_model(ll
     # `jaxtune chat` / `generate` open the exported file (as `model.name` can), imported into the store.
     session = open_session(str(gguf / "llama-f16.gguf"), str(store), max_new_tokens=8, seed=0)
     prompt = prompt_ids(session.tokenizer, [{"role": "user", "content": "Who has the book?"}])
-    from jaxtune.runtime.model import load_torch_model
+    from jaxtune.runtime.modeling.model import load_torch_model
 
     imported = session.description.split("(imported as ")[1].rstrip(")")
     expected = torch_greedy(load_torch_model(imported, None, False, "float32"), prompt, 8, tokenizer.pad_token_id,

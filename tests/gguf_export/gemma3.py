@@ -47,7 +47,7 @@ def save_tiny_gemma3(folder: Path, texts: list[str], layers: int = 6, sliding_wi
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
 
     tokenizer = save_spm_tokenizer(folder, texts)

@@ -11,7 +11,7 @@ def save_tiny_llama(folder: Path, texts: list[str], hidden_size: int, num_attent
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
     from jaxtune.offline.tokenizer import train_tokenizer
 

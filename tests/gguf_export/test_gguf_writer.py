@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jaxtune.errors import ModelError
-from jaxtune.gguf_writer import (
+from jaxtune.gguf.writer import (
     Vocabulary,
     check_exportable,
     llama_cpp_vocabulary,

@@ -95,7 +95,7 @@ def test_f16_greedy_answers_equal_jaxtunes_but_at_near_ties(exported, prompts):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.chat import open_session
+    from jaxtune.cli.chat import open_session
 
     session = open_session(str(exported), str(exported.parents[1]), max_new_tokens=NEW_TOKENS, seed=0)
     stops = set(session.decoder.stop_ids)
@@ -129,7 +129,7 @@ def test_q8_0_keeps_the_top_token_under_teacher_forcing(exported, prompts):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.runtime.parity import torch_greedy
+    from jaxtune.runtime.measures.parity import torch_greedy
 
     reference = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32).eval()
     model = llama(gguf_file(exported, "q8_0"))

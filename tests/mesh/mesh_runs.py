@@ -34,7 +34,7 @@ def tiny_llama():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.architectures import tiny_config
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
 
     shape = TinyModelConfig(architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -86,8 +86,8 @@ class Recorder:
     KINDS = {"shard_micro_batches": "train", "shard_batch": "eval", "shard_prompts": "prompts"}
 
     def __init__(self):
-        from jaxtune.runtime import steps
-        from jaxtune.runtime.mesh import Placement
+        from jaxtune.runtime.compiled import steps
+        from jaxtune.runtime.devices.mesh import Placement
 
         self.batches, self.xla, self.moments = {}, None, []
         for method, kind in self.KINDS.items():
@@ -141,9 +141,12 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
     import numpy as np
 
     from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-    from jaxtune.runtime import inference, memory, steps, training
-    from jaxtune.runtime import model as rt_model
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.train import training
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.decoding import inference
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.devices.mesh import make_placement
 
     data, fsdp, tensor = sizes
     placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
@@ -205,7 +208,7 @@ def _optimizer_specs(cfg, model) -> dict:
     """{weight: [spec of each optimizer-state leaf kept for it]} (Adam: mu and nu; SGD: the momentum)."""
     import jax
 
-    from jaxtune.runtime import steps
+    from jaxtune.runtime.compiled import steps
 
     state = steps.init_optimizer(model, steps.make_optimizer(cfg))
     specs = {}
@@ -233,8 +236,8 @@ def overridden(sizes: tuple[int, int, int]) -> dict:
     """The tiny Llama placed (nothing trained) on a mesh of `sizes` with OVERRIDES in its config:
     {weight: its jax.Array's spec and per-device shape}."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime import model as rt_model
-    from jaxtune.runtime.mesh import make_placement
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.devices.mesh import make_placement
 
     data, fsdp, tensor = sizes
     placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor, shardings=OVERRIDES))

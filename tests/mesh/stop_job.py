@@ -1,5 +1,5 @@
 """One process of a two-process JAX job on the CPU (started by test_stop_job.py): a loop of steps
-that asks `jaxtune.stopping` after each whether to stop, as training does. Process 1 sends itself
+that asks `jaxtune.host.stopping` after each whether to stop, as training does. Process 1 sends itself
 SIGTERM during step `AT` and is the slower one, so process 0 always reaches each step first."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from jaxtune import processes, stopping
+from jaxtune.host import processes, stopping
 from jaxtune.config import MeshConfig
 
 AT = 5

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune import launch
-from jaxtune.cli import main
+from jaxtune.host import launch
+from jaxtune.cli.main import main
 
 pytestmark = pytest.mark.mesh
 
@@ -131,7 +131,7 @@ def test_sigterm_to_the_launcher_is_passed_on_to_every_process(tmp_path):
 
     scripts = [f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; touch {tmp_path}/started-{i}; sleep 60 & wait"
                for i in (0, 1)]
-    code = ("import os, signal, sys; from jaxtune import launch; "
+    code = ("import os, signal, sys; from jaxtune.host import launch; "
             f"scripts = {scripts!r}; "
             "status = launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]); "
             "print(status, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
@@ -164,7 +164,7 @@ def test_host_command_runs_the_command_it_is_given(tmp_path):
 
 
 def test_launch_imports_neither_jax_nor_prefect():
-    code = "import sys, jaxtune.launch; print(sorted(m for m in ('jax', 'prefect', 'torch') if m in sys.modules))"
+    code = "import sys, jaxtune.host.launch; print(sorted(m for m in ('jax', 'prefect', 'torch') if m in sys.modules))"
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])

@@ -1,5 +1,5 @@
 """What a process other than 0 of a multi-process job does with a stage, without JAX or Prefect:
-the job is faked by setting `jaxtune.processes`' state (the real one: test_multihost_flow.py)."""
+the job is faked by setting `jaxtune.host.processes`' state (the real one: test_multihost_flow.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune import processes
+from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactStore
 from jaxtune.config import MeshConfig
 from jaxtune.tasks.stage import build_artifact
@@ -108,7 +108,7 @@ def test_another_process_follows_process_0_and_reads_its_artifact(tmp_path, job,
 def test_a_one_process_run_joins_nothing_and_imports_no_jax():
     code = ("import os, sys\n"
             "for v in ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'): os.environ.pop(v, None)\n"
-            "from jaxtune import processes\nfrom jaxtune.config import MeshConfig\n"
+            "from jaxtune.host import processes\nfrom jaxtune.config import MeshConfig\n"
             "print(processes.join(MeshConfig()), processes.join(MeshConfig(num_processes=1, process_id=0)), 'jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.stdout.split() == ["False", "False", "False"], out.stderr

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtune.config import MeshConfig, load_config
 from jaxtune.errors import ConfigError
-from jaxtune.runtime.sharding import layer_of, spec_for
+from jaxtune.runtime.devices.sharding import layer_of, spec_for
 
 pytestmark = pytest.mark.mesh
 

@@ -1,5 +1,5 @@
 """A stop signal that reaches one process of a job stops every process at the same step, agreed
-through JAX's coordination service (`jaxtune.processes.any_of`): a process that stopped alone
+through JAX's coordination service (`jaxtune.host.processes.any_of`): a process that stopped alone
 would leave the others waiting in the step's collectives."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.launch import free_port
+from jaxtune.host.launch import free_port
 
 pytestmark = pytest.mark.mesh
 

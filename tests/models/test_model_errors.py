@@ -30,7 +30,7 @@ def first_line(error: pytest.ExceptionInfo) -> str:
     ("gpt2", (), "c_attn, c_proj, c_fc"),  # Conv1D layers, which all-linear adapts too
 ])
 def test_lora_targets_that_match_no_layer_name_the_linear_layers(family, saved, layers):
-    from jaxtune.runtime.model import attach_lora
+    from jaxtune.runtime.modeling.model import attach_lora
 
     with pytest.raises(ModelError) as caught:
         attach_lora(tiny_model(family, layers=1), LoraConfig(target_modules=("q_projj",), modules_to_save=saved))
@@ -39,7 +39,7 @@ def test_lora_targets_that_match_no_layer_name_the_linear_layers(family, saved, 
 
 
 def test_lora_targets_that_match_some_layer_attach():
-    from jaxtune.runtime.model import attach_lora
+    from jaxtune.runtime.modeling.model import attach_lora
 
     module = attach_lora(tiny_model("llama", layers=1), LoraConfig(target_modules=("q_projj", "v_proj")))
     assert any("v_proj.lora_A" in name for name, _ in module.named_parameters())

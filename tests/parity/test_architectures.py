@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from jaxtune.config import ARCHITECTURES, LoraConfig, MeshConfig
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime import inference, parity, steps
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.measures import parity
+from jaxtune.runtime.decoding import inference
+from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity
@@ -34,7 +36,7 @@ WINDOW = 8
 # Another x86 CPU's kernels (AVX2, AVX-512, AMX) sum in yet another order, which moves these figures
 # by rounding-sized amounts, not tenfold; each bound leaves 10x or more over the worst family, yet
 # fails on an error of 1e-5 relative size (logits or loss scaled by 1 + 1e-5) that 1e-4 and 1e-3 passed.
-# `jaxtune doctor` keeps its own, looser limits (jaxtune/doctor.py: 1e-4 of the logits' scale, 1e-3
+# `jaxtune doctor` keeps its own, looser limits (jaxtune/checks/doctor.py: 1e-4 of the logits' scale, 1e-3
 # for the loss and the worst gradient): it checks real checkpoints of up to 30 layers, where the
 # same rounding compounds (tests/real/checks.py: logits 2.3e-6 to 3.2e-6 of their scale, worst
 # gradient tensor 8.5e-5 on SmolLM2 and 1.0e-3 on Gemma 3 270M), so these bounds would fail there.

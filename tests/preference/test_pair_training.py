@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
-from jaxtune.runtime import checkpoint, preference, steps, training
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.inference import row_nll
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.train import checkpoint, training
+from jaxtune.runtime.compiled import preference, steps
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.decoding.inference import row_nll
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, tiny_model
 from tests.preference.test_pair_step import pair_rows
 from tests.training.test_loop import Killed, nan_loss_at, stops_after

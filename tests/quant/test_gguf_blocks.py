@@ -1,4 +1,4 @@
-"""A base held as a GGUF file's own blocks (`model.base_quantization: gguf`, `jaxtune.gguf_blocks`):
+"""A base held as a GGUF file's own blocks (`model.base_quantization: gguf`, `jaxtune.gguf.blocks`):
 kept byte for byte, dequantized to exactly the weights transformers' GGUF reader (with the gguf
 package's numpy dequantizers: an implementation independent of ours) reads from the file, and
 the model's logits in JAX equal to transformers' own model read from the file."""
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from jaxtune import gguf_blocks
+from jaxtune.gguf import blocks as gguf_blocks
 from jaxtune.config import MeshConfig
-from jaxtune.runtime import parity, quantize
-from jaxtune.runtime.mesh import make_placement
-from jaxtune.runtime.model import to_jax
+from jaxtune.runtime.measures import parity
+from jaxtune.runtime.modeling import quantize
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling.model import to_jax
 
 pytestmark = pytest.mark.quant
 TEXTS = ["the quick brown fox jumps over the lazy dog", "yes, it is the answer", "a fox and a dog"] * 20
@@ -40,9 +41,9 @@ def test_the_files_blocks_are_kept_byte_for_byte_and_give_the_readers_weights_an
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from jaxtune import gguf_writer
-    from jaxtune.gguf_reader import tensor_reader
-    from jaxtune.gguf_writer import write_gguf
+    from jaxtune.gguf import writer as gguf_writer
+    from jaxtune.gguf.reader import tensor_reader
+    from jaxtune.gguf.writer import write_gguf
 
     # The exporter offers q8_0 alone of these; its writer (the gguf package's numpy quantizers) makes any.
     monkeypatch.setattr(gguf_writer, "TYPES", (*gguf_writer.TYPES, qtype))

@@ -1,4 +1,4 @@
-"""A LoRA base held as int8 or int4 blocks (`runtime.quantize`): the codes and their error bound,
+"""A LoRA base held as int8 or int4 blocks (`runtime.modeling.quantize`): the codes and their error bound,
 and the quantized model's logits and LoRA gradients in JAX against PyTorch running the same
 model with each quantized layer's weight dequantized by numpy (an independent reading of the
 codes), for three families."""
@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from jaxtune.config import LoraConfig, MeshConfig
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime import parity, quantize
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.measures import parity
+from jaxtune.runtime.modeling import quantize
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.quant
@@ -173,7 +174,7 @@ def test_a_full_fine_tune_over_a_quantized_base_is_refused():
 def test_codes_and_scales_are_split_over_the_mesh_as_the_weight_they_stand_for(layer):
     from jax.sharding import PartitionSpec
 
-    from jaxtune.runtime.sharding import rule_spec
+    from jaxtune.runtime.devices.sharding import rule_spec
 
     sizes = {"data": 1, "fsdp": 2, "tensor": 2}
     prefix = f"base_model.model.model.layers.0.{'self_attn' if layer == 'q_proj' else 'mlp'}.{layer}.base_layer"
@@ -186,8 +187,8 @@ def test_codes_and_scales_are_split_over_the_mesh_as_the_weight_they_stand_for(l
 @pytest.mark.parametrize("scheme, ratio", [("none", 1.0), ("int8", (1 + 2 / 64) / 2), ("int4", (0.5 + 2 / 64) / 2)])
 def test_the_memory_plan_counts_the_base_layers_as_held(scheme, ratio):
     """A bfloat16 base: 2 bytes a weight, against 1 (int8) or 1/2 (int4) plus a 2-byte scale per 64."""
-    from jaxtune.doctor import base_text
-    from jaxtune.runtime.memory import base_bytes
+    from jaxtune.checks.doctor import base_text
+    from jaxtune.runtime.measures.memory import base_bytes
 
     module = lora_model("llama").to(torch.bfloat16)
     if scheme != "none":
@@ -232,7 +233,8 @@ def test_on_a_tpu_the_int4_step_peaks_below_the_bfloat16_one():
     XLA dequantized every layer's weights ahead of time: 348.1 MiB of temporaries, a higher peak
     than the bfloat16 base's."""
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime import steps, targets
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.devices import targets
 
     devices = targets.devices(targets.resolve("v5e-1"))
     plans = {}

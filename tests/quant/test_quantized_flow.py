@@ -39,7 +39,7 @@ def test_the_base_is_quantized_once_and_the_report_says_the_adapter_learned_agai
 def test_the_merged_export_is_the_dequantized_base_plus_the_adapter(int4_run):
     from safetensors.torch import load_file
 
-    from jaxtune.runtime.quantize import dequantize
+    from jaxtune.runtime.modeling.quantize import dequantize
 
     store, _ = int4_run
     export = artifact(store, "export")

@@ -81,9 +81,9 @@ def tokenizer_of(checkpoint: Checkpoint):
 def lora_model(checkpoint: Checkpoint):
     """The float32 model with random-B LoRA on every linear layer, on JAX (`doctor`'s set-up)."""
     from jaxtune.config import load_config
-    from jaxtune.doctor import as_trained
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import load_torch_model, to_jax
+    from jaxtune.checks.doctor import as_trained
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
     config = load_config(None, [f"model.name={checkpoint.folder}", "lora.target_modules=all-linear"])
     module = load_torch_model(str(checkpoint.folder), None, False, "float32")
@@ -108,7 +108,7 @@ def parity_batch(tokenizer) -> tuple[dict[str, np.ndarray], np.ndarray]:
 def loss_and_gradient_errors(model, tokenizer) -> tuple[float, float, str, float]:
     """(relative loss difference, relative difference of all LoRA gradients together, the worst
     tensor's name and its relative difference)."""
-    from jaxtune.runtime import parity
+    from jaxtune.runtime.measures import parity
 
     batch, labels = parity_batch(tokenizer)
     jax_loss, jax_grads = parity.jax_loss_and_grads(model, batch, labels)
@@ -122,7 +122,7 @@ def loss_and_gradient_errors(model, tokenizer) -> tuple[float, float, str, float
 
 def greedy_pairs(model, tokenizer) -> list[tuple[list[int], list[int]]]:
     """(compiled KV-cache decoder, `generate(do_sample=False)`) tokens for each prompt, no early stop."""
-    from jaxtune.runtime import parity
+    from jaxtune.runtime.measures import parity
 
     rows = prompts(tokenizer)
     pad = tokenizer.pad_token_id or 0
@@ -154,8 +154,8 @@ def check_gguf_export(export: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxtune.runtime import parity
-    from jaxtune.gguf_reader import parsed_once
+    from jaxtune.runtime.measures import parity
+    from jaxtune.gguf.reader import parsed_once
 
     def load(folder, gguf_file=None):
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()

@@ -10,8 +10,8 @@ import numpy as np
 def tiny_gemma_and_batch():
     """(model, batch, labels): two rows of 128 tokens, the second padded from token 90."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import to_jax
     from tests.conftest import tiny_model
 
     model = to_jax(tiny_model("gemma3", layers=2, sliding_window=16), make_placement(MeshConfig()))
@@ -25,7 +25,8 @@ def tiny_gemma_and_batch():
 
 def loss_and_gradients(model, batch, labels, core: str):
     """The loss and every weight's gradient with attention's core `core` ("xla", "splash-interpret", …)."""
-    from jaxtune.runtime import attention, steps
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.modeling import attention
 
     with attention.choose(core):
         return steps.make_loss_and_grad(model)(model.weights, model.buffers, batch, labels)

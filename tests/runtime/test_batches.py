@@ -1,6 +1,6 @@
 """Padded lengths: few distinct shapes (each one compiles), little padding."""
 
-from jaxtune.runtime.batches import bucket_length
+from jaxtune.runtime.compiled.batches import bucket_length
 
 
 def test_lengths_grow_geometrically_from_16():

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from jaxtune.runtime.flops import chip_peak
+from jaxtune.runtime.measures.flops import chip_peak
 
 
 @dataclass

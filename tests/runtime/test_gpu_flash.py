@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.runtime import attention, gpu_flash
+from jaxtune.runtime.modeling import attention, gpu_flash
 from tests.runtime.attention_cores import loss_and_gradients, tiny_gemma_and_batch, worst_gradient_gap
 
 # float32 on this CPU, measured: forward max |Δ| 3.9e-7 (outputs of size ~1), gradients 2.3e-7

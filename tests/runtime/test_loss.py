@@ -1,11 +1,11 @@
-"""Chunked cross-entropy (`jaxtune.runtime.loss`) against the full-logits path it replaces."""
+"""Chunked cross-entropy (`jaxtune.runtime.modeling.loss`) against the full-logits path it replaces."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxtune.data.tokenize import IGNORE_INDEX
-from jaxtune.runtime.loss import chunk_tokens_for, chunk_tokens_on, head_token_nll, linear_token_nll
+from jaxtune.runtime.modeling.loss import chunk_tokens_for, chunk_tokens_on, head_token_nll, linear_token_nll
 
 pytestmark = pytest.mark.training
 

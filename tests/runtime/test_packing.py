@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxtune.data.tokenize import IGNORE_INDEX as X
-from jaxtune.runtime.batches import bucket_length, epoch_order, pad_batch, train_batches
-from jaxtune.runtime.packing import (PackedShape, micro_batches_per_epoch, nonpad_fraction, pack, packed_micro_batches,
+from jaxtune.runtime.compiled.batches import bucket_length, epoch_order, pad_batch, train_batches
+from jaxtune.runtime.train.packing import (PackedShape, micro_batches_per_epoch, nonpad_fraction, pack, packed_micro_batches,
                                      packed_shape, unpacked_segments)
 
 pytestmark = pytest.mark.training
@@ -162,7 +162,7 @@ def test_a_mesh_pads_packed_micro_batches_with_empty_sequences_but_never_changes
     """Every mesh trains on the same rows in the same bins: the plan is made as for one device,
     and the batch gets empty sequences (no label scored) until it splits over data x fsdp."""
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime.feed import make_feed
+    from jaxtune.runtime.train.feed import make_feed
 
     lengths = instruction_lengths(n=300)
     ids = [list(range(3, n + 3)) for n in lengths]
@@ -182,8 +182,8 @@ def test_on_a_tpu_every_micro_batch_is_a_multiple_of_splash_tiles_and_holds_the_
     """Splash attention takes lengths in 128-token tiles; a feed for it packs into such lengths
     (more rows per sequence, fewer sequences) and pads its padded batches to them."""
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime import attention
-    from jaxtune.runtime.feed import make_feed
+    from jaxtune.runtime.modeling import attention
+    from jaxtune.runtime.train.feed import make_feed
 
     from tests.conftest import tiny_model
 

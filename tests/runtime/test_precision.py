@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from jaxtune.config import LoraConfig, MeshConfig, ModelConfig
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import tiny_model
 
 
@@ -40,7 +40,7 @@ def test_bf16_load_is_scoped_to_its_model(model_dir):
 
 def test_bf16_model_evaluates_close_to_fp32(model_dir):
     """A bf16 forward stays within bf16 rounding of the fp32 one (logits ~0.7 here, rounding ~1e-2)."""
-    from jaxtune.runtime import parity
+    from jaxtune.runtime.measures import parity
 
     placement = make_placement(MeshConfig())
     bf16 = rt_model.open_model(model_dir, None, ModelConfig(name=model_dir), placement)

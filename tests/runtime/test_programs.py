@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig
-from jaxtune.runtime import attention, programs, steps
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.compiled import programs, steps
+from jaxtune.runtime.modeling import attention
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import VOCAB, tiny_model
 
 

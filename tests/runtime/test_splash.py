@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtune.runtime import attention, splash
+from jaxtune.runtime.modeling import attention, splash
 from tests.runtime.attention_cores import loss_and_gradients, tiny_gemma_and_batch, worst_gradient_gap
 
 # float32 on this CPU, measured: forward max |Δ| 5.4e-7 (outputs of size ~1), gradients 3.2e-7

@@ -4,7 +4,7 @@
 (`get_client`) starts `SubprocessASGIServer`, a uvicorn process. The test starts one exactly that
 way, in a child process with no PREFECT_API_URL, and reads the listening sockets of the server
 process with psutil. `jaxtune serve`'s runner webserver (when enabled) and `prefect server start`
-read their host from Prefect settings, which `jaxtune.cli._local_servers()` defaults to 127.0.0.1.
+read their host from Prefect settings, which `jaxtune.cli.main._local_servers()` defaults to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_the_temporary_prefect_server_of_jaxtune_run_listens_on_loopback_only(tm
 
 
 LOCAL_SERVERS = """
-from jaxtune import cli
+from jaxtune.cli import main as cli
 cli._local_servers()
 from prefect.settings import PREFECT_RUNNER_SERVER_HOST, PREFECT_SERVER_API_HOST
 print(PREFECT_RUNNER_SERVER_HOST.value(), PREFECT_SERVER_API_HOST.value())
@@ -135,7 +135,7 @@ def test_jaxtune_points_the_servers_prefect_starts_at_loopback(tmp_path):
 # defaults; only the runner's routes are replaced by a bare app, since they need a live Runner.
 START_RUNNER_WEBSERVER = """
 import sys, threading
-from jaxtune import cli
+from jaxtune.cli import main as cli
 cli._local_servers()
 import prefect.runner.server as runner_server
 

@@ -212,7 +212,7 @@ def test_the_scanner_passes_safe_code(snippet):
 def test_the_scan_covers_the_package():
     files = _sources()
     names = {p.relative_to(PACKAGE).as_posix() for p in files}
-    assert {"cli.py", "artifacts/store.py", "tasks/train.py", "runtime/checkpoint.py"} <= names
+    assert {"cli/main.py", "artifacts/store.py", "tasks/train.py", "runtime/train/checkpoint.py"} <= names
     assert sum(_is_task_module(p) for p in files) >= 10
 
 

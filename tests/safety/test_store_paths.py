@@ -249,7 +249,7 @@ def test_the_flow_refuses_a_store_root_that_is_a_file_before_any_stage(tmp_path)
         StageRunner(Path(config.store.root).resolve(), set(), config)
     assert str(root) in str(error.value)
     # The one line `jaxtune run` prints for it names the file.
-    from jaxtune.cli import _one_line
+    from jaxtune.cli.main import _one_line
 
     assert str(root) in _one_line(error.value) and "not a file" in _one_line(error.value)
 

@@ -11,7 +11,9 @@ import dataclasses
 
 import pytest
 
-from jaxtune.runtime import fit, memory, steps, targets
+from jaxtune.runtime.measures import fit, memory
+from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.devices import targets
 
 pytestmark = pytest.mark.target
 
@@ -24,10 +26,10 @@ def planned(tiny_folder):
     """(config, model on one compile-only v5e, {(policy, rows): bytes its XLA:TPU plan needs}) at 4 x LENGTH
     for every policy, and layer at 2 rows a micro-batch (2 micro-batches)."""
     from jaxtune.config import config_from_dict
-    from jaxtune.doctor import as_trained
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
-    from jaxtune.target_plan import meta_model
+    from jaxtune.checks.doctor import as_trained
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import to_jax
+    from jaxtune.checks.target_plan import meta_model
 
     config = config_from_dict({}, SETTINGS)  # as `jaxtune doctor --set` reads them
     dtype = config.model.model_copy(update={"name": str(tiny_folder)}).compute_dtype
@@ -60,8 +62,8 @@ def test_auto_on_a_compile_only_v5e_takes_the_first_policy_whose_plan_fits(plann
 
 
 def test_where_no_policy_fits_the_doctor_shows_the_split_auto_chose(planned, tiny_folder, monkeypatch):
-    from jaxtune.doctor import render
-    from jaxtune.target_plan import plan_for_target
+    from jaxtune.checks.doctor import render
+    from jaxtune.checks.target_plan import plan_for_target
 
     config, _, needs = planned
     smallest = min(needs[(p, 4)] for p in fit.POLICIES)

@@ -72,8 +72,8 @@ def test_a_plan_that_fits_queues_the_accelerators_run_with_the_same_recipe(recip
 
 
 def test_a_plan_that_does_not_fit_fails_naming_the_figures_and_queues_nothing(recipe, deployment, monkeypatch):
-    from jaxtune import target_plan
-    from jaxtune.runtime import targets
+    from jaxtune.checks import target_plan
+    from jaxtune.runtime.devices import targets
 
     # One v5e chip with 64 KiB of HBM: the tiny model's steps, as they are, do not fit it.
     monkeypatch.setitem(targets.CHIPS, "v5e", dataclasses.replace(targets.CHIPS["v5e"], hbm=64 * 2**10))

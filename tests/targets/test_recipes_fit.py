@@ -32,8 +32,8 @@ def checkpoint_of(tmp_path_factory):
 
 
 def test_every_recipe_names_a_known_chip_and_a_checkpoint_of_known_shape(checkpoint_of):
-    from jaxtune.runtime import targets
-    from jaxtune.target_plan import meta_model
+    from jaxtune.runtime.devices import targets
+    from jaxtune.checks.target_plan import meta_model
 
     for recipe in RECIPES:
         config = load_config(recipe)
@@ -48,9 +48,9 @@ def test_every_recipe_names_a_known_chip_and_a_checkpoint_of_known_shape(checkpo
 @pytest.mark.slow  # one compile of a real-sized train step each: 1-2 minutes
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.stem)
 def test_the_recipe_fits_its_chip(recipe, checkpoint_of):
-    from jaxtune.doctor import MEMORY_CHECK, render
-    from jaxtune.runtime import targets
-    from jaxtune.target_plan import plan_for_target
+    from jaxtune.checks.doctor import MEMORY_CHECK, render
+    from jaxtune.runtime.devices import targets
+    from jaxtune.checks.target_plan import plan_for_target
 
     config = load_config(recipe)
     diagnosis = plan_for_target(str(checkpoint_of(config.model.name)), config, config.plan.target, train_only=True)
@@ -64,6 +64,6 @@ def test_the_recipe_fits_its_chip(recipe, checkpoint_of):
 
 
 def _bytes(text: str) -> float:
-    """2.78 GiB ... -> its bytes (as `jaxtune.doctor.size_text` writes them)."""
+    """2.78 GiB ... -> its bytes (as `jaxtune.checks.doctor.size_text` writes them)."""
     number, unit = text.split()[:2]
     return float(number) * {"GiB": 2**30, "MiB": 2**20}[unit]

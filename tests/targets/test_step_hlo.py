@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxtune.config import load_config
-from jaxtune.runtime import targets
+from jaxtune.runtime.devices import targets
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import step_hlo  # noqa: E402
@@ -33,12 +33,12 @@ def gemma_vocabulary_folder(tmp_path_factory):
 
 
 def _breakdown(folder, target: str) -> tuple[dict, object]:
-    from jaxtune.doctor import as_trained
-    from jaxtune.runtime import steps
-    from jaxtune.runtime.flops import train_flops_per_token
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
-    from jaxtune.target_plan import meta_model
+    from jaxtune.checks.doctor import as_trained
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures.flops import train_flops_per_token
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import to_jax
+    from jaxtune.checks.target_plan import meta_model
 
     config = load_config(None, [f"lora.r={RANK}", "lora.modules_to_save=[]",  # the Gemma recipe's LoRA: a frozen head
                                 "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"])

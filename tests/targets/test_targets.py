@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from jaxtune import cli
+from jaxtune.cli import main as cli
 from jaxtune.config import load_config
-from jaxtune.runtime import targets
+from jaxtune.runtime.devices import targets
 
 pytestmark = pytest.mark.target
 
@@ -71,10 +71,10 @@ def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, mon
 
 
 def _placed_model(folder, settings, target_name):
-    from jaxtune.doctor import as_trained
-    from jaxtune.runtime.mesh import make_placement
-    from jaxtune.runtime.model import to_jax
-    from jaxtune.target_plan import meta_model
+    from jaxtune.checks.doctor import as_trained
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import to_jax
+    from jaxtune.checks.target_plan import meta_model
 
     config = load_config(None, settings)
     placement = make_placement(config.mesh, targets.devices(targets.resolve(target_name)))
@@ -98,7 +98,8 @@ def aligned_folder(tmp_path_factory):
 def _argument_bytes(folder, method: str, mesh: list[str], target: str = "v5e:2x2") -> tuple[int, int]:
     """(the compiler's argument bytes per device of the train step on `target`, the bytes of what
     placement gives one device: weights, frozen tensors, optimizer state, batch rows, key and rate)."""
-    from jaxtune.runtime import memory, steps
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.compiled import steps
 
     config, model = _placed_model(folder, [f"train.method={method}", "train.batch_size=32", "lora.r=128", *mesh], target)
     optimizer = steps.make_optimizer(config.train)
@@ -150,7 +151,9 @@ def test_the_eval_and_decode_steps_compile_for_v5e_2x2_holding_the_weight_shards
     """Their arguments are the weights as placed (a quarter of each matrix on fsdp=4), the frozen
     tensors, and the batch: eval rows split over the four devices, prompts whole (data=1 does not
     split them). Within 2,332 bytes, as the train step (XLA:TPU's tiles for the 1-D norms)."""
-    from jaxtune.runtime import decode, memory, steps
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.decoding import decode
+    from jaxtune.runtime.compiled import steps
 
     config, model = _placed_model(aligned_folder, ["train.method=full", *FSDP4], "v5e:2x2")
     weights = memory.device_bytes(model.weights) + memory.device_bytes(model.buffers)
@@ -170,7 +173,8 @@ def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device_and_on_a_gp
     import jax
     import jax.numpy as jnp
 
-    from jaxtune.runtime import attention, steps
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.modeling import attention
 
     def kernels(target: str, choice: str | None = None) -> tuple[int, int, int, int]:
         config, model = _placed_model(tiny_folder, FSDP4 if target == "v5e:2x2" else [], target)
@@ -236,8 +240,8 @@ def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figur
     assert named and "train.optimizer=adafactor" in advice, advice
     # The slice it names, on the mesh it names, plans the same train step within the chip's HBM.
     from jaxtune.config import config_from_dict
-    from jaxtune.doctor import render
-    from jaxtune.target_plan import plan_for_target
+    from jaxtune.checks.doctor import render
+    from jaxtune.checks.target_plan import plan_for_target
 
     settings = ["train.method=full", "train.batch_size=1", "data.max_length=16", *named[3].split(", ")]
     again = plan_for_target(str(tmp_path), config_from_dict({}, settings), named[1], train_only=True)  # as the doctor reads --set
@@ -264,7 +268,7 @@ def test_a_gguf_files_header_gives_the_meta_model_without_reading_its_tensors(tm
     """SmolLM2-135M's GGUF file (pip-installed): the architecture and every shape from its header,
     on the meta device, so planning a quantized checkpoint dequantizes nothing."""
     from jaxtune.offline.checkpoints import place_smollm2
-    from jaxtune.target_plan import meta_model
+    from jaxtune.checks.target_plan import meta_model
 
     module = meta_model(str(place_smollm2(tmp_path)), None, False, "bfloat16")
     config = module.config

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import compile_cache, memory, programs, steps, training
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.feed import make_feed
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.train import training
+from jaxtune.runtime.compiled import programs, steps
+from jaxtune.runtime.devices import compile_cache
+from jaxtune.runtime.measures import memory
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train.feed import make_feed
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.training
@@ -87,8 +90,8 @@ def compiled(caplog, name: str, run) -> int:
 
 
 def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(caplog):
-    from jaxtune.runtime import inference
-    from jaxtune.runtime.batches import bucket_length
+    from jaxtune.runtime.decoding import inference
+    from jaxtune.runtime.compiled.batches import bucket_length
 
     model = lora_model()
     ids, labels = rows()
@@ -102,7 +105,8 @@ def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(
 def test_on_a_tpu_eval_batches_pad_to_splash_tiles_and_lose_nothing(monkeypatch):
     """Where the kernel takes only 128-token tiles (splash), eval pads every batch to them: the same
     losses, one program of length 128 (here the CPU's XLA attention computes it)."""
-    from jaxtune.runtime import attention, inference
+    from jaxtune.runtime.decoding import inference
+    from jaxtune.runtime.modeling import attention
 
     model = lora_model()
     ids, labels = rows()

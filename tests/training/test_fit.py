@@ -1,4 +1,4 @@
-"""train.remat auto (`runtime.fit`): the cheapest way to run a batch whose compiled plan fits the
+"""train.remat auto (`runtime.measures.fit`): the cheapest way to run a batch whose compiled plan fits the
 device, and a split batch that trains as the whole one did.
 
 The CPU reports no memory, so each test names the device's memory (`limit`) from the plans the
@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime import fit, loss, memory, steps, training
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.train import training
+from jaxtune.runtime.measures import fit, memory
+from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.modeling import loss
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import PAD, VOCAB, tiny_model
 from tests.mesh.bounds import RHO
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from jaxtune.config import MeshConfig, load_config
-from jaxtune.runtime import memory, steps
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime.mesh import make_placement
+from jaxtune.runtime.measures import memory
+from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.devices.mesh import make_placement
 
 pytestmark = pytest.mark.training
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime import memory
+from jaxtune.runtime.measures import memory
 
 pytestmark = pytest.mark.training
 
@@ -109,7 +109,7 @@ def test_describe_names_the_mesh():
 
 def test_the_doctor_shows_the_mesh_and_when_the_plan_does_not_fit_a_mesh_that_would():
     from jaxtune.config import load_config
-    from jaxtune.doctor import Diagnosis, _memory_rows, render
+    from jaxtune.checks.doctor import Diagnosis, _memory_rows, render
 
     config = load_config(None, ["train.method=full", "train.batch_size=8"])
     rows = _memory_rows({**DATA8, "device_limit": None}, config, "bfloat16")

@@ -7,11 +7,11 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig, load_config
 from jaxtune.errors import ConfigError
-from jaxtune.runtime import model as rt_model
-from jaxtune.runtime import steps
-from jaxtune.runtime.feed import make_feed
-from jaxtune.runtime.mesh import make_placement
-from jaxtune.runtime.training import total_steps
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.train.feed import make_feed
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.train.training import total_steps
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.training
@@ -86,7 +86,7 @@ def test_layer_remat_cuts_temporary_memory_and_keeps_the_loss(remat_plans):
     # Measured 51.39 MiB without remat, 34.89 MiB with remat layer: 0.679x. XLA's buffer assignment
     # is deterministic for one jaxlib, so the bound, 0.70x, leaves a 3% margin (1.1 MiB) for another
     # jaxlib's scheduling, yet fails on layer remat lowered as a plain jax.checkpoint (whose
-    # recomputation XLA's CPU scheduler hoists, see runtime/remat.py: 0.988x) or saving what matmuls
+    # recomputation XLA's CPU scheduler hoists, see runtime/modeling/remat.py: 0.988x) or saving what matmuls
     # saves (0.954x).
     assert temp["layer"] <= 0.70 * temp["none"], temp
     ids, mask, labels = rows(2, longest=512)

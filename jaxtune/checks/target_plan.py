@@ -1,0 +1,179 @@
+"""`jaxtune doctor MODEL --target v5e-1`: XLA's plan of the train, eval and decode steps on an
+accelerator this machine does not have, from the model's config alone.
+
+The model is built on the meta device from its `config.json` (a hub id's, a local folder's) or a
+GGUF file's header, so no weight is read or downloaded; the steps the config runs (training as
+configured: LoRA or full, accumulation, remat, optimizer; an eval batch; greedy decoding) are
+compiled for the target's compile-only devices on the config's mesh, and the target's own
+compiler (XLA:TPU, or XLA:GPU for an NVIDIA GPU) says what one device holds. The XLA:CPU plan of
+a plain `jaxtune doctor` overstates an accelerator's: XLA:CPU computes bf16 matmuls in float32
+and keeps float32 copies of the weights for them.
+
+The roofline figures are the compiler's estimate, not a measurement: the train step's flops and
+bytes as XLA:TPU counts them, over the chip's published peak FLOP/s and HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxtune.config import JaxtuneConfig
+from jaxtune.checks.doctor import (DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, fit_row, part_rows,
+                            size_text)
+from jaxtune.errors import DoctorError
+
+MAX_SLICES_TRIED = 3  # each is a compile of the whole step: minutes for a real model
+
+
+def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision: str | None = None,
+                    train_only: bool = False) -> Diagnosis:
+    """Rows of the target's plan for `name` trained as `config` says; TargetError when the target is
+    unknown or cannot be compiled for here (both found before the model is read). When the train
+    step does not fit, the larger slices of the same chip are compiled in turn, the smallest that
+    fits named. `train_only`: leave out the eval and decode steps (each another compile)."""
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.devices import targets
+
+    target = targets.resolve(target_name)
+    devices = targets.devices(target)
+    train, length = config.train, config.data.max_length
+    dtype = config.model.model_copy(update={"name": name}).compute_dtype
+    module = as_trained(meta_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
+    method = f"LoRA r={config.lora.r}" if train.method == "lora" else "full fine-tuning"
+    diagnosis = Diagnosis(model=name, summary=f"{module.config.model_type}, {method}; {target.chip.compiler} plan for "
+                                              f"{target.describe(len(devices))}, compiled here without them", plan_only=True)
+    plan, refused = _compile(module, config, target, devices, config.mesh)
+    if refused:
+        shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {length}"
+        diagnosis.rows += [Row("mesh", refused["mesh"]),
+                           Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", size_text(target.chip.hbm), False)]
+    else:
+        run = plan["fit"].train_config(train)
+        shape = f"{dtype}, {run.optimizer}, remat {run.remat}, {run.grad_accumulation} x {run.batch_size} x {length}"
+        diagnosis.rows += [fit_row(plan["fit"], train)]
+        diagnosis.rows += _rows(plan, target, shape, tokens=train.grad_accumulation * train.batch_size * length)
+        diagnosis.rows += [] if train_only else _other_steps(module, config, target, devices)
+    if diagnosis.ok:
+        return diagnosis
+    larger = _smallest_fitting_slice(module, config, target, len(devices))
+    diagnosis.rows.append(Row("  to fit", (larger + ". Or try: " if larger else "") + memory.knobs(train)))
+    return diagnosis
+
+
+def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tuple[dict | None, dict | None]:
+    """(the memory plan of the step on `devices` with `mesh`, its `fit.Fit` under "fit", None), or
+    (None, {"mesh", "message"}) when XLA:TPU refuses it for want of memory (with train.remat auto:
+    every way `fit.choose` tries)."""
+    from jaxtune.runtime.measures import fit, memory
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import to_jax
+
+    try:
+        placement = make_placement(mesh, devices)
+    except ValueError as e:
+        raise DoctorError(f"{e} of {target.describe(len(devices))}") from None
+    model = to_jax(module, placement, shapes_only=True)
+    try:
+        chosen = fit.choose(model, steps.make_optimizer(config.train), config.train,
+                            lambda run: (None, config.data.max_length, 0), limit=target.chip.hbm)
+    except fit.NothingFits as e:  # XLA:TPU refuses a step that does not fit at compile time
+        if e.fit is None:
+            return None, {"mesh": memory.mesh_text(placement.sizes, placement.mesh.size), "message": str(e)}
+        chosen = e.fit  # the most economical way, which compiled: its figures, marked as not fitting
+    return {**chosen.plan, "fit": chosen}, None
+
+
+def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int) -> str | None:
+    """'v5e-8 fits: 9.10 GiB of 15.75 GiB per device with mesh.data=1, mesh.fsdp=8, mesh.tensor=1 (compiled)', from compiling the
+    step on each larger slice of the chip in turn, its parameters split over every device (fsdp
+    where the batch divides, else tensor); None when none of the first few does."""
+    from jaxtune.config import MeshConfig
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.devices import targets
+
+    for name in targets.larger_slices(target, devices)[:MAX_SLICES_TRIED]:
+        candidate = targets.resolve(name)
+        found = targets.devices(candidate)
+        axis = "fsdp" if config.train.batch_size % len(found) == 0 else "tensor"
+        mesh = MeshConfig(data=1, **{axis: len(found)})
+        plan, refused = _compile(module, config, candidate, found, mesh)
+        if plan and plan["peak"] + plan["code"] <= candidate.chip.hbm:
+            return (f"{candidate.name} fits: {size_text(plan['peak'] + plan['code'])} of {size_text(candidate.chip.hbm)} "
+                    f"per device with {memory.mesh_setting(plan['mesh'])} (compiled)")
+    return None
+
+
+def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
+    from jaxtune.runtime.measures import memory
+
+    # The program itself lies in HBM beside its buffers: hundreds of MiB for a 1B model's step.
+    needed = plan["peak"] + plan["code"]
+    fits = needed <= target.chip.hbm
+    rows = [
+        Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
+        Row(MEMORY_CHECK, f"{size_text(needed)} with its code ({shape})", f"{size_text(target.chip.hbm)} HBM", fits),
+        *part_rows(plan),
+        Row("  generated code", size_text(plan["code"])),
+    ]
+    cost = plan["cost"]
+    if cost.get("flops"):
+        seconds = max(cost["flops"] / target.chip.peak_flops, cost["bytes_accessed"] / target.chip.hbm_bandwidth)
+        per_chip = tokens / plan["devices"] * target.chip.devices_per_chip / seconds
+        rows += [Row("compiler's count per device", f"{cost['flops']:.3g} flops, {cost['bytes_accessed']:.3g} bytes accessed"),
+                 Row("roofline (estimate)", f"step >= {seconds * 1e3:.1f} ms, <= {per_chip:,.0f} tokens/s per chip")]
+    return rows
+
+
+def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
+    """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.decoding import decode
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling.model import to_jax
+
+    model = to_jax(module, make_placement(config.mesh, devices), shapes_only=True)
+    shards = model.placement.batch_shards
+    rows = -(-config.eval.batch_size // shards) * shards  # as `inference.evaluate` rounds them
+    length, generate = config.data.max_length, config.generate
+    found = []
+    for check, shape, plan in (
+        (EVAL_CHECK, f"{rows} x {length}", lambda: steps.eval_step_memory(model, rows, length)),
+        (DECODE_CHECK, f"{generate.batch_size} prompts of {length} + {generate.max_new_tokens} tokens",
+         lambda: decode.generate_memory(model, generate.batch_size, length, generate.max_new_tokens)),
+    ):
+        try:
+            bytes_ = plan()
+        except Exception as e:
+            refused = memory.refusal(e)
+            if not refused:
+                raise
+            found.append(Row(check, f"does not compile ({shape}): {refused}", size_text(target.chip.hbm), False))
+            continue
+        needed = bytes_["peak_bytes"] + bytes_["code_bytes"]
+        found.append(Row(check, f"{size_text(needed)} with its code ({shape})", f"{size_text(target.chip.hbm)} HBM",
+                         needed <= target.chip.hbm))
+    return found
+
+
+def meta_model(name: str, revision: str | None, trust_remote_code: bool, dtype: str):
+    """`name`'s architecture on the meta device in `dtype`: shapes, no storage; from a hub id's or
+    folder's config.json, or the header of a .gguf file."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(name)
+    if name.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise DoctorError(f"{name}: no such GGUF file")
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+        except OSError as e:
+            raise DoctorError(f"{name}: no model config.json found ({str(e).splitlines()[0]})") from None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="eager",
+                                                trust_remote_code=trust_remote_code)
+

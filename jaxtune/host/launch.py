@@ -1,0 +1,265 @@
+"""`jaxtune launch`: one jaxtune command as a job of N processes (JAX multi-process / multi-host).
+
+    jaxtune launch --processes 2 --cpu-devices 4 -- run --set mesh.fsdp=4
+    jaxtune launch --processes 4 --host-command 'gcloud compute tpus tpu-vm ssh my-pod --zone Z \\
+        --worker={process_id} --command {command}' -- run configs/my-recipe.yaml
+
+Every process runs the same jaxtune command with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+JAX_PROCESS_ID set, which `jaxtune.host.processes.settings` reads (so the flow joins the job through
+`jax.distributed.initialize`). Locally (the default) they are child processes of this one; with
+`--host-command` each is started by a shell command built from a template holding
+`{process_id}` and `{command}`, the latter the shell-quoted jaxtune command with its environment
+(`env VAR=value ... jaxtune ...`), run on the far side by a shell in its home folder: the
+`jaxtune` there must be on PATH, and relative paths in the command are relative to that folder.
+Only the job's variables travel with the command: what else a remote process needs (the store
+folder, which every host must see at the same path; PREFECT_API_URL; HF_TOKEN) is its host's.
+
+Each process's output lines come out prefixed `[i] ` (stdout on stdout, stderr on stderr). When
+a process exits with a non-zero status, the others are terminated and `launch` exits with that
+status; with `--host-command` terminating means ending the local command (e.g. the ssh client):
+whether that ends the remote process is the command's affair (ssh's does with a terminal, -t),
+and a remote process left waiting for a dead job ends once JAX's heartbeats time out.
+
+Composing the processes' commands (`plan`) imports neither JAX nor Prefect.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from jaxtune.errors import LaunchError
+
+COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# Between asking the other processes to stop and killing them: a process stopped by SIGTERM in
+# training first writes a checkpoint of its step (as on a spot VM's notice, which gives 30 s).
+GRACE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process of the job: the argv run here, and the environment it runs with."""
+
+    index: int
+    argv: list[str]
+    env: dict[str, str] = field(repr=False)
+    shown: str  # the command as a person would type it, for messages
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now (the coordinator binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def job_env(index: int, count: int, coordinator: str | None, cpu_devices: int | None,
+            base: Mapping[str, str] = {}) -> dict[str, str]:  # noqa: B006 (never mutated)
+    """The variables that make process `index` of `count` join the job (only these, not `base`,
+    which is read for XLA_FLAGS to extend)."""
+    env = {NUM_PROCESSES: str(count), PROCESS_ID: str(index)}
+    if coordinator is not None:
+        env = {COORDINATOR: coordinator, **env}
+    if cpu_devices is not None:
+        kept = [flag for flag in shlex.split(base.get("XLA_FLAGS", "")) if not flag.startswith(DEVICE_COUNT_FLAG)]
+        env["XLA_FLAGS"] = " ".join([*kept, f"{DEVICE_COUNT_FLAG}={cpu_devices}"])
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def plan(count: int, arguments: Sequence[str], coordinator: str | None = None, host_command: str | None = None,
+         cpu_devices: int | None = None, base_env: Mapping[str, str] | None = None,
+         python: str = sys.executable) -> list[Process]:
+    """The `count` processes that run `jaxtune <arguments>` as one job.
+
+    Locally the coordinator defaults to 127.0.0.1 on a free port. Through `host_command` it has
+    no default: without `coordinator`, JAX_COORDINATOR_ADDRESS is left unset and JAX finds process
+    0's address itself where it can (a Cloud TPU pod, SLURM, Open MPI, Kubernetes).
+    """
+    base_env = dict(os.environ if base_env is None else base_env)
+    if count < 1:
+        raise LaunchError(f"--processes must be 1 or more, not {count}")
+    if cpu_devices is not None and cpu_devices < 1:
+        raise LaunchError(f"--cpu-devices must be 1 or more, not {cpu_devices}")
+    if not arguments:
+        raise LaunchError("no jaxtune command to launch: give one after --, e.g. jaxtune launch --processes 2 -- run")
+    if arguments[0] == "launch":
+        raise LaunchError("jaxtune launch cannot launch itself")
+    if host_command is not None:
+        for name in ("{process_id}", "{command}"):
+            if name not in host_command:
+                raise LaunchError(f"--host-command must contain {name} (it is {host_command!r})")
+    elif coordinator is None:
+        coordinator = f"127.0.0.1:{free_port()}"
+    if coordinator is not None and not _host_port(coordinator):
+        raise LaunchError(f"--coordinator must be HOST:PORT, not {coordinator!r}")
+    processes = []
+    for index in range(count):
+        variables = job_env(index, count, coordinator, cpu_devices, base_env)
+        if host_command is None:
+            # PYTHONHASHSEED=0 as `jaxtune` itself sets it (see jaxtune.cli.main.entry), without its re-exec.
+            env = {**base_env, **variables, "PYTHONHASHSEED": "0"}
+            argv = [python, "-m", "jaxtune.cli", *arguments]
+            shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items()) + " " + shlex.join(["jaxtune", *arguments])
+        else:
+            remote = shlex.join(["env", *(f"{k}={v}" for k, v in variables.items()), "jaxtune", *arguments])
+            shown = _fill(host_command, index, remote)
+            argv, env = ["/bin/sh", "-c", shown], base_env
+        processes.append(Process(index=index, argv=argv, env=env, shown=shown))
+    return processes
+
+
+def _fill(template: str, index: int, command: str) -> str:
+    """`template` with {process_id} and {command} (shell-quoted) filled in; other braces stay as they are."""
+    return template.replace("{process_id}", str(index)).replace("{command}", shlex.quote(command))
+
+
+def _host_port(value: str) -> bool:
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: 128 + N for one killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Prefixer(threading.Thread):
+    """Copies a child's stream to `out` line by line, each line prefixed."""
+
+    def __init__(self, source: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock):
+        super().__init__(daemon=True)
+        self.source, self.out, self.prefix, self.lock = source, out, prefix, lock
+
+    def run(self) -> None:
+        for line in iter(self.source.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self.lock:
+                self.out.write(self.prefix + line)
+                self.out.flush()
+        self.source.close()
+
+
+def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
+        poll_seconds: float = 0.1) -> int:
+    """Start every process, relay their output prefixed `[i] `, and return the job's status: 0 when
+    all exit 0, else the first non-zero status (the others are terminated then)."""
+    stdout = stdout or sys.stdout.buffer
+    stderr = stderr or sys.stderr.buffer
+    lock = threading.Lock()
+    children: list[subprocess.Popen] = []
+    relays: list[_Prefixer] = []
+    # SIGTERM to the launcher (`kill`, a scheduler, a spot VM's notice) is passed on as Ctrl-C is:
+    # the processes get it and their grace, rather than being left running without it.
+    previous = _take(signal.SIGTERM, _terminated)
+    try:
+        for process in processes:
+            # A session of its own: terminating a process also ends what it started (Prefect's
+            # temporary server, a compiler), and a Ctrl-C here is handled here, once.
+            child = subprocess.Popen(process.argv, env=process.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+            children.append(child)
+            prefix = f"[{process.index}] ".encode()
+            relays += [_Prefixer(child.stdout, stdout, prefix, lock), _Prefixer(child.stderr, stderr, prefix, lock)]
+            relays[-2].start()
+            relays[-1].start()
+        status = _wait(children, processes, stderr, lock, poll_seconds)
+    except KeyboardInterrupt:
+        status = 130
+    except _Terminated:
+        status = 128 + signal.SIGTERM
+    except BaseException:
+        _terminate(children)
+        raise
+    finally:
+        _take(signal.SIGTERM, previous)  # a second SIGTERM ends the launcher; the processes have theirs
+    _terminate(children)
+    for relay in relays:
+        relay.join(timeout=5)
+    return status
+
+
+def _wait(children: list[subprocess.Popen], processes: Sequence[Process], stderr: BinaryIO, lock: threading.Lock,
+          poll_seconds: float) -> int:
+    while True:
+        running = False
+        for child, process in zip(children, processes):
+            code = child.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                status = exit_status(code)
+                others = [str(p.index) for c, p in zip(children, processes) if c is not child and c.poll() is None]
+                with lock:
+                    stopping = f"; stopping process{'es' * (len(others) > 1)} {', '.join(others)}" if others else ""
+                    stderr.write(f"jaxtune launch: process {process.index} exited with status {status}{stopping}\n".encode())
+                    stderr.flush()
+                return status
+        if not running:
+            return 0
+        time.sleep(poll_seconds)
+
+
+class _Terminated(Exception):
+    """The launcher got SIGTERM."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
+
+
+def _take(signum: int, handler):
+    """Install `handler` for `signum` where Python can (the main thread); the one there before."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signum, handler)
+
+
+def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(child.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(children: Sequence[subprocess.Popen], grace: float = GRACE_SECONDS) -> None:
+    """SIGTERM every running child's process group, then SIGKILL what is left after `grace` s."""
+    alive = [c for c in children if c.poll() is None]
+    for child in alive:
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in alive:
+        try:
+            child.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            pass
+    for child in children:
+        # Every group, of the children that exited too: what a child started (Prefect's temporary
+        # server) outlives it when it is killed, by us or by JAX's fatal-error handler.
+        _signal_group(child, signal.SIGKILL)
+        child.wait()
+
+
+def main(count: int, arguments: Sequence[str], coordinator: str | None, host_command: str | None,
+         cpu_devices: int | None) -> int:
+    """`jaxtune launch`: the job's exit status, or 2 for launch arguments that describe none."""
+    try:
+        processes = plan(count, arguments, coordinator, host_command, cpu_devices)
+    except LaunchError as error:
+        print(f"jaxtune launch: {error}", file=sys.stderr)
+        return 2
+    for process in processes:
+        print(f"jaxtune launch: [{process.index}] {process.shown}", file=sys.stderr)
+    sys.stderr.flush()
+    return run(processes)

@@ -1,0 +1,243 @@
+"""`train.remat: auto`: how the configured batch runs on the devices at hand, chosen from XLA's own plans.
+
+The user names the batch (`train.batch_size` rows, `train.grad_accumulation` micro-batches) and the
+length; what each decoder layer keeps for the backward pass, how many tokens the loss takes per
+chunk, and how many micro-batches a step's rows are split into are this module's choice. Each
+candidate is the train step compiled for the devices (`memory.memory_plan`), so the test of "fits"
+is the devices' own compiler's, not an estimate. In order:
+
+1. the remat policies, least recomputation first (none, matmuls, layer), each first with a large
+   loss chunk: each chunk reads the whole output head again, so fewer, larger chunks are faster on
+   an accelerator, and a chunk is grown (`loss.grown_chunk_tokens`) from the platform's smallest
+   (`loss.chunk_tokens_on`) while its backward pass's logits take at most 1/`CHUNK_SHARE` of the
+   memory; then with the smallest chunk, unless the first plan needed more than the larger chunk
+   explains. The first plan that fits wins;
+2. where even `layer` does not fit, the micro-batch split: `batch_size` rows run as s micro-batches
+   of batch_size / s rows, s times as many per step (the gradients of a step's micro-batches are
+   summed inside it, so the update is the one the whole batch gives), the smallest s that fits,
+   starting from the split the `layer` plan's activations suggest, at the smallest chunk.
+
+"Fits" means the step's peak plus its code within the device's memory less `HEADROOM`, kept for
+what XLA's plan does not hold (the next batch on its way in, the runtime's own buffers). Where
+the devices report no memory (the CPU), nothing is compiled to choose: `auto` is `matmuls`.
+
+A fixed policy is obeyed: its plan is compiled once, at the platform's smallest chunk, and a plan
+that does not fit the whole device is refused before the first step (`memory.check_fits`).
+
+None of the choice is in a cache key: like the mesh, it changes where and how fast the numbers
+are computed, not which numbers (up to the order of float sums). `train.remat` itself is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+
+from jaxtune.config import TrainConfig
+from jaxtune.runtime.measures import memory
+from jaxtune.runtime.modeling import loss
+
+HEADROOM = 0.03  # of the device's memory, kept free beyond XLA's plan
+POLICIES = ("none", "matmuls", "layer")  # least recomputation first
+WITHOUT_LIMIT = "matmuls"  # auto where the devices report no memory
+CHUNK_SHARE = 8  # the loss's chunk is first tried as large as 1/8 of the budget allows (`loss.grown_chunk_tokens`)
+
+REFUSED_BYTES = re.compile(r"\(([\d.]+)G\) exceeds")  # libtpu's "... temporaries (21.49G) exceeds available HBM"
+
+# (rows, length, segments) of one micro-batch of a config: what the feed would give the step (rows None:
+# `memory.memory_plan`'s default, train.batch_size rows, or pairs of rows for a preference objective).
+Shape = Callable[[TrainConfig], tuple[int, int, int]]
+
+
+class NothingFits(MemoryError):
+    """No way of running the batch fits (auto), or the fixed policy is refused; `fit` is the most
+    economical candidate that compiled (None when the compiler refused every one)."""
+
+    def __init__(self, message: str, fit: Fit | None):
+        super().__init__(message)
+        self.fit = fit
+
+
+@dataclasses.dataclass
+class Fit:
+    """The chosen way to run a config's steps, its plan, and every candidate compiled to find it."""
+
+    remat: str
+    chunk_tokens: int
+    split: int  # each configured micro-batch runs as this many
+    plan: dict
+    chosen_by: str  # "auto", "fixed" or "no device memory reported"
+    budget: int | None  # bytes a plan may need (peak + code): the device's memory less HEADROOM
+    tried: list[dict] = dataclasses.field(default_factory=list)
+
+    def train_config(self, cfg: TrainConfig) -> TrainConfig:
+        """`cfg` as it runs: the chosen policy, `batch_size` and `grad_accumulation` split."""
+        return cfg.model_copy(update={"remat": self.remat, "batch_size": cfg.batch_size // self.split,
+                                      "grad_accumulation": cfg.grad_accumulation * self.split})
+
+    def record(self) -> dict:
+        return {"remat": self.remat, "loss_chunk_tokens": self.chunk_tokens, "split": self.split,
+                "chosen_by": self.chosen_by, "headroom": HEADROOM, "budget_bytes": self.budget, "tried": self.tried}
+
+    def describe(self, cfg: TrainConfig) -> str:
+        """'remat auto: none, loss chunks of 1024 tokens, 1 x 8 rows per step (needs 9.81 GiB of 15.28 GiB; tried ...)'."""
+        run = self.train_config(cfg)
+        needed = _needed(self.plan)
+        limit = f" of {_gib(self.budget)} ({HEADROOM:.0%} of the device kept free)" if self.budget else ""
+        split = f", batch_size {cfg.batch_size} split into {self.split} micro-batches" if self.split > 1 else ""
+        tried = "; ".join(_tried_text(t) for t in self.tried[:-1])
+        return (f"train.remat {cfg.remat}: {self.remat} ({self.chosen_by}), loss chunks of {self.chunk_tokens} tokens, "
+                f"{run.grad_accumulation} x {run.batch_size} rows per step{split}; needs {_gib(needed)}{limit}"
+                + (f"; did not fit: {tried}" if tried else ""))
+
+
+def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True, objective=None,
+           limit: int | None = None) -> Fit:
+    """The `Fit` of `cfg` on the model's devices (memory `limit`, else what they report); MemoryError,
+    in one line with what would fit, when nothing does (or a fixed policy does not)."""
+    limit = limit or memory.device_limit()
+    platform = model.placement.mesh.devices.flat[0].platform
+    base = loss.chunk_tokens_on(platform, vocab_size(model))
+    tried: list[dict] = []
+
+    def plan(remat: str, split: int, chunk: int = base) -> dict | None:
+        """The plan of one candidate, None when the compiler refuses it for want of memory."""
+        run = cfg.model_copy(update={"remat": remat, "batch_size": cfg.batch_size // split,
+                                     "grad_accumulation": cfg.grad_accumulation * split})
+        rows, length, segments = shape(run)
+        entry = {"remat": remat, "split": split, "chunk_tokens": chunk}
+        try:
+            found = memory.memory_plan(model, optimizer, run, length, rows=rows, fused=fused, limit=limit,
+                                       objective=objective, segments=segments, chunk_tokens=chunk)
+        except Exception as error:  # XLA:TPU refuses, at compile time, a step that does not fit
+            refused = memory.refusal(error)
+            if refused is None:
+                raise
+            tried.append({**entry, "refused": refused})
+            return None
+        tried.append({**entry, "needed": _needed(found), "activations": found["activations_per_micro_batch"]})
+        return found
+
+    budget = int(limit * (1 - HEADROOM)) if limit else None
+    fits = lambda found: found is not None and _needed(found) <= budget  # noqa: E731
+    rows, length, _ = shape(cfg)
+    chunk = loss.grown_chunk_tokens(base, vocab_size(model), budget // CHUNK_SHARE,
+                                    (rows or cfg.batch_size) * length) if budget else base
+    if cfg.remat != "auto" or not limit:
+        # The policy is the user's (or, with no memory reported, the one default); the loss chunk is
+        # still grown where the device has room for it, and falls back to the smallest when not.
+        remat = fixed(cfg.remat)
+        found = plan(remat, 1, chunk)
+        if chunk > base and not fits(found):
+            chunk, found = base, plan(remat, 1)
+        if found is None:
+            raise NothingFits(f"train.remat={remat} does not compile for the device: {tried[-1]['refused']}. "
+                              f"{memory.knobs(cfg)}", None)
+        chosen_by = "fixed" if cfg.remat != "auto" else "no device memory reported"
+        return Fit(remat, chunk, 1, found, chosen_by, budget, tried)
+
+    extra = (chunk - base) * vocab_size(model) * loss.CHUNK_BYTES_PER_LOGIT  # beyond the smallest chunk's need
+    found = None
+    for policy in POLICIES:
+        found = plan(policy, 1, chunk)
+        if fits(found):
+            return Fit(policy, chunk, 1, found, "auto", budget, tried)
+        if chunk > base and _least_needed(found, tried[-1]) - extra <= budget:  # the smallest chunk may fit
+            found = plan(policy, 1)
+            if fits(found):
+                return Fit(policy, base, 1, found, "auto", budget, tried)
+    split, found = _split(cfg, model, found, budget, lambda s: plan("layer", s), fits)
+    if not fits(found):
+        raise NothingFits(_nothing_fits(cfg, shape, tried, budget),
+                          Fit("layer", base, split, found, "auto", budget, tried) if found else None)
+    return Fit("layer", base, split, found, "auto", budget, tried)
+
+
+def _split(cfg: TrainConfig, model, layer_plan: dict | None, budget: int, plan, fits) -> tuple[int, dict | None]:
+    """(split, plan): the fewest micro-batches per configured one (a divisor of `batch_size` leaving
+    each device a row) whose `layer` plan fits, starting from the split the unsplit plan's
+    activations suggest; (the last split tried, its plan or None where refused) when none does."""
+    shards = model.placement.batch_shards
+    splits = [s for s in range(2, cfg.batch_size + 1) if cfg.batch_size % s == 0 and cfg.batch_size // s >= shards]
+    if layer_plan is not None:  # activations shrink with the rows; the state (weights, optimizer) does not
+        activations = layer_plan["activations_per_micro_batch"]
+        state = _needed(layer_plan) - activations
+        if budget > state and activations:
+            guess = math.ceil(activations / (budget - state))
+            splits = [s for s in splits if s >= guess] or splits[-1:]
+    last, found = 1, layer_plan
+    for split in splits:
+        last, found = split, plan(split)
+        if fits(found):
+            break
+    return last, found
+
+
+def _nothing_fits(cfg: TrainConfig, shape: Shape, tried: list[dict], budget: int) -> str:
+    """One line: what was tried, what it needed, and what would fit (a shorter length, a mesh)."""
+    rows, length, _ = shape(cfg)
+    last = tried[-1]
+    needed = f"needs {_gib(last['needed'])}" if "needed" in last else f"is refused by the compiler ({last['refused']})"
+    smallest = cfg.batch_size // last["split"]
+    return (f"train.batch_size={cfg.batch_size} rows of {length} tokens do not fit the device: even remat layer "
+            f"with {smallest} row{'s' * (smallest != 1)} per micro-batch {needed}, and {_gib(budget)} is free "
+            f"({HEADROOM:.0%} kept). Try {_what_would_fit(last, length, budget)}, or: {memory.knobs(cfg)}")
+
+
+def _what_would_fit(last: dict, length: int, budget: int) -> str:
+    """A length and a number of fsdp devices that would fit by estimate, from the last plan that compiled:
+    its activations shrink with the length (about linearly, with attention in tiles), its state
+    (weights, gradients, optimizer state) with the devices it is split over."""
+    general = "a shorter data.max_length, or more devices on mesh.fsdp (parameters, gradients and optimizer state split over them)"
+    if "activations" not in last:
+        return general
+    activations, state = last["activations"], last["needed"] - last["activations"]
+    found = []
+    if state < budget and activations:
+        shorter = int(length * (budget - state) / activations) // 128 * 128
+        if shorter >= 128:
+            found.append(f"data.max_length={shorter} (about {_gib(state + activations * shorter / length)} by estimate)")
+    if activations < budget:
+        devices = math.ceil(state / (budget - activations))
+        found.append(f"mesh.fsdp={devices} on {devices} devices (about {_gib(state / devices + activations)} each)")
+    return " or ".join(found) if found else general
+
+
+def fixed(remat: str) -> str:
+    """`remat` as one policy without a search: auto is what it is where no memory is reported."""
+    return WITHOUT_LIMIT if remat == "auto" else remat
+
+
+def vocab_size(model) -> int:
+    """Rows of the model's output head: the logits per token the loss computes."""
+    module = model.module
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    head = base.get_output_embeddings()
+    return int(head.weight.shape[0])
+
+
+def _least_needed(plan: dict | None, entry: dict) -> int:
+    """The bytes a candidate needs, or where the compiler refused it, the least its refusal says it
+    would ("HLO temporaries (21.49G) exceeds ..."; 0 when it names no figure)."""
+    if plan is not None:
+        return _needed(plan)
+    found = REFUSED_BYTES.search(entry.get("refused", ""))
+    return int(float(found[1]) * 2**30) if found else 0
+
+
+def _needed(plan: dict) -> int:
+    """Bytes a step needs on a device: its peak, and its code, which lies in the same memory."""
+    return plan["peak"] + plan.get("code", 0)
+
+
+def _gib(n: int | None) -> str:
+    n = n or 0
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _tried_text(entry: dict) -> str:
+    what = f"remat {entry['remat']}" + (f" split {entry['split']}" if entry["split"] > 1 else "") + \
+        f" chunk {entry['chunk_tokens']}"
+    return f"{what} needs {_gib(entry['needed'])}" if "needed" in entry else f"{what} refused"

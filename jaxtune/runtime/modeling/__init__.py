@@ -1,0 +1,7 @@
+"""The model as pure JAX functions: a Hugging Face model loaded, given LoRA or kept whole and
+moved to JAX (`model`), its frozen base held quantized (`quantize`), its forward pass (`forward`)
+with fused attention and the platform kernels behind it (`attention`, `splash`, `gpu_flash`),
+what each layer keeps for the backward pass (`remat`), and the chunked loss (`loss`).
+
+May import: jaxtune.config, jaxtune.errors, jaxtune.data, jaxtune.runtime.compat, jaxtune.runtime.devices
+"""

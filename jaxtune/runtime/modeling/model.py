@@ -1,0 +1,209 @@
+"""Load a Hugging Face causal LM, attach LoRA or keep it whole, and move its tensors to JAX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from jaxtune.config import LoraConfig, ModelConfig
+from jaxtune.errors import ModelError
+from jaxtune.runtime.compat import torchax_env
+from jaxtune.runtime.devices.mesh import Placement, place
+from jaxtune.runtime.modeling.quantize import SCHEMES, load_base, quantize_base
+
+
+@dataclass
+class JaxModel:
+    """A torch module used only for its structure, plus its tensors as JAX arrays.
+
+    `weights` are trained, `buffers` (frozen parameters and buffers) are not; together they
+    replace every tensor of `module` in `functional_call`. Weights are kept in float32 (the
+    master copy the optimizer updates); `casts` names those the module computes in another
+    dtype (bfloat16 for a bf16 model), and `for_compute` applies it inside the forward, so
+    gradients flow back to the float32 copy.
+    """
+
+    module: torch.nn.Module
+    weights: dict[str, jax.Array]
+    buffers: dict[str, jax.Array]
+    placement: Placement
+    dtype: jnp.dtype  # what the model computes in; the KV cache holds this
+    casts: dict[str, torch.dtype] = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.module.config.get_text_config()
+
+    @property
+    def env(self):
+        return torchax_env()
+
+    def for_compute(self, weights: dict) -> dict:
+        """torch-view `weights` with each one in the dtype the module computes it in."""
+        return {name: value.to(self.casts[name]) if name in self.casts else value for name, value in weights.items()}
+
+
+def load_torch_model(name: str, revision: str | None, trust_remote_code: bool, dtype: str = "float32") -> PreTrainedModel:
+    """`from_pretrained` on CPU, torchax not involved; eager attention for exact parity across backends.
+
+    `dtype` goes to `from_pretrained` alone: the process-wide torch default dtype is untouched.
+    """
+    model = AutoModelForCausalLM.from_pretrained(
+        name,
+        revision=revision,
+        dtype=getattr(torch, dtype),
+        attn_implementation="eager",
+        trust_remote_code=trust_remote_code,
+    )
+    return model.eval()
+
+
+def open_model(
+    name: str,
+    revision: str | None,
+    cfg: ModelConfig,
+    placement: Placement,
+    lora: LoraConfig | None = None,
+    trained: Path | None = None,
+    train_all: bool = False,
+    base: tuple[dict, dict[str, str]] | None = None,
+) -> JaxModel:
+    """The model a stage computes with: base weights, LoRA attached when given, trained weights loaded.
+
+    Trainable tensors are the LoRA ones, or all of them for full fine-tuning (`train_all`, or
+    trained weights without LoRA); a plain base model has none. With `model.base_quantization`,
+    the frozen linear layers are held quantized: as `base` holds them (the quantize_base stage's
+    tensors and each layer's scheme), else quantized here (int8, int4).
+    """
+    module = load_torch_model(name, revision, cfg.trust_remote_code, cfg.compute_dtype)
+    if lora is not None:
+        module = attach_lora(module, lora)
+    else:
+        module.requires_grad_(train_all or trained is not None)
+    if base is not None:  # the frozen linear layers; LoRA's adapters stay as they are
+        load_base(module, *base)
+    elif cfg.base_quantization in SCHEMES:
+        quantize_base(module, cfg.base_quantization)
+    elif cfg.base_quantization != "none":
+        raise ModelError(f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed")
+    weights = load_weights(trained) if trained is not None else None
+    return to_jax(module, placement, weights)
+
+
+def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
+    """Wrap in PEFT LoRA; only adapter (and modules_to_save) parameters stay trainable."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import NoMatchingPeftModuleError, get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules),
+        modules_to_save=list(cfg.modules_to_save) or None,
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(0)  # LoRA A is random: fix it so a config always starts from the same weights
+    try:
+        return get_peft_model(model, peft_cfg)
+    except NoMatchingPeftModuleError:  # no target matched, or only modules_to_save did
+        targets = cfg.target_modules if isinstance(cfg.target_modules, str) else f"[{', '.join(cfg.target_modules)}]"
+        raise ModelError(f"lora.target_modules {targets} matches no layer of this model; its linear layers are: "
+                         f"{', '.join(linear_layer_names(model))} (or all-linear)") from None
+
+
+def linear_layer_names(module: torch.nn.Module) -> list[str]:
+    """Names LoRA can target, in model order: the last part of each linear layer's name (GPT-2's
+    Conv1D counts, as PEFT's all-linear does), the output head left out as all-linear leaves it."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = (name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+    return [name for name in dict.fromkeys(names) if name != "lm_head"]
+
+
+def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None,
+           shapes_only: bool = False) -> JaxModel:
+    """Split trainable from frozen tensors and place both on the mesh, each split as its name
+    says (`jaxtune.runtime.devices.sharding`); `trained` overrides weights.
+
+    Frozen tensors keep the module's dtype; trainable ones become float32 master weights. With
+    `shapes_only` the tensors are `jax.ShapeDtypeStruct`s (a module on the meta device will do):
+    enough to compile a step and read XLA's memory plan for a model too big to build here.
+    """
+    _use_eager_attention(module)
+    convert = _to_shape if shapes_only else _to_array
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    transposed = _transposed_weights(module)
+    weights, buffers, casts = {}, {}, {}
+    for name, param in module.named_parameters():
+        sharding = placement.parameter_sharding(name, tuple(param.shape), name in transposed)
+        if param.requires_grad:
+            weights[name] = convert(param, sharding, jnp.float32)
+            if param.dtype != torch.float32:
+                casts[name] = param.dtype
+        else:
+            buffers[name] = convert(param, sharding)
+    for name, buf in module.named_buffers():
+        buffers[name] = convert(buf, placement.parameter_sharding(name, tuple(buf.shape)))
+    if trained is not None:
+        _check_names(trained, weights)
+        weights = {name: placement.put(np.asarray(trained[name], np.float32), weights[name].sharding) for name in weights}
+    dtype = jnp.dtype(str(base.dtype).removeprefix("torch."))
+    return JaxModel(module=module, weights=weights, buffers=buffers, placement=placement, dtype=dtype, casts=casts)
+
+
+def _transposed_weights(module: torch.nn.Module) -> set[str]:
+    """Names of weights stored (in, out) rather than torch Linear's (out, in): GPT-2's Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {f"{name}.weight" for name, m in module.named_modules() if isinstance(m, Conv1D)}
+
+
+def _use_eager_attention(module: torch.nn.Module) -> None:
+    """torchax's SDPA turns fully masked rows (left padding) into NaN that then leaks into real
+    rows; eager attention adds a finite minimum instead, and matches PyTorch to 1e-6."""
+    config = module.config if hasattr(module, "config") else module.base_model.config
+    if config._attn_implementation != "eager":
+        base = module.get_base_model() if hasattr(module, "get_base_model") else module
+        base.set_attn_implementation("eager")
+
+
+def _to_array(tensor: torch.Tensor, sharding, dtype=None) -> jax.Array:
+    """The tensor as a JAX array placed by `sharding`, in its own dtype unless `dtype` is given."""
+    value = tensor.detach()
+    own = jnp.dtype(str(value.dtype).removeprefix("torch."))
+    if value.dtype == torch.bfloat16:  # numpy has no bfloat16; go through float32
+        value = value.float()
+    host = value.numpy().astype(dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own)
+    return place(host, sharding)
+
+
+def _to_shape(tensor: torch.Tensor, sharding, dtype=None) -> jax.ShapeDtypeStruct:
+    own = jnp.dtype(str(tensor.dtype).removeprefix("torch."))
+    dtype = dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own
+    return jax.ShapeDtypeStruct(tuple(tensor.shape), dtype, sharding=sharding)
+
+
+def _check_names(trained: dict[str, np.ndarray], expected: dict[str, jax.Array]) -> None:
+    missing = sorted(set(expected) - set(trained))
+    extra = sorted(set(trained) - set(expected))
+    if missing or extra:
+        raise ValueError(
+            f"trained weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+
+
+def save_weights(weights: dict[str, np.ndarray], path: Path) -> None:
+    """safetensors, float32 on disk so any reader can open it."""
+    save_file({name: np.ascontiguousarray(v, dtype=np.float32) for name, v in weights.items()}, str(path))
+
+
+def load_weights(path: Path) -> dict[str, np.ndarray]:
+    return load_file(str(path))
