@@ -168,6 +168,12 @@ class ModelConfig(Section):
         description="compute dtype of the weights; 'auto' is bfloat16 for hub and local models, float32 for the "
         "offline model. Trained weights and optimizer state stay float32 either way",
     )
+    scan_layers: bool = Field(
+        False,
+        description="trace the decoder layers once, as a scan over groups of alike layers (one layer for Llama or "
+        "Qwen, five sliding and one global for Gemma 3), so train and eval steps compile a group, not every layer; "
+        "the same loss and gradients up to float32 summation order. Decoding stays unrolled",
+    )
     chat_template: str | None = Field(
         None,
         description="the chat template to format rows and prompts with: 'gemma' (Gemma's own, for base checkpoints "

@@ -93,8 +93,8 @@ def clear() -> None:
 def structure(model) -> str:
     """A digest of all a traced program reads from `model` besides its tensors' values: the module tree
     (`repr`), the model's and LoRA's configs, the attention implementation, each tensor's name, shape,
-    dtype and sharding (weights and frozen tensors apart), the compute casts, the devices and the
-    attention core a step traced now would run (`attention.kernel_for`)."""
+    dtype and sharding (weights and frozen tensors apart), the compute casts, the devices, the
+    attention core a step traced now would run (`attention.kernel_for`) and whether the layers are scanned."""
     module = model.module
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     lora = {name: config.to_dict() for name, config in getattr(module, "peft_config", {}).items()}
@@ -109,5 +109,6 @@ def structure(model) -> str:
         str(model.dtype),
         str([(device.platform, device.device_kind, device.id) for device in model.placement.mesh.devices.flat]),
         repr(attention.kernel_for(model.placement.mesh)),
+        f"scan_layers {model.scan_layers}",
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()

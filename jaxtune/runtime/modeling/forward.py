@@ -50,14 +50,17 @@ def model_kwargs(batch: dict, fused: bool) -> dict:
 
 @contextlib.contextmanager
 def tracing(model: JaxModel, training: bool, remat: str, fused: bool):
-    """Module state while a step is traced: train mode (dropout), keyed or remat layers, the attention used."""
-    from jaxtune.runtime.modeling.remat import keyed_layers
+    """Module state while a step is traced: train mode (dropout), keyed or remat layers, the attention used,
+    and with `model.scan_layers` the layers as one scan."""
+    from jaxtune.runtime.modeling.remat import decoder_layers, keyed_layers
+    from jaxtune.runtime.modeling.scan import scanned_layers
 
     module = model.module
     module.train(training)
     try:
         with keyed_layers(module, remat) if training or remat != "none" else contextlib.nullcontext(), \
-                attention.fused(module, fused, model.placement.mesh):
+                attention.fused(module, fused, model.placement.mesh), \
+                scanned_layers(decoder_layers(module)) if model.scan_layers else contextlib.nullcontext():
             yield module
     finally:
         module.eval()

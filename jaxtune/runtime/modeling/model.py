@@ -36,6 +36,7 @@ class JaxModel:
     placement: Placement
     dtype: jnp.dtype  # what the model computes in; the KV cache holds this
     casts: dict[str, torch.dtype] = field(default_factory=dict)
+    scan_layers: bool = False  # trace the decoder layers once, as a scan over groups of alike layers (`scan`)
 
     @property
     def config(self):
@@ -94,7 +95,9 @@ def open_model(
     elif cfg.base_quantization != "none":
         raise ModelError(f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed")
     weights = load_weights(trained) if trained is not None else None
-    return to_jax(module, placement, weights)
+    model = to_jax(module, placement, weights)
+    model.scan_layers = cfg.scan_layers
+    return model
 
 
 def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:

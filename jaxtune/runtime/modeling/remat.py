@@ -101,21 +101,26 @@ def _keyed(forward: Callable, remat: str) -> Callable:
             return forward(*args, **kwargs)
 
     def recomputed(*args, **kwargs):
-        # Only tensors cross into the checkpoint as arguments; everything else (flags, caches,
-        # masks passed by keyword, the layer's own weights) is closed over. The key goes in as an
-        # argument too: rotating the outer key in there would leak a tracer.
-        where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # Every tensor the layer is called with (positionally, by keyword, inside a tuple such as the
+        # rotary tables) crosses into the checkpoint as an argument; everything else (flags, caches,
+        # the layer's own weights) is closed over. An integer tensor closed over (positions, segment
+        # ids) would stay a value of the trace that made it, which the backward pass of a scan over
+        # layers does not see. The key goes in as an argument too: rotating the outer key in there
+        # would leak a tracer.
+        flat, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, torch.Tensor))
+        where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
 
         def layer(key, *tensors):
-            full = list(args)
+            full = list(flat)
             for i, t in zip(where, tensors):
                 full[i] = t
+            args, kwargs = jax.tree_util.tree_unflatten(tree, full)
             with env.override_property(prng=interop.jax_view(key)):
-                return forward(*full, **kwargs)
+                return forward(*args, **kwargs)
 
         wrap = tied_checkpoint if remat == "layer" else functools.partial(jax.checkpoint, policy=SAVE_MATMULS)
         checkpointed = interop.torch_view(wrap(interop.jax_view(layer)))
-        return checkpointed(interop.torch_view(next_key()), *(args[i] for i in where))
+        return checkpointed(interop.torch_view(next_key()), *(flat[i] for i in where))
 
     return plain if remat == "none" else recomputed
 

@@ -285,7 +285,7 @@ def _evaluator(model: JaxModel, eval_data, cfg: TrainConfig, pad_id: int, object
     categories = [""] * len(ids)
 
     def run(weights) -> float:
-        trained = JaxModel(model.module, weights, model.buffers, model.placement, model.dtype, model.casts)
+        trained = JaxModel(model.module, weights, model.buffers, model.placement, model.dtype, model.casts, model.scan_layers)
         if objective.pairs:
             return evaluate_pairs(trained, objective, ids, labels, reference, categories, cfg.batch_size, pad_id,
                                   eval_step=eval_step, progress=False)["loss"]

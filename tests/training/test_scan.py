@@ -1,0 +1,89 @@
+"""Decoder layers traced once (`runtime.modeling.scan`): one SGD step with the layers as a scan over
+groups of alike layers gives the unrolled step's loss and updated weights, for every family.
+
+Bound: the scan runs the same float32 operations on the same values; only XLA's fusion and
+summation order may differ, so the loss may move by a few float32 ulps of its ~5.6 (6e-7 seen)
+and each updated weight (lr 1, |w| < 1) by about as much: 1e-5 leaves an order of magnitude and
+is far below what a wrong layer or weight does (a layer run twice moves the loss by ~1e-2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
+from jaxtune.offline.architectures import FAMILIES
+from jaxtune.runtime.compiled import programs, steps
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.modeling import scan
+from tests.conftest import VOCAB, tiny_model
+
+pytestmark = pytest.mark.training
+
+BOUND = 1e-5
+LAYERS = 6  # Gemma 3's tiny pattern alternates sliding and global layers: 3 groups of 2
+
+
+def step(family: str, remat: str, scanned: bool, monkeypatch) -> tuple[float, dict, list[int]]:
+    programs.clear()
+    groups = []
+    real_scan = scan.jax.lax.scan
+
+    def counting(body, init, xs=None, **kwargs):
+        if body.__module__ == scan.__name__:  # the layers' scan, not the loss's chunks or the micro-batches'
+            groups.append(len(scan.jax.tree.leaves(xs)[0]))
+        return real_scan(body, init, xs, **kwargs)
+
+    monkeypatch.setattr(scan.jax.lax, "scan", counting)
+    module = rt_model.attach_lora(tiny_model(family, layers=LAYERS), LoraConfig(r=4, target_modules="all-linear"))
+    for dropout in (m for m in module.modules() if isinstance(m, torch.nn.Dropout)):
+        dropout.p = 0.0  # GPT-2's default 0.1: a scan's groups draw other keys, so other masks
+    model = rt_model.to_jax(module, make_placement(MeshConfig()))
+    model.scan_layers = scanned
+    cfg = TrainConfig(batch_size=2, max_steps=1, warmup_steps=0, optimizer="sgd", learning_rate=1.0, weight_decay=0.0,
+                      max_grad_norm=1e9, remat=remat)
+    optimizer = steps.make_optimizer(cfg)
+    ids = np.random.default_rng(0).integers(3, VOCAB, (1, 2, 48)).astype(np.int32)
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "segment_ids": np.ones_like(ids),
+             "position_ids": np.broadcast_to(np.arange(48, dtype=np.int32), ids.shape).copy()}
+    weights = {k: v.copy() for k, v in model.weights.items()}
+    train_step = steps.make_train_step(model, optimizer, remat=remat)
+    loss, weights, _ = train_step(weights, model.buffers, steps.init_optimizer(model, optimizer, weights), batch, ids,
+                                  steps.step_key(0, 0), 1.0)
+    monkeypatch.undo()
+    return float(loss), {k: np.asarray(v) for k, v in weights.items()}, groups
+
+
+@pytest.mark.parametrize(("family", "remat"), [(f, "none") for f in FAMILIES] + [("gemma3", "layer"), ("llama", "matmuls")])
+def test_a_scanned_step_is_the_unrolled_one(family, remat, monkeypatch):
+    loss, weights, unrolled_scans = step(family, remat, False, monkeypatch)
+    scanned_loss, scanned_weights, groups = step(family, remat, True, monkeypatch)
+    assert unrolled_scans == [] and len(groups) == 1 and groups[0] >= 2, groups  # the layers did run as one scan
+    assert abs(scanned_loss - loss) <= BOUND * abs(loss)
+    assert scanned_weights.keys() == weights.keys()
+    assert max(float(np.max(np.abs(scanned_weights[k] - weights[k]))) for k in weights) <= BOUND
+
+
+def test_layers_group_by_the_period_of_what_they_are_called_with():
+    alike = [("a", 1)] * 6
+    assert scan.period(alike) == 1
+    gemma = [("sliding", 1)] * 5 + [("global", 2)]
+    assert scan.period(gemma * 4 + gemma[:2]) == 6  # Gemma 3 1B: 26 layers, 4 groups of 6 and 2 more
+    assert scan.period([("a",), ("b",), ("c",)]) == 3  # nothing repeats: one group, run unrolled
+    assert scan.plain(((torch.zeros(2), None), {"mask": torch.ones(1), "window": 16}))
+    assert not scan.plain(((torch.zeros(2),), {"cache": object()}))  # decoding's KV cache: unrolled
+
+
+def test_decoding_a_scanned_model_gives_the_unrolled_tokens():
+    """Decoding's layers update a KV cache at their own index, so they stay unrolled: the same tokens."""
+    from jaxtune.runtime.decoding.inference import greedy_generate
+
+    module = tiny_model("gemma3", layers=LAYERS)
+    model = rt_model.to_jax(module, make_placement(MeshConfig()))
+    prompts = np.random.default_rng(1).integers(3, VOCAB, (2, 9)).tolist()
+    unrolled = greedy_generate(model, prompts, 2, 6, eos_ids=(), pad_id=0)
+    programs.clear()
+    model.scan_layers = True
+    assert greedy_generate(model, prompts, 2, 6, eos_ids=(), pad_id=0) == unrolled
