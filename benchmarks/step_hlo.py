@@ -243,7 +243,8 @@ def table(groups: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def compile_step(recipe: Path, target_name: str, rows: int, length: int, attention_core: str | None):
+def compile_step(recipe: Path, target_name: str, rows: int, length: int, attention_core: str | None,
+                 scan_layers: bool = False):
     from jaxtune.config import load_config
     from jaxtune.checks.doctor import as_trained
     from jaxtune.runtime.measures import fit
@@ -261,6 +262,7 @@ def compile_step(recipe: Path, target_name: str, rows: int, length: int, attenti
                         config, randomize_lora=False)
     target = targets.resolve(target_name)
     model = to_jax(module, make_placement(config.mesh, targets.devices(target)), shapes_only=True)
+    model.scan_layers = scan_layers or config.model.scan_layers
     with attention.choose(attention_core) if attention_core else _nothing():
         compiled = steps.compiled_train_step(model, steps.make_optimizer(config.train), 1, rows, length,
                                               fit.fixed(config.train.remat))
@@ -282,14 +284,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--attention", help="xla, gpu-flash or splash (default: the target's own)")
     parser.add_argument("--hlo", type=Path, help="also write the optimized HLO here")
+    parser.add_argument("--scan-layers", action="store_true", help="the decoder layers as one scan (model.scan_layers)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    compiled, target, rank, vocabulary = compile_step(ROOT / args.recipe, args.target, args.rows, args.length, args.attention)
+    compiled, target, rank, vocabulary = compile_step(ROOT / args.recipe, args.target, args.rows, args.length, args.attention,
+                                                      args.scan_layers)
     text = compiled.as_text()
     if args.hlo:
         args.hlo.write_text(text)
     memory = compiled.memory_analysis()
-    print(f"{args.recipe} on {args.target}, {args.rows} x {args.length}, attention {args.attention or 'default'}: "
+    print(f"{args.recipe} on {args.target}, {args.rows} x {args.length}, attention {args.attention or 'default'}"
+          f"{', layers scanned' if args.scan_layers else ''}: "
           f"compiled in {time.perf_counter() - started:.0f} s; temporaries {memory.temp_size_in_bytes / 2**30:.2f} GiB")
     groups = breakdown(kernels(text, rank, vocabulary), target.chip.peak_flops, target.chip.hbm_bandwidth)
     print(table(groups))
