@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", action="append", type=parse_case, help="train cases ROWSxLENGTH, in order (repeatable)")
     parser.add_argument("--remat", action="append", choices=["auto", "none", "matmuls", "layer"],
                         help="train.remat of jaxtune's train cases (repeatable: each runs every case; default auto)")
+    parser.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE",
+                        help="a setting of the recipes jaxtune's side runs, as `jaxtune run --set` (repeatable)")
     parser.add_argument("--section", action="append", choices=["lora", "full", "decode"],
                         help="jaxtune's sections to run (repeatable; default lora, full and decode)")
     parser.add_argument("--minutes", type=float, help=f"the whole run's time (default {DEVICE_MINUTES:g}; --tiny {TINY_MINUTES:g})")
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     minutes = args.minutes or (TINY_MINUTES if args.tiny else DEVICE_MINUTES)
     deadline = began + 60 * minutes
     settings = Settings.make(args.model, args.tiny, tuple(args.cases) if args.cases else None,
-                             tuple(args.remat or ("auto",)), tuple(args.section) if args.section else None)
+                             tuple(args.remat or ("auto",)), tuple(args.section) if args.section else None,
+                             tuple(args.overrides or ()))
     stem = Path(args.out) if args.out else RESULTS / ("accelerator-tiny" if args.tiny else "accelerator-latest")
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="jaxtune-accelerator-") as folder:

@@ -14,10 +14,11 @@ from harness import log
 
 
 def recipe(settings: Settings, method: str):
-    """The published recipe's config (configs/gemma3-1b-dolly-*.yaml), computing in the run's dtype."""
+    """The published recipe's config (configs/gemma3-1b-dolly-*.yaml), computing in the run's dtype, with the
+    run's `--set` overrides (for example model.scan_layers=true)."""
     from jaxtune.config import load_config
 
-    return load_config(RECIPES[method], overrides=[f"model.dtype={settings.dtype}"])
+    return load_config(RECIPES[method], overrides=[f"model.dtype={settings.dtype}", *settings.overrides])
 
 
 def open_benchmark_model(settings: Settings, folder: Path, method: str | None):

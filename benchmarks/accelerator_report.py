@@ -317,7 +317,8 @@ def markdown(report: dict) -> str:
         f"{report['parameters']:,} parameters, {s['weights']}, the same on every side; random tokens, "
         f"{s['steps']} timed synchronised steps (median) after {s['warmups']} warm-ups. jax {versions.get('jax')}, "
         f"torch {versions.get('torch')}, transformers {versions.get('transformers')}, torchax {versions.get('torchax')}; "
-        f"torch.compile backend {s['compile_backend']}.{tunix_versions(m)}", "",
+        f"torch.compile backend {s['compile_backend']}.{tunix_versions(m)}"
+        + (f" jaxtune's recipes with {', '.join(s['overrides'])}." if s.get("overrides") else ""), "",
         f"MFU: {report['mfu_derivation']}; peak {peak.get('derivation', 'unknown')}. Measured matmul: "
         + (f"{matmul['n']}^3 {matmul['dtype']} at {matmul['flops_per_second'] / 1e12:,.3g} TFLOP/s." if matmul else "not measured."),
         "",

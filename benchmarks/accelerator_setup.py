@@ -43,11 +43,13 @@ class Settings:
     remats: tuple[str, ...] = ("auto",)  # train.remat settings jaxtune's train cases run with, side by side
     sections: tuple[str, ...] = ("lora", "full", "decode")  # jaxtune's sections that run, in this order
     decode_batches: tuple[int, ...] = ()  # jaxtune's greedy decoding again at these batches (prompts), after `prompts`
+    overrides: tuple[str, ...] = ()  # KEY=VALUE settings of the recipes jaxtune's side runs, as `jaxtune run --set` takes them
 
     @classmethod
     def make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None = None,
-             remats: tuple[str, ...] = ("auto",), sections: tuple[str, ...] | None = None) -> "Settings":
-        made = dataclasses.replace(cls._make(model, tiny, cases), remats=remats)
+             remats: tuple[str, ...] = ("auto",), sections: tuple[str, ...] | None = None,
+             overrides: tuple[str, ...] = ()) -> "Settings":
+        made = dataclasses.replace(cls._make(model, tiny, cases), remats=remats, overrides=overrides)
         return dataclasses.replace(made, sections=sections) if sections else made
 
     @classmethod
@@ -68,7 +70,8 @@ class Settings:
         raw = json.loads((work / "settings.json").read_text())
         return cls(**{**raw, "cases": tuple(tuple(c) for c in raw["cases"]), "remats": tuple(raw.get("remats", ("auto",))),
                       "sections": tuple(raw.get("sections", cls.sections)),
-                      "decode_batches": tuple(raw.get("decode_batches", ()))})
+                      "decode_batches": tuple(raw.get("decode_batches", ())),
+                      "overrides": tuple(raw.get("overrides", ()))})
 
 
 def case_name(rows: int, length: int) -> str:

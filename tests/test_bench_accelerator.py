@@ -210,3 +210,19 @@ def test_a_report_shows_only_what_the_run_asked_for_and_what_a_cut_case_did_run(
     assert "LoRA 8x512" not in cut
     row = next(line for line in cut.splitlines() if line.startswith("| full fine-tune 8x2048"))
     assert "first step ran in 321 s" in row and "layer, chunk 1024" in row and "cut at its limit" in row
+
+
+def test_a_runs_recipe_overrides_reach_jaxtunes_side_through_its_children():
+    """`--set model.scan_layers=true`: saved with the settings a child reads, applied to the recipe it runs."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from accelerator_jaxtune import recipe
+    from accelerator_setup import Settings
+
+    made = Settings.make("gemma-3-1b", tiny=True, overrides=("model.scan_layers=true", "train.remat=layer"))
+    folder = Path(__import__("tempfile").mkdtemp())
+    made.save(folder)
+    loaded = Settings.load(folder)
+    assert loaded == made and loaded.overrides == ("model.scan_layers=true", "train.remat=layer")
+    cfg = recipe(loaded, "lora")
+    assert (cfg.model.scan_layers, cfg.train.remat, cfg.model.dtype) == (True, "layer", "float32")
+    assert recipe(Settings.make("gemma-3-1b", tiny=True), "lora").model.scan_layers is False
