@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from accelerator_setup import (RECIPES, Results, Settings, case_name, jaxtune_side, measure_cases, process_rss,
-                               prompts, train_batch)
+from accelerator_setup import (RECIPES, Results, Settings, case_name, jax_memory, jaxtune_side, measure_cases, prompts,
+                               train_batch)
 from harness import log
 
 
@@ -106,7 +106,7 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
 
         def prepare(case, run_cfg=run_cfg, side=side):
             step, plan = train_case(settings, run_cfg, model, initial, case, results, side)
-            return step, lambda: {**plan(), **jax_memory(model)}
+            return step, lambda: {**plan(), **jax_memory(model.placement.mesh.devices.flat[0])}
 
         measure_cases(results, settings, side, prepare, deadline)
 
@@ -160,15 +160,6 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
                 "loss_chunk_tokens": chosen.chunk_tokens, "split": split}
 
     return step, plan
-
-
-def jax_memory(model) -> dict:
-    """The device's peak bytes so far in this process (cases run one after another, so a case that needs
-    less than an earlier one shows the earlier peak), or the process's peak RSS where JAX keeps no count (CPU)."""
-    stats = model.placement.mesh.devices.flat[0].memory_stats()
-    if stats and "peak_bytes_in_use" in stats:
-        return {"peak_bytes": int(stats["peak_bytes_in_use"]), "memory_source": "jax peak_bytes_in_use (process so far)"}
-    return process_rss()
 
 
 def device_info() -> dict:
@@ -225,36 +216,24 @@ def run_decode(settings: Settings, folder: Path, results: Results) -> None:
     # What one decoding step reads at least: every weight (the tied head reads the whole embedding).
     weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((model.weights, model.buffers)))
 
-    def generate(batch=batch):
-        return greedy_generate(model, batch, len(batch), settings.new_tokens, eos_ids=(), pad_id=0)
-
-    start = time.perf_counter()
-    tokens = generate()
-    first = time.perf_counter() - start
-    results.add(event="decode", side="jaxtune", first_call_seconds=first, tokens=tokens)
-    times = []
-    for _ in range(settings.decode_repeats):
-        start = time.perf_counter()
-        generate()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    new = len(batch) * settings.new_tokens
-    results.add(event="decode", side="jaxtune", seconds=seconds, times=times, new_tokens_per_second=new / seconds,
-                weight_bytes=weight_bytes, **jax_memory(model))
-    log(f"jaxtune decode: {new / seconds:,.0f} new tokens/s (first call {first:.1f} s)")
-    for count in (settings.prompts, *settings.decode_batches):
-        if count != settings.prompts:  # the first batch's figures are the ones above
-            larger = prompts(settings, model.config.vocab_size, count).tolist()
+    def timed(batch: list) -> tuple[list, float, list[float]]:
+        """(tokens, the first call's seconds, the next `decode_repeats` calls' seconds)."""
+        seconds = []
+        for _ in range(1 + settings.decode_repeats):
             start = time.perf_counter()
-            generate(larger)
-            first = time.perf_counter() - start
-            times = []
-            for _ in range(settings.decode_repeats):
-                start = time.perf_counter()
-                generate(larger)
-                times.append(time.perf_counter() - start)
-            seconds = statistics.median(times)
+            tokens = greedy_generate(model, batch, len(batch), settings.new_tokens, eos_ids=(), pad_id=0)
+            seconds.append(time.perf_counter() - start)
+        return tokens, seconds[0], seconds[1:]
+
+    for count in (settings.prompts, *settings.decode_batches):
+        tokens, first, times = timed(batch if count == settings.prompts else
+                                     prompts(settings, model.config.vocab_size, count).tolist())
+        seconds = statistics.median(times)
         new = count * settings.new_tokens
+        if count == settings.prompts:  # the batch compared with `generate`
+            results.add(event="decode", side="jaxtune", first_call_seconds=first, tokens=tokens)
+            results.add(event="decode", side="jaxtune", seconds=seconds, times=times, new_tokens_per_second=new / seconds,
+                        weight_bytes=weight_bytes, **jax_memory(model.placement.mesh.devices.flat[0]))
         results.add(event="decode_batch", side="jaxtune", prompts=count, first_call_seconds=first, seconds=seconds,
                     new_tokens_per_second=new / seconds, weight_bytes=weight_bytes)
         log(f"jaxtune decode, {count} prompts: {new / seconds:,.0f} new tokens/s (first call {first:.1f} s)")

@@ -196,6 +196,15 @@ def measure_case(results: Results, settings: Settings, side: str, case: tuple[in
     log(f"{side} {name}: {seconds * 1e3:.1f} ms a step, {rows * length / seconds:,.0f} tokens/s")
 
 
+def jax_memory(device) -> dict:
+    """The device's peak bytes so far in this process (cases run one after another, so a case that needs
+    less than an earlier one shows the earlier peak), or the process's peak RSS where JAX keeps no count (CPU)."""
+    stats = device.memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return {"peak_bytes": int(stats["peak_bytes_in_use"]), "memory_source": "jax peak_bytes_in_use (process so far)"}
+    return process_rss()
+
+
 def process_rss() -> dict:
     """This process's peak resident memory: the memory figure on a CPU, where neither side counts its own."""
     import resource

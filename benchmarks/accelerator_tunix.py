@@ -22,7 +22,7 @@ import time
 import types
 from pathlib import Path
 
-from accelerator_setup import RECIPES, Results, Settings, measure_cases, process_rss, train_batch
+from accelerator_setup import RECIPES, Results, Settings, jax_memory, measure_cases, train_batch
 from harness import ROOT, log
 
 SITE_VARIABLE = "TUNIX_SITE"
@@ -169,7 +169,7 @@ def run(settings: Settings, folder: Path, work: Path) -> None:
 
     def prepare(case):
         nnx.update(model, jax.device_put(initial))
-        return train_case(settings, cfg.train, model, raw["vocab_size"], case), jax_memory
+        return train_case(settings, cfg.train, model, raw["vocab_size"], case), lambda: jax_memory(device)
 
     measure_cases(results, settings, "tunix", prepare)
 
@@ -197,13 +197,3 @@ def train_case(settings: Settings, train, model, vocab: int, case: tuple[int, in
         return float(loss) if i == 0 else None
 
     return step
-
-
-def jax_memory() -> dict:
-    import jax
-
-    stats = jax.devices()[0].memory_stats()
-    if stats and "peak_bytes_in_use" in stats:
-        return {"peak_bytes": int(stats["peak_bytes_in_use"]), "memory_source": "jax peak_bytes_in_use (process so far)"}
-    return process_rss()
-

@@ -36,7 +36,7 @@ def main() -> None:
     from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.modeling import attention
-    from jaxtune.runtime.devices import targets
+    from jaxtune.runtime.devices import compile_cache, targets
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import attach_lora, to_jax
 
@@ -63,7 +63,7 @@ def main() -> None:
             found = (f"peak {plan['peak'] / 2**30:.2f} GiB + code {plan['code'] / 2**20:.1f} MiB of "
                      f"{target.chip.hbm / 2**30:.2f} GiB")
         except Exception as e:
-            refused = memory.refusal(e)
+            refused = compile_cache.refusal(e)
             if not refused:
                 raise
             found = f"does not compile: {refused}"

@@ -127,8 +127,8 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
 
 def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
     """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.decoding import decode
+    from jaxtune.runtime.devices import compile_cache
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
@@ -146,7 +146,7 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
         try:
             bytes_ = plan()
         except Exception as e:
-            refused = memory.refusal(e)
+            refused = compile_cache.refusal(e)
             if not refused:
                 raise
             found.append(Row(check, f"does not compile ({shape}): {refused}", size_text(target.chip.hbm), False))

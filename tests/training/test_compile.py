@@ -15,7 +15,6 @@ from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.runtime.train import training
 from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.devices import compile_cache
-from jaxtune.runtime.measures import memory
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
@@ -222,7 +221,7 @@ def test_a_step_the_compiler_refused_is_refused_again_without_compiling(tmp_path
     for attempt in range(2):
         with pytest.raises(RuntimeError) as refused:
             steps.train_step_memory(model, optimizer, 1, 2, 32, remat="none")
-        assert words in memory.refusal(refused.value)
+        assert words in compile_cache.refusal(refused.value)
     assert len(compiles) == 1 and isinstance(refused.value, compile_cache.RefusedBefore)
     # Another program (another length) is compiled, and refused on its own account.
     with pytest.raises(RuntimeError):

@@ -21,8 +21,9 @@ is the devices' own compiler's, not an estimate. In order:
 what XLA's plan does not hold (the next batch on its way in, the runtime's own buffers). Where
 the devices report no memory (the CPU), nothing is compiled to choose: `auto` is `matmuls`.
 
-A fixed policy is obeyed: its plan is compiled once, at the platform's smallest chunk, and a plan
-that does not fit the whole device is refused before the first step (`memory.check_fits`).
+A fixed policy is obeyed: its plan is compiled with the loss chunk grown as above (again at the
+smallest chunk only where that does not fit), and a plan that does not fit the whole device is
+refused before the first step (`memory.check_fits`).
 
 None of the choice is in a cache key: like the mesh, it changes where and how fast the numbers
 are computed, not which numbers (up to the order of float sums). `train.remat` itself is.
@@ -36,6 +37,7 @@ import re
 from collections.abc import Callable
 
 from jaxtune.config import TrainConfig
+from jaxtune.runtime.devices import compile_cache
 from jaxtune.runtime.measures import memory
 from jaxtune.runtime.modeling import loss
 
@@ -112,7 +114,7 @@ def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True,
             found = memory.memory_plan(model, optimizer, run, length, rows=rows, fused=fused, limit=limit,
                                        objective=objective, segments=segments, chunk_tokens=chunk)
         except Exception as error:  # XLA:TPU refuses, at compile time, a step that does not fit
-            refused = memory.refusal(error)
+            refused = compile_cache.refusal(error)
             if refused is None:
                 raise
             tried.append({**entry, "refused": refused})

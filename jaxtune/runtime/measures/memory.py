@@ -8,7 +8,6 @@ import jax
 import numpy as np
 
 from jaxtune.config import MESH_AXES, TrainConfig
-from jaxtune.runtime.devices import compile_cache
 
 
 def tree_bytes(tree) -> int:
@@ -207,8 +206,6 @@ def advice(plan: dict, cfg: TrainConfig) -> str:
     return f"No mesh of {devices} device{'s' * (devices != 1)} fits by estimate{closest}. Try: {knobs(cfg)}"
 
 
-# The compiler's refusals for want of memory are read where programs are compiled (compile_cache).
-refusal = compile_cache.refusal
 
 
 def check_fits(plan: dict, cfg: TrainConfig) -> None:

@@ -34,62 +34,32 @@ def _settings(module: torch.nn.Module) -> tuple:
                         and k not in POSITION_ATTRIBUTES))
 
 
-def _inputs_key(value):
-    if isinstance(value, torch.Tensor):
-        return ("tensor", id(value))
-    if isinstance(value, (tuple, list)):
-        return tuple(_inputs_key(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _inputs_key(v)) for k, v in value.items()))
-    return ("value", repr(value))
+def _flat(call) -> tuple[list, jax.tree_util.PyTreeDef]:
+    """A call's (args, kwargs) as leaves (tensors, plain values, opaque objects) and their structure."""
+    return jax.tree_util.tree_flatten(call, is_leaf=lambda value: isinstance(value, torch.Tensor))
+
+
+def _inputs_key(call) -> tuple:
+    leaves, tree = _flat(call)
+    return str(tree), tuple(("tensor", id(v)) if isinstance(v, torch.Tensor) else ("value", repr(v)) for v in leaves)
 
 
 def signature(layer: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """What must be equal for two layers to share one traced body."""
     modules = tuple(sorted((name, type(m).__name__, _settings(m)) for name, m in layer.named_modules()))
-    return type(layer), modules, _inputs_key(args), _inputs_key(kwargs)
+    return type(layer), modules, _inputs_key((args, kwargs))
 
 
-def plain(value) -> bool:
-    """Whether a call's input is tensors and plain values only: a cache object (decoding's KV cache,
+def plain(call) -> bool:
+    """Whether a call's inputs are tensors and plain values only: a cache object (decoding's KV cache,
     which each layer updates at its own index) or anything else opaque keeps the layers unrolled."""
-    if isinstance(value, (tuple, list)):
-        return all(plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(plain(v) for v in value.values())
-    return value is None or isinstance(value, (torch.Tensor, int, float, str, bool))
+    return all(isinstance(v, (torch.Tensor, int, float, str, bool)) for v in _flat(call)[0])
 
 
 def period(signatures: list) -> int:
     """The shortest p with layer i like layer i + p for every i: the group's length."""
     n = len(signatures)
     return next(p for p in range(1, n + 1) if all(signatures[i] == signatures[i + p] for i in range(n - p)))
-
-
-def _tensors_of(tree) -> list[torch.Tensor]:
-    out = []
-    if isinstance(tree, torch.Tensor):
-        out.append(tree)
-    elif isinstance(tree, (tuple, list)):
-        for value in tree:
-            out += _tensors_of(value)
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            out += _tensors_of(value)
-    return out
-
-
-def _replaced(tree, tensors: Iterator[torch.Tensor]):
-    """`tree` with its tensors, in `_tensors_of`'s order, taken from `tensors`."""
-    if isinstance(tree, torch.Tensor):
-        return next(tensors)
-    if isinstance(tree, tuple):
-        return tuple(_replaced(v, tensors) for v in tree)
-    if isinstance(tree, list):
-        return [_replaced(v, tensors) for v in tree]
-    if isinstance(tree, dict):
-        return {k: _replaced(v, tensors) for k, v in tree.items()}
-    return tree
 
 
 @contextlib.contextmanager
@@ -99,6 +69,7 @@ def scanned_layers(layers: list[torch.nn.Module]) -> Iterator[None]:
     from torchax import interop
 
     from jaxtune.runtime.compat import torchax_env
+    from jaxtune.runtime.modeling.remat import next_key
 
     count = len(layers)
     calls: list = [None] * count
@@ -116,14 +87,13 @@ def scanned_layers(layers: list[torch.nn.Module]) -> Iterator[None]:
                     hidden = originals[i](hidden, *calls[i][0], **calls[i][1])
                 return hidden
             tensors = [{**dict(layer.named_parameters()), **dict(layer.named_buffers())} for layer in layers]
-            names = [list(tensors[q]) for q in range(p)]
             stacked = [{name: jnp.stack([interop.jax_view(tensors[g * p + q][name]) for g in range(groups)])
-                        for name in names[q]} for q in range(p)]
-            env = torchax_env()
-            keys = jnp.stack([jnp.stack([_key(env) for _ in range(p)]) for _ in range(groups)])
+                        for name in tensors[q]} for q in range(p)]
+            keys = jnp.stack([jnp.stack([next_key() for _ in range(p)]) for _ in range(groups)])
             # The calls' tensors (masks, rotary tables) enter the scan as loop-invariant carry, not as closed-over
             # values of the enclosing trace, which layer remat's closure conversion cannot take.
-            invariant = [interop.jax_view(t) for q in range(p) for t in _tensors_of(calls[q])]
+            flat = [_flat(calls[q]) for q in range(p)]
+            invariant = [interop.jax_view(v) for leaves, _ in flat for v in leaves if isinstance(v, torch.Tensor)]
 
             def body(carry, xs):
                 h, constants = carry
@@ -131,9 +101,11 @@ def scanned_layers(layers: list[torch.nn.Module]) -> Iterator[None]:
                 inputs = iter(interop.torch_view(list(constants)))
                 h = interop.torch_view(h)
                 for q in range(p):
-                    args, kwargs = _replaced(calls[q], inputs)
+                    leaves, tree = flat[q]
+                    args, kwargs = jax.tree_util.tree_unflatten(
+                        tree, [next(inputs) if isinstance(v, torch.Tensor) else v for v in leaves])
                     params = {name: interop.torch_view(v) for name, v in group[q].items()}
-                    with env.override_property(prng=group_keys[q]):
+                    with torchax_env().override_property(prng=group_keys[q]):
                         h = torch.func.functional_call(layers[q], params, args=(h, *args), kwargs=kwargs, strict=False)
                 return (interop.jax_view(h), constants), None
 
@@ -165,8 +137,3 @@ def scanned_layers(layers: list[torch.nn.Module]) -> Iterator[None]:
             else:
                 del layer.forward
 
-
-def _key(env) -> jax.Array:
-    """A fresh key of the environment's, as torchax draws dropout from it (raw uint32 data)."""
-    key = env.get_and_rotate_prng_key()
-    return jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
