@@ -162,7 +162,11 @@ def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: Bi
     relays: list[_Prefixer] = []
     # SIGTERM to the launcher (`kill`, a scheduler, a spot VM's notice) is passed on as Ctrl-C is:
     # the processes get it and their grace, rather than being left running without it.
-    previous = _take(signal.SIGTERM, _terminated)
+    # The handler only notes the signal, and the poll below acts on it: an exception raised from a
+    # handler could land anywhere, between starting a child and starting its relays. (A list, not an
+    # Event: setting an Event from a handler can deadlock on the lock the interrupted code holds.)
+    terminated: list[int] = []
+    previous = _take(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     try:
         for process in processes:
             # A session of its own: terminating a process also ends what it started (Prefect's
@@ -174,11 +178,9 @@ def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: Bi
             relays += [_Prefixer(child.stdout, stdout, prefix, lock), _Prefixer(child.stderr, stderr, prefix, lock)]
             relays[-2].start()
             relays[-1].start()
-        status = _wait(children, processes, stderr, lock, poll_seconds)
+        status = _wait(children, processes, stderr, lock, poll_seconds, terminated)
     except KeyboardInterrupt:
         status = 130
-    except _Terminated:
-        status = 128 + signal.SIGTERM
     except BaseException:
         _terminate(children)
         raise
@@ -186,13 +188,16 @@ def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: Bi
         _take(signal.SIGTERM, previous)  # a second SIGTERM ends the launcher; the processes have theirs
     _terminate(children)
     for relay in relays:
-        relay.join(timeout=5)
+        if relay.ident is not None:  # a Ctrl-C can land between creating a relay and starting it
+            relay.join(timeout=5)
     return status
 
 
 def _wait(children: list[subprocess.Popen], processes: Sequence[Process], stderr: BinaryIO, lock: threading.Lock,
-          poll_seconds: float) -> int:
+          poll_seconds: float, terminated: list[int]) -> int:
     while True:
+        if terminated:
+            return 128 + signal.SIGTERM
         running = False
         for child, process in zip(children, processes):
             code = child.poll()
@@ -209,14 +214,6 @@ def _wait(children: list[subprocess.Popen], processes: Sequence[Process], stderr
         if not running:
             return 0
         time.sleep(poll_seconds)
-
-
-class _Terminated(Exception):
-    """The launcher got SIGTERM."""
-
-
-def _terminated(signum, frame) -> None:
-    raise _Terminated
 
 
 def _take(signum: int, handler):

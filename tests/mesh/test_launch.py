@@ -149,6 +149,28 @@ def test_sigterm_to_the_launcher_is_passed_on_to_every_process(tmp_path):
     assert [(tmp_path / str(i)).read_text() for i in (0, 1)] == ["saved\n", "saved\n"]
 
 
+def test_sigterm_while_the_processes_are_being_started_still_stops_them_all(tmp_path):
+    """The signal lands in the middle of starting: right after the last process is spawned, before
+    its output relays are. Every process is still terminated, with its grace, and the job exits 143."""
+    import subprocess
+
+    scripts = [f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; touch {tmp_path}/started-{i}; "
+               f"while [ ! -e {tmp_path}/started-{1 - i} ]; do sleep 0.01; done; sleep 60 & wait" for i in (0, 1)]
+    code = ("import os, signal, subprocess; from jaxtune.host import launch; "
+            "spawn = subprocess.Popen\n"
+            "def popen(*args, **kwargs):\n"
+            "    child = spawn(*args, **kwargs)\n"
+            "    if args[0][-1].startswith('trap') and '/started-1;' in args[0][-1]: os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return child\n"
+            "subprocess.Popen = popen\n"
+            f"scripts = {scripts!r}\n"
+            "print(launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "143"), done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("started")) == ["0", "1"]
+
+
 def test_host_command_runs_the_command_it_is_given(tmp_path):
     """End to end through a shell template: a stand-in `jaxtune` on PATH reports what it got."""
     fake = tmp_path / "bin" / "jaxtune"
