@@ -30,8 +30,9 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-FORMATS = ("dolly", "alpaca", "prompt_completion", "messages", "preference")
+FORMATS = ("dolly", "alpaca", "prompt_completion", "messages", "preference", "prompt_answer")
 PREFERENCE_FORMAT = "preference"  # pairs of a chosen and a rejected answer, for train.objective dpo or simpo
+PROMPT_ANSWER_FORMAT = "prompt_answer"  # prompts with the answer a reward checks, for train.objective grpo
 _SOURCE_KEYS = ("source", "hub_split", "revision", "format", "columns")  # what one source of a mixture sets
 
 
@@ -44,8 +45,9 @@ class SourceConfig(Section):
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
     format: Literal[FORMATS] = Field(
         "dolly", description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
-        "input, output), prompt_completion (prompt, completion), messages (chat turns), or preference (prompt or "
-        "messages, chosen, rejected: for train.objective dpo or simpo)")
+        "input, output), prompt_completion (prompt, completion), messages (chat turns), preference (prompt or "
+        "messages, chosen, rejected: for train.objective dpo or simpo), or prompt_answer (prompt, or messages ending "
+        "before the assistant's turn, and the answer a reward checks: for train.objective grpo)")
     columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names")
     weight: float = Field(
         1.0, gt=0.0, description="how often each of this source's train rows is seen per epoch on average: 0.5 keeps a "
@@ -71,8 +73,9 @@ class DataConfig(Section):
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
     format: Literal[FORMATS] = Field(
         "dolly", description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
-        "input, output), prompt_completion (prompt, completion), messages (chat turns), or preference (prompt or "
-        "messages, chosen, rejected: for train.objective dpo or simpo)")
+        "input, output), prompt_completion (prompt, completion), messages (chat turns), preference (prompt or "
+        "messages, chosen, rejected: for train.objective dpo or simpo), or prompt_answer (prompt, or messages ending "
+        "before the assistant's turn, and the answer a reward checks: for train.objective grpo)")
     columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names, e.g. {instruction: question}")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of rows held out for eval, split with data.seed")
     max_train_rows: int | None = Field(None, gt=0, description="keep at most this many training rows, after the split (null: all)")
@@ -209,7 +212,7 @@ class LoraConfig(Section):
         (), description="modules trained in full and saved in the adapter, e.g. [embed_tokens, lm_head]")
 
 
-OBJECTIVES = ("sft", "dpo", "simpo")
+OBJECTIVES = ("sft", "dpo", "simpo", "grpo")
 REMAT_POLICIES = ("auto", "none", "matmuls", "layer")
 
 
@@ -220,7 +223,8 @@ class TrainConfig(Section):
     objective: Literal[OBJECTIVES] = Field(
         "sft", description="sft: next-token cross-entropy on the answers; dpo: Direct Preference Optimization against "
         "the reference stage's log-probabilities (data.format: preference, settings in `preference`); simpo: SimPO, "
-        "reference-free (no reference stage), on the answers' mean token log-probabilities")
+        "reference-free (no reference stage), on the answers' mean token log-probabilities; grpo: Group Relative "
+        "Policy Optimization, sampling answers and scoring them with rewards (data.format: prompt_answer, settings in `rl`)")
     optimizer: Literal["adamw", "adafactor", "sgd"] = Field(
         "adamw", description="adamw; adafactor (factored second moments, no first moment: far less state); sgd with momentum 0.9"
     )
@@ -278,6 +282,59 @@ class PreferenceConfig(Section):
         "loss (RPO; TRL's loss_type [sigmoid, sft] with loss_weights [1, w]), so the policy keeps the chosen "
         "answers likely while it separates them from the rejected ones; for dpo less the reference's NLL, a "
         "constant, so the loss still starts at ln 2; 0 turns it off")
+
+
+RL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+class RLConfig(Section):
+    """GRPO's settings (train.objective grpo): TRL's GRPOConfig names, meanings and defaults.
+
+    Each optimizer step samples `num_generations` answers to each of its prompts, scores them with
+    `rewards`, and moves the policy toward the answers that beat their group's mean. train.batch_size
+    counts answers, as TRL's does: a step's batch_size x grad_accumulation answers are that many over
+    num_generations prompts."""
+
+    num_generations: int = Field(8, ge=2, description="answers sampled per prompt, the group whose mean reward is "
+                                 "each answer's baseline")
+    max_completion_length: int = Field(256, gt=0, description="most tokens sampled per answer")
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="sample from the most likely tokens whose probabilities "
+                         "reach top_p together (1: all)")
+    top_k: int = Field(0, ge=0, description="sample from the top_k most likely tokens (0: all)")
+    beta: float = Field(0.0, ge=0.0, description="weight of the KL divergence to the reference policy (the base with "
+                        "LoRA's adapters off, or a full fine-tune's starting weights); 0 computes no reference")
+    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: float | None = Field(None, gt=0.0, description="the clip's upper side (null: epsilon)")
+    num_iterations: int = Field(1, ge=1, description="optimizer steps taken on each sampled batch (mu); above 1 the "
+                                "policy ratio to the sampling policy and its clip take effect")
+    loss_type: Literal[RL_LOSS_TYPES] = Field(
+        "dapo", description="how token losses are averaged: grpo (per answer, then over answers), bnpo (over the "
+        "micro-batch's answer tokens), dr_grpo (over answers x max_completion_length: Dr. GRPO), dapo (over the "
+        "step's answer tokens)")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="divide each advantage by the standard deviation of its group's rewards (group), of "
+        "the step's rewards (batch), or not at all (none: Dr. GRPO)")
+    rewards: tuple[str, ...] = Field(
+        ("exact_answer",), min_length=1,
+        description="reward functions, summed (weighted by reward_weights): exact_answer (1 when the answer's last "
+        "number, or its text, equals the row's answer), exact_answer:MARKER (the text after the last MARKER), "
+        "format:REGEX (1 when the whole answer matches REGEX), or package.module:function, called with the "
+        "prompts, completions and rows of a batch and returning one float each")
+    reward_weights: tuple[float, ...] | None = Field(None, description="one weight per reward (null: all 1)")
+    mask_truncated_completions: bool = Field(
+        False, description="leave answers cut off at max_completion_length out of the loss")
+
+    @model_validator(mode="after")
+    def _one_weight_per_reward(self) -> RLConfig:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"rl.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} "
+                             f"rewards ({', '.join(self.rewards)}): give one each, or null for all 1")
+        return self
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 class EvalConfig(Section):
@@ -450,18 +507,31 @@ class JaxtuneConfig(Section):
     plan: PlanConfig = Field(default_factory=PlanConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
 
     @model_validator(mode="after")
     def _objective_fits_data(self) -> JaxtuneConfig:
         formats = {src.format for src in self.data.mixture()}
-        pairs = PREFERENCE_FORMAT in formats
-        if pairs and len(formats) > 1:
-            raise ValueError(f"data: a mixture cannot mix preference pairs with other formats (got {', '.join(sorted(formats))})")
-        if self.train.objective != "sft" and not pairs:
-            raise ValueError(f"train.objective={self.train.objective} trains on pairs of a chosen and a rejected answer: "
+        for special in (PREFERENCE_FORMAT, PROMPT_ANSWER_FORMAT):
+            if special in formats and len(formats) > 1:
+                raise ValueError(f"data: a mixture cannot mix {special} rows with other formats (got {', '.join(sorted(formats))})")
+        pairs, prompts = PREFERENCE_FORMAT in formats, PROMPT_ANSWER_FORMAT in formats
+        objective = self.train.objective
+        if objective in ("dpo", "simpo") and not pairs:
+            raise ValueError(f"train.objective={objective} trains on pairs of a chosen and a rejected answer: "
                              "set data.format=preference (rows of prompt, chosen, rejected)")
-        if self.train.objective == "sft" and pairs:
+        if objective == "grpo" and not prompts:
+            raise ValueError("train.objective=grpo samples answers to prompts and scores them: set "
+                             "data.format=prompt_answer (rows of prompt and answer)")
+        if pairs and objective not in ("dpo", "simpo"):
             raise ValueError("data.format=preference holds pairs for preference tuning: set train.objective=dpo (or simpo)")
+        if prompts and objective != "grpo":
+            raise ValueError("data.format=prompt_answer holds prompts for reinforcement learning: set train.objective=grpo")
+        if objective == "grpo":
+            answers = self.train.batch_size * self.train.grad_accumulation
+            if answers % self.rl.num_generations:
+                raise ValueError(f"train.batch_size x train.grad_accumulation ({answers}) counts a step's answers: it "
+                                 f"must be a multiple of rl.num_generations ({self.rl.num_generations})")
         if self.model.base_quantization != "none" and self.train.method == "full":
             raise ValueError(f"model.base_quantization={self.model.base_quantization} needs train.method=lora: a full "
                              "fine-tune trains the base weights, which a quantized base holds frozen")
