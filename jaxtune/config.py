@@ -304,6 +304,9 @@ class RLConfig(Section):
     top_k: int = Field(0, ge=0, description="sample from the top_k most likely tokens (0: all)")
     beta: float = Field(0.0, ge=0.0, description="weight of the KL divergence to the reference policy (the base with "
                         "LoRA's adapters off, or a full fine-tune's starting weights); 0 computes no reference")
+    use_bias_correction_kl: bool = Field(
+        True, description="multiply each token's KL term by its policy ratio, which makes its gradient the unbiased "
+        "reverse-KL gradient (DeepSeek-V3.2); it changes the gradient even where the ratio is 1")
     epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
     epsilon_high: float | None = Field(None, gt=0.0, description="the clip's upper side (null: epsilon)")
     num_iterations: int = Field(1, ge=1, description="optimizer steps taken on each sampled batch (mu); above 1 the "

@@ -24,7 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxtune.config import PreferenceConfig
+from jaxtune.config import PreferenceConfig, RLConfig
+from jaxtune.runtime.compiled import grpo
 
 F32 = jnp.float32
 
@@ -141,27 +142,42 @@ class Objective:
 
     name: str = "sft"  # train.objective
     preference: PreferenceConfig | None = None  # its settings, for dpo and simpo
+    rl: RLConfig | None = None  # its settings, for grpo
 
     @property
     def pairs(self) -> bool:
-        return self.name != "sft"
+        """Trains on pairs of a chosen and a rejected answer."""
+        return self.name in ("dpo", "simpo")
+
+    @property
+    def sampled(self) -> bool:
+        """Trains on answers it samples and scores (grpo)."""
+        return self.name == "grpo"
 
 
 SFT = Objective()
+# Batch entries an objective reads beside the model's inputs; the model never sees them.
+OBJECTIVE_INPUTS = ("reference", "advantages", "old")
 
 
-def objective_of(name: str, preference: PreferenceConfig | None) -> Objective:
-    return SFT if name == "sft" else Objective(name, preference or PreferenceConfig())
+def objective_of(name: str, preference: PreferenceConfig | None, rl: RLConfig | None = None) -> Objective:
+    if name == "sft":
+        return SFT
+    if name == "grpo":
+        return Objective(name, rl=rl or RLConfig())
+    return Objective(name, preference or PreferenceConfig())
 
 
 def summed_objective(objective: Objective, nll: jax.Array, scored: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
     """(summed loss, count) of one micro-batch, whose ratio is its mean: summed token NLL over scored
-    tokens for sft; summed pair losses over pairs for dpo and simpo. Summed over micro-batches, the
+    tokens for sft; summed pair losses over pairs for dpo and simpo; for grpo see `grpo.summed_loss`. Summed over micro-batches, the
     ratio is the whole step's mean, as one big batch would give.
 
     A preference batch carries `reference` (S, M): each segment's reference log-probability (zeros
     for simpo), whose shape says the layout (`pairs_of`): M segments per packed sequence, or M = 1
     for padded rows."""
+    if objective.sampled:
+        return grpo.summed_grpo(objective.rl, nll, scored, batch)
     if not objective.pairs:
         return nll.sum(), scored.sum()
     reference = batch["reference"].astype(F32)

@@ -22,7 +22,7 @@ from jaxtune.runtime.compiled import programs
 from jaxtune.runtime.devices import compile_cache
 from jaxtune.runtime.modeling.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.modeling.model import JaxModel
-from jaxtune.runtime.compiled.preference import SFT, Objective, summed_objective
+from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
 
 
 class GradNormState(NamedTuple):
@@ -110,7 +110,7 @@ def _summed_loss(model: JaxModel, training: bool, remat: str, fused: bool, objec
 
     def run(weights, buffers, batch, labels, key):
         with model.env.override_property(prng=key):
-            nll, scored = as_jax(weights, buffers, {k: v for k, v in batch.items() if k != "reference"}, labels)
+            nll, scored = as_jax(weights, buffers, {k: v for k, v in batch.items() if k not in OBJECTIVE_INPUTS}, labels)
         return summed_objective(objective, nll, scored, batch)
 
     return run
@@ -341,6 +341,30 @@ def shared_eval_step(model: JaxModel, fused: bool = True) -> programs.Program:
         return jax.jit(interop.jax_view(evaluate))  # on JAX arrays in and out, as torchax's jax_jit
 
     return programs.shared("eval_step", model, (fused,), build)
+
+
+def make_token_logp_step(model: JaxModel, fused: bool = True) -> Callable:
+    """logp(weights, buffers, batch, labels) -> each scored token's log-probability (b, t-1), 0 elsewhere:
+    entry i scores token i+1. GRPO's reference and sampling-policy log-probabilities."""
+    from torchax import interop
+
+    def build(ref):
+        forward = forward_token_nll(ref, fused=fused)
+
+        def logp(weights, buffers, batch, labels):
+            nll, _ = forward(weights, buffers, batch, labels)
+            return -nll
+
+        return jax.jit(interop.jax_view(logp))
+
+    program = programs.shared("token_logp_step", model, (fused,), build)
+
+    def run(weights, buffers, batch, labels):
+        with model.env:
+            return program(model, weights, buffers, batch, labels)
+
+    run.jitted = program.jitted
+    return run
 
 
 def eval_step_memory(model: JaxModel, rows: int, length: int, fused: bool = True) -> dict:

@@ -122,6 +122,12 @@ def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
                          f"{', '.join(linear_layer_names(model))} (or all-linear)") from None
 
 
+def adapters_off(weights: dict) -> dict:
+    """LoRA `weights` with every adapter's B zeroed: the base model's function, as PEFT's
+    `disable_adapter` gives (each adapted layer adds B(A(x)) * scale = 0), without a second copy of the base."""
+    return {name: value * 0 if ".lora_B." in name else value for name, value in weights.items()}
+
+
 def linear_layer_names(module: torch.nn.Module) -> list[str]:
     """Names LoRA can target, in model order: the last part of each linear layer's name (GPT-2's
     Conv1D counts, as PEFT's all-linear does), the output head left out as all-linear leaves it."""
