@@ -1,4 +1,4 @@
-"""Greedy decoding compiled as one XLA program: a prefill, then a `while_loop` of one-token
+"""Decoding compiled as one XLA program, greedy or sampled: a prefill, then a `while_loop` of one-token
 steps (it stops early once every row has emitted end-of-sequence) over a static KV cache built from transformers 5's `StaticLayer`s.
 
 Every layer gets a full-length `StaticLayer` (sliding-window layers too): the sliding
@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from jaxtune.runtime.compiled import programs
+from jaxtune.runtime.decoding.sampling import Sampling, next_token
 from jaxtune.runtime.modeling.model import JaxModel
 
 
@@ -74,18 +75,21 @@ def _cached_forward(model: JaxModel) -> Callable:
     return forward
 
 
-def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]) -> programs.Program:
-    """generate(model, weights, buffers, prompt_ids, prompt_mask) -> (b, max_new_tokens) token ids,
-    one program every model of this structure shares (see `programs`).
+def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...],
+                  sampling: Sampling = Sampling()) -> programs.Program:
+    """generate(model, weights, buffers, prompt_ids, prompt_mask, key=None) -> (b, max_new_tokens) token
+    ids, one program every model of this structure shares (see `programs`).
 
     Prompts are left-padded (b, p); a row that emitted any of `eos_ids` keeps emitting the first.
-    With no `eos_ids`, every row runs all `max_new_tokens`.
+    With no `eos_ids`, every row runs all `max_new_tokens`. Greedy by default; a `sampling` with a
+    temperature draws token i from `fold_in(key, i)`, so a key gives the same answers on any run.
     """
-    return programs.shared("generate", model, (max_new_tokens, tuple(eos_ids)),
-                           lambda ref: _jitted_generate(ref, max_new_tokens, eos_ids))
+    return programs.shared("generate", model, (max_new_tokens, tuple(eos_ids), sampling),
+                           lambda ref: _jitted_generate(ref, max_new_tokens, eos_ids, sampling))
 
 
-def _jitted_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]) -> Callable:
+def _jitted_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...],
+                     sampling: Sampling = Sampling()) -> Callable:
     from torchax import interop
 
     forward = _cached_forward(model)
@@ -97,7 +101,10 @@ def _jitted_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, .
         with env:
             return interop.jax_view(forward(*interop.torch_view(args)))
 
-    def generate(weights, buffers, prompt_ids, prompt_mask):
+    def pick(logits, key, i):
+        return next_token(logits, None if sampling.greedy else jax.random.fold_in(key, i), sampling)
+
+    def generate(weights, buffers, prompt_ids, prompt_mask, key=None):
         b, p = prompt_ids.shape
         total = p + max_new_tokens
         kv = [(jnp.zeros(kv_shape(model, b, total), model.dtype),) * 2 for _ in range(n_layers)]
@@ -105,7 +112,7 @@ def _jitted_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, .
         mask = jnp.concatenate([prompt_mask, jnp.ones((b, max_new_tokens), prompt_mask.dtype)], axis=1)
         positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)  # (b, p): left padding shifts positions
         logits, kv = step(weights, buffers, kv, prompt_ids, mask, jnp.arange(p), positions)
-        first = jnp.argmax(logits, -1).astype(prompt_ids.dtype)
+        first = pick(logits, key, 0).astype(prompt_ids.dtype)
 
         def unfinished(state):
             i, _, _, _, done, _ = state
@@ -114,7 +121,7 @@ def _jitted_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, .
         def one_token(state):
             i, tokens, kv, last, done, position = state
             logits, kv = step(weights, buffers, kv, last[:, None], mask, (p + i - 1)[None], position[:, None])
-            nxt = jnp.where(done, eos_id, jnp.argmax(logits, -1).astype(last.dtype))
+            nxt = jnp.where(done, eos_id, pick(logits, key, i).astype(last.dtype))
             return i + 1, tokens.at[:, i].set(nxt), kv, nxt, done | jnp.isin(nxt, stop_ids), position + 1
 
         tokens = jnp.full((b, max_new_tokens), eos_id, prompt_ids.dtype).at[:, 0].set(first)
