@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtune.config import RLConfig
+from jaxtune.runtime.compiled.batches import IGNORE_INDEX, pad_batch
 
 F32 = jnp.float32
 STD_FLOOR = 1e-4  # TRL's: a group whose answers all scored alike gets advantage 0, not 0/0
@@ -114,8 +115,6 @@ def clip_fraction(rl: RLConfig, ratio: np.ndarray, advantages: np.ndarray, mask:
 def answer_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int, length: int) -> dict[str, np.ndarray]:
     """Rows of each prompt followed by its answer, right-padded to `length`: input_ids, attention_mask
     and labels (S, length), the labels the answer's tokens alone (the prompt and padding -100)."""
-    from jaxtune.runtime.compiled.batches import IGNORE_INDEX, pad_batch
-
     ids = [list(p) + list(a) for p, a in zip(prompts, answers)]
     labels = [[IGNORE_INDEX] * len(p) + list(a) for p, a in zip(prompts, answers)]
     longest = max(len(row) for row in ids)

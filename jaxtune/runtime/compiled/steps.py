@@ -250,6 +250,11 @@ def compiled_train_step(model: JaxModel, optimizer: optax.GradientTransformation
     batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows) for name in BATCH_KEYS}
     if objective.pairs:  # `segments` reference log-probabilities per sequence (see `preference.summed_objective`)
         batch["reference"] = jax.ShapeDtypeStruct((micro_batches, batch_size, segments), jnp.float32, sharding=rows)
+    if objective.sampled:  # an advantage per answer; per-token log-probabilities where the loss needs them
+        batch["advantages"] = jax.ShapeDtypeStruct((micro_batches, batch_size), jnp.float32, sharding=rows)
+        per_token = jax.ShapeDtypeStruct((micro_batches, batch_size, length - 1), jnp.float32, sharding=rows)
+        batch |= {"reference": per_token} if objective.rl.beta else {}
+        batch |= {"old": per_token} if objective.rl.num_iterations > 1 else {}
     labels = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)

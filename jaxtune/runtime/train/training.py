@@ -168,7 +168,7 @@ def train(
                     on_log([record])
                     window_start = time.perf_counter()
                 if saving:
-                    last_checkpoint = _save(checkpoint_dir, step, weights, opt_state, log, cfg)
+                    last_checkpoint = save_checkpoint(checkpoint_dir, step, weights, opt_state, log, cfg)
                     stops.saved()
                     window_start = time.perf_counter()
                 if stop:
@@ -236,7 +236,7 @@ def _interruptions(folder: Path, restart: bool) -> list[dict]:
     return found
 
 
-def _save(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig) -> str:
+def save_checkpoint(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig) -> str:
     """Checkpoint `step` (every process gathers the state, process 0 writes it); its path."""
     state = {"micro_batches": step * cfg.grad_accumulation, "rng": {"seed": cfg.seed, "step": step}, "log": log}
     host_weights, host_state = fetch((weights, opt_state))
