@@ -2,9 +2,8 @@
 
 A normalized example is `{"messages": [...prompt turns...], "response": str, "category": str}`:
 the prompt turns exclude the final assistant answer, which is `response`. A preference pair
-(format 'preference') adds `rejected`, the worse answer; `response` is then the chosen one. Text is stripped of
-surrounding whitespace: chat templates trim it anyway (Gemma's does), and generations are scored
-against `response` by exact match.
+(format 'preference') adds `rejected`, the worse answer; `response` is then the chosen one. Files
+and columns are read here; each row's values are checked and read by `fields`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from jaxtune.config import OFFLINE, DataConfig, SourceConfig
+from jaxtune.data import fields
 from jaxtune.errors import DataError, first_line
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
@@ -32,8 +32,6 @@ OFFLINE_PAIRS = OFFLINE_DATA.with_name("preference_offline.jsonl")
 def offline_file(data_format: str) -> Path:
     """The bundled file `source: offline` names: the Dolly-style rows, or for format 'preference' their pairs."""
     return OFFLINE_PAIRS if data_format == "preference" else OFFLINE_DATA
-DEFAULT_CATEGORY = "general"
-ROLES = ("system", "user", "assistant")
 
 # (required, optional) source names per format; `category` is optional everywhere.
 FORMAT_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -78,9 +76,9 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
     source = str(offline_file(cfg.format)) if str(path_or_id) == OFFLINE else str(path_or_id)
     _check_columns(cfg)
     required, _ = FORMAT_COLUMNS[cfg.format]
-    fields = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
+    keys = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
     if cfg.format == "preference":
-        fields = ["prompt", "messages", "chosen", "rejected"]
+        keys = ["prompt", "messages", "chosen", "rejected"]
     max_rows = getattr(cfg, "max_rows", None)  # a source of a mixture may read only its first rows
     for count, (where, row) in enumerate(_records(source, cfg)):
         if max_rows is not None and count >= max_rows:
@@ -88,14 +86,14 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
         # The checks training reads with, so a bad row is reported by the first stage that reads the file.
         normalize_row(row, cfg, where)
         row = _rename(row, cfg.columns)
-        for name in fields:
+        for name in keys:
             value = row.get(name)
             if name == "messages" and cfg.format == "preference":
-                values = [m["content"] for m in _prompt_messages(value, where)] if value is not None else []
+                values = [m["content"] for m in fields.prompt_turns(value, where)] if value is not None else []
             elif name in ("chosen", "rejected"):
-                values = [_answer(row, name, where)]
+                values = [fields.pair_answer(row, name, where)]
             elif name == "messages":
-                prompt, response = _split_messages(value, where)
+                prompt, response = fields.split_messages(value, where)
                 values = [m["content"] for m in prompt] + [response]
             else:
                 values = [value]
@@ -105,19 +103,19 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
 def normalize_row(row: Any, cfg: DataConfig, where: str) -> dict:
     """One raw row -> normalized example; `where` prefixes error messages."""
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with named columns, got {_type_name(row)}")
+        raise DataError(f"{where}: expected an object with named columns, got {fields.type_name(row)}")
     row = _rename(row, cfg.columns)
     _require_columns(row, cfg, where)
-    category = _category(row, where)
+    category = fields.category_of(row, where)
     if cfg.format == "messages":
-        messages, response = _split_messages(row["messages"], where)
+        messages, response = fields.split_messages(row["messages"], where)
         return {"messages": messages, "response": response, "category": category}
     if cfg.format == "preference":
-        return _preference_pair(row, where, category)
+        return fields.preference_pair(row, where, category)
     key_instruction, key_context, key_response = _FIELDS[cfg.format]
-    instruction = _string(row, key_instruction, where, required=True, non_empty=True)
-    context = _string(row, key_context, where) if key_context else ""
-    response = _string(row, key_response, where, required=True)  # may be empty: dropped and counted later
+    instruction = fields.text_of(row, key_instruction, where, required=True, non_empty=True)
+    context = fields.text_of(row, key_context, where) if key_context else ""
+    response = fields.text_of(row, key_response, where, required=True)  # may be empty: dropped and counted later
     content = f"{instruction}\n\n{context}" if context else instruction
     return {"messages": [{"role": "user", "content": content}], "response": response, "category": category}
 
@@ -223,7 +221,7 @@ def json_rows(path: Path) -> list:
             raise DataError(f"{path}: expected a list of rows, or an object with a 'data' or 'train' list; got keys {keys}")
         doc = doc[key]
     if not isinstance(doc, list):
-        raise DataError(f"{path}: expected a list of rows, got {_type_name(doc)}")
+        raise DataError(f"{path}: expected a list of rows, got {fields.type_name(doc)}")
     return doc
 
 
@@ -367,107 +365,6 @@ def _require_columns(row: dict, cfg: DataConfig, where: str) -> None:
                 f"{where}: missing column {_column_label(name, cfg)} (format {cfg.format!r} needs {', '.join(required)}; "
                 f"columns present: {', '.join(map(str, row)) or '(none)'}){hint}"
             )
-
-
-def _string(row: dict, key: str, where: str, required: bool = False, non_empty: bool = False) -> str:
-    """`row[key]` as a string; a missing or null optional field is ''."""
-    value = row.get(key)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str) or (non_empty and not value.strip()):
-        got = "an empty string" if isinstance(value, str) else _type_name(value)
-        raise DataError(f"{where}: {key!r} must be a {'non-empty ' if non_empty else ''}string, got {got}")
-    return value.strip()
-
-
-def _category(row: dict, where: str) -> str:
-    value = row.get("category")
-    if value is None or value == "":
-        return DEFAULT_CATEGORY
-    if not isinstance(value, str):
-        raise DataError(f"{where}: 'category' must be a string, got {_type_name(value)}")
-    return value
-
-
-def _split_messages(messages: Any, where: str) -> tuple[list[dict], str]:
-    """Prompt turns and the final assistant answer of a `messages` row."""
-    turns = _turns(messages, where)
-    if turns[-1]["role"] != "assistant":
-        raise DataError(f"{where}: the last message must be the 'assistant' answer, got role {turns[-1]['role']!r}")
-    prompt = turns[:-1]
-    if not any(t["role"] == "user" for t in prompt):
-        raise DataError(f"{where}: 'messages' has no 'user' turn before the assistant answer")
-    return prompt, turns[-1]["content"]
-
-
-def _turns(messages: Any, where: str) -> list[dict]:
-    """A `messages` value as checked {role, content} turns."""
-    if isinstance(messages, str):  # CSV cells hold the list as JSON text
-        try:
-            messages = json.loads(messages)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: 'messages' is text but not valid JSON ({e.msg})") from None
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {_type_name(messages)}")
-    return [_message(m, where, i) for i, m in enumerate(messages, start=1)]
-
-
-def _preference_pair(row: dict, where: str, category: str) -> dict:
-    """A pair's prompt turns, chosen `response` and `rejected` answer."""
-    has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
-    if has_prompt == has_messages:
-        given = "both" if has_prompt else "neither"
-        raise DataError(f"{where}: a preference row needs its prompt as 'prompt' (text) or 'messages' (the conversation "
-                        f"before the answers), exactly one of them; got {given}")
-    if has_prompt:
-        messages = [{"role": "user", "content": _string(row, "prompt", where, required=True, non_empty=True)}]
-    else:
-        messages = _prompt_messages(row["messages"], where)
-    return {"messages": messages, "response": _answer(row, "chosen", where), "rejected": _answer(row, "rejected", where),
-            "category": category}
-
-
-def _prompt_messages(messages: Any, where: str) -> list[dict]:
-    """The turns before a preference pair's answers: they end with a 'user' turn."""
-    turns = _turns(messages, where)
-    if turns[-1]["role"] != "user":
-        raise DataError(f"{where}: in a preference row 'messages' is the conversation before the two answers, so its last "
-                        f"message must be a 'user' turn, got role {turns[-1]['role']!r}")
-    return turns
-
-
-def _answer(row: dict, key: str, where: str) -> str:
-    """A preference row's `chosen` or `rejected` answer: text, or a list holding one 'assistant' message
-    (TRL's conversational form). May be empty: the pair is then dropped and counted."""
-    value = row.get(key)
-    if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
-        try:  # CSV cells hold a list as JSON text
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
-    if isinstance(value, list):
-        if len(value) != 1:
-            raise DataError(f"{where}: {key!r} as a list must hold one 'assistant' message (the answer), got {len(value)} messages")
-        message = _message(value[0], where, 1)
-        if message["role"] != "assistant":
-            raise DataError(f"{where}: {key!r} must be the 'assistant' answer, got role {message['role']!r}")
-        return message["content"]
-    return _string(row, key, where, required=True)
-
-
-def _message(message: Any, where: str, index: int) -> dict:
-    if not isinstance(message, dict):
-        raise DataError(f"{where}: message {index} must be an object with role and content, got {_type_name(message)}")
-    role, content = message.get("role"), message.get("content")
-    if role not in ROLES:
-        raise DataError(f"{where}: message {index} has role {role!r}; expected one of {', '.join(ROLES)}")
-    if not isinstance(content, str):
-        raise DataError(f"{where}: message {index} 'content' must be a string, got {_type_name(content)}")
-    return {"role": role, "content": content.strip()}
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 def looks_like_hub_id(source: str) -> bool:
