@@ -1,6 +1,7 @@
-"""One row's values, checked and read: text fields, the category, chat turns, and the prompt and
-answers of a preference pair. Each check raises DataError starting with `where`, the row's file and
-line (or row), so a bad value is reported where the user can find it.
+"""One row's values, checked and read: text fields, the category, chat turns, the prompt and
+answers of a preference pair, and the prompt and answer of a prompt_answer row. Each check
+raises DataError starting with `where`, the row's file and line (or row), so a bad value is
+reported where the user can find it.
 
 Text is stripped of surrounding whitespace: chat templates trim it anyway (Gemma's does), and
 generations are scored against the answer by exact match.
@@ -9,6 +10,7 @@ generations are scored against the answer by exact match.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from jaxtune.errors import DataError
@@ -62,26 +64,54 @@ def chat_turns(messages: Any, where: str) -> list[dict]:
 
 def preference_pair(row: dict, where: str, category: str) -> dict:
     """A pair's prompt turns, chosen `response` and `rejected` answer."""
+    return {"messages": prompt_of(row, where, "preference"), "response": pair_answer(row, "chosen", where),
+            "rejected": pair_answer(row, "rejected", where), "category": category}
+
+
+def prompt_answer(row: dict, where: str, category: str) -> dict:
+    """A prompt_answer row's prompt turns, and its answer as `response`: what the rewards check
+    sampled answers against, never trained on."""
+    return {"messages": prompt_of(row, where, "prompt_answer"), "response": answer_text(row, where), "category": category}
+
+
+def prompt_of(row: dict, where: str, data_format: str) -> list[dict]:
+    """The prompt turns of a preference or prompt_answer row: `prompt` (text, one user turn) or
+    `messages` (the conversation the answers follow), exactly one of them."""
     has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
     if has_prompt == has_messages:
         given = "both" if has_prompt else "neither"
-        raise DataError(f"{where}: a preference row needs its prompt as 'prompt' (text) or 'messages' (the conversation "
-                        f"before the answers), exactly one of them; got {given}")
+        raise DataError(f"{where}: a {data_format} row needs its prompt as 'prompt' (text) or 'messages' (the "
+                        f"conversation before {_answers(data_format)}), exactly one of them; got {given}")
     if has_prompt:
-        messages = [{"role": "user", "content": text_of(row, "prompt", where, required=True, non_empty=True)}]
-    else:
-        messages = prompt_turns(row["messages"], where)
-    return {"messages": messages, "response": pair_answer(row, "chosen", where), "rejected": pair_answer(row, "rejected", where),
-            "category": category}
+        return [{"role": "user", "content": text_of(row, "prompt", where, required=True, non_empty=True)}]
+    return prompt_turns(row["messages"], where, data_format)
 
 
-def prompt_turns(messages: Any, where: str) -> list[dict]:
-    """The turns before a preference pair's answers: they end with a 'user' turn."""
+def prompt_turns(messages: Any, where: str, data_format: str) -> list[dict]:
+    """The turns the answers follow: they end with a 'user' turn."""
     turns = chat_turns(messages, where)
     if turns[-1]["role"] != "user":
-        raise DataError(f"{where}: in a preference row 'messages' is the conversation before the two answers, so its last "
-                        f"message must be a 'user' turn, got role {turns[-1]['role']!r}")
+        raise DataError(f"{where}: in a {data_format} row 'messages' is the conversation before "
+                        f"{_answers(data_format)}, so its last message must be a 'user' turn, got role {turns[-1]['role']!r}")
     return turns
+
+
+def _answers(data_format: str) -> str:
+    return "the two answers" if data_format == "preference" else "the answer"
+
+
+def answer_text(row: dict, where: str) -> str:
+    """A prompt_answer row's `answer`: text, or a JSON number as its text (42 -> '42', 2.5 -> '2.5').
+    Never empty: an answer is what every sampled answer is checked against."""
+    value = row.get("answer")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    got = "an empty string" if isinstance(value, str) else str(value) if isinstance(value, float) else type_name(value)
+    raise DataError(f"{where}: 'answer' must be non-empty text or a finite number, got {got}")
 
 
 def pair_answer(row: dict, key: str, where: str) -> str:

@@ -2,7 +2,8 @@
 
 A normalized example is `{"messages": [...prompt turns...], "response": str, "category": str}`:
 the prompt turns exclude the final assistant answer, which is `response`. A preference pair
-(format 'preference') adds `rejected`, the worse answer; `response` is then the chosen one. Files
+(format 'preference') adds `rejected`, the worse answer; `response` is then the chosen one. A
+prompt_answer row's `response` is the answer its rewards check, which no loss trains on. Files
 and columns are read here; each row's values are checked and read by `fields`.
 """
 
@@ -27,11 +28,14 @@ SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 OFFLINE_DATA = Path(__file__).resolve().parents[1] / "offline" / "data" / "dolly_offline.jsonl"
 # What `source: offline` reads with `format: preference`: pairs built from the same rows (jaxtune.offline.pairs).
 OFFLINE_PAIRS = OFFLINE_DATA.with_name("preference_offline.jsonl")
+# And with `format: prompt_answer`: arithmetic questions with a numeric answer (jaxtune.offline.arithmetic).
+OFFLINE_ARITHMETIC = OFFLINE_DATA.with_name("arithmetic_offline.jsonl")
 
 
 def offline_file(data_format: str) -> Path:
-    """The bundled file `source: offline` names: the Dolly-style rows, or for format 'preference' their pairs."""
-    return OFFLINE_PAIRS if data_format == "preference" else OFFLINE_DATA
+    """The bundled file `source: offline` names: the Dolly-style rows, for format 'preference' their
+    pairs, for format 'prompt_answer' the arithmetic questions."""
+    return {"preference": OFFLINE_PAIRS, "prompt_answer": OFFLINE_ARITHMETIC}.get(data_format, OFFLINE_DATA)
 
 # (required, optional) source names per format; `category` is optional everywhere.
 FORMAT_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -41,6 +45,8 @@ FORMAT_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ("category",)),
     # The prompt is `prompt` (text) or `messages` (the conversation before the answers), not both.
     "preference": (("chosen", "rejected"), ("prompt", "messages", "category")),
+    # The same prompt, and the answer the rewards check (text or a number).
+    "prompt_answer": (("answer",), ("prompt", "messages", "category")),
 }
 # instruction, context, response field of each instruction-style format.
 _FIELDS = {
@@ -49,6 +55,8 @@ _FIELDS = {
     "prompt_completion": ("prompt", None, "completion"),
 }
 _LISTS = ("messages", "chosen", "rejected")  # columns that may hold lists of messages
+_NUMBERS = ("answer",)  # columns that may hold numbers
+_PROMPT_FIRST = ("preference", "prompt_answer")  # formats whose prompt is `prompt` or `messages`
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -77,8 +85,8 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
     _check_columns(cfg)
     required, _ = FORMAT_COLUMNS[cfg.format]
     keys = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
-    if cfg.format == "preference":
-        keys = ["prompt", "messages", "chosen", "rejected"]
+    if cfg.format in _PROMPT_FIRST:
+        keys = ["prompt", "messages", *required]
     max_rows = getattr(cfg, "max_rows", None)  # a source of a mixture may read only its first rows
     for count, (where, row) in enumerate(_records(source, cfg)):
         if max_rows is not None and count >= max_rows:
@@ -88,10 +96,12 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
         row = _rename(row, cfg.columns)
         for name in keys:
             value = row.get(name)
-            if name == "messages" and cfg.format == "preference":
-                values = [m["content"] for m in fields.prompt_turns(value, where)] if value is not None else []
+            if name == "messages" and cfg.format in _PROMPT_FIRST:
+                values = [m["content"] for m in fields.prompt_turns(value, where, cfg.format)] if value is not None else []
             elif name in ("chosen", "rejected"):
                 values = [fields.pair_answer(row, name, where)]
+            elif name == "answer":
+                values = [fields.answer_text(row, where)]
             elif name == "messages":
                 prompt, response = fields.split_messages(value, where)
                 values = [m["content"] for m in prompt] + [response]
@@ -112,6 +122,8 @@ def normalize_row(row: Any, cfg: DataConfig, where: str) -> dict:
         return {"messages": messages, "response": response, "category": category}
     if cfg.format == "preference":
         return fields.preference_pair(row, where, category)
+    if cfg.format == "prompt_answer":
+        return fields.prompt_answer(row, where, category)
     key_instruction, key_context, key_response = _FIELDS[cfg.format]
     instruction = fields.text_of(row, key_instruction, where, required=True, non_empty=True)
     context = fields.text_of(row, key_context, where) if key_context else ""
@@ -238,7 +250,8 @@ def check_arrow_schema(name: str, schema: pa.Schema, cfg: DataConfig) -> None:
     """A column has one type, so a wrong one is reported once here rather than as a puzzling value in every row."""
     for column, source in _source_columns(cfg).items():
         if source in schema.names and not _arrow_type_fits(column, schema.field(source).type):
-            expected = "a list of {role, content} objects (list<struct>)" if column in _LISTS else "text (string)"
+            expected = ("a list of {role, content} objects (list<struct>)" if column in _LISTS
+                        else "text (string) or a number" if column in _NUMBERS else "text (string)")
             raise DataError(f"{name}: column {_column_label(column, cfg)} is {schema.field(source).type}, expected {expected}")
 
 
@@ -247,6 +260,8 @@ def _arrow_type_fits(name: str, arrow_type: pa.DataType) -> bool:
     if pa.types.is_dictionary(arrow_type):  # pandas categoricals are stored dictionary-encoded
         arrow_type = arrow_type.value_type
     text = pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_null(arrow_type)
+    if name in _NUMBERS:
+        return text or pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
     if name not in _LISTS:
         return text
     listed = pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
@@ -359,12 +374,19 @@ def _require_columns(row: dict, cfg: DataConfig, where: str) -> None:
     for name in required:
         if name not in row:
             # A file that mixes formats fails at its first row of the other one; naming that format explains it.
-            others = [repr(fmt) for fmt, (needs, _) in FORMAT_COLUMNS.items() if fmt != cfg.format and all(c in row for c in needs)]
+            others = [repr(fmt) for fmt in FORMAT_COLUMNS if fmt != cfg.format and _looks_like(row, fmt)]
             hint = f" (this row looks like format {' or '.join(others)})" if others else ""
             raise DataError(
                 f"{where}: missing column {_column_label(name, cfg)} (format {cfg.format!r} needs {', '.join(required)}; "
                 f"columns present: {', '.join(map(str, row)) or '(none)'}){hint}"
             )
+
+
+def _looks_like(row: dict, data_format: str) -> bool:
+    """`row` has the columns `data_format` needs (its prompt included, for a format whose prompt is optional by name)."""
+    needs, _ = FORMAT_COLUMNS[data_format]
+    prompted = data_format not in _PROMPT_FIRST or "prompt" in row or "messages" in row
+    return prompted and all(c in row for c in needs)
 
 
 def looks_like_hub_id(source: str) -> bool:

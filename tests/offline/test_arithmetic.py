@@ -8,9 +8,8 @@ from collections import Counter
 
 import pytest
 
+from jaxtune.data.rows import OFFLINE_ARITHMETIC
 from jaxtune.offline import arithmetic
-
-OFFLINE_ARITHMETIC = arithmetic.DEFAULT_PATH
 
 QUESTION = re.compile(r"What is (\d+) ([-+*]) (\d+)\? Give the number after ####\.")
 
@@ -21,6 +20,7 @@ def rows() -> list[dict]:
 
 
 def test_the_bundled_file_is_what_the_generator_writes(tmp_path):
+    assert arithmetic.DEFAULT_PATH == OFFLINE_ARITHMETIC
     out = arithmetic.main(["--out", str(tmp_path / "rows.jsonl")])
     assert out.read_bytes() == OFFLINE_ARITHMETIC.read_bytes()
 
