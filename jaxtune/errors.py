@@ -20,6 +20,11 @@ class DataError(ValueError):
     """Bad input data; the message names the file (or dataset) and the row or line."""
 
 
+class RewardError(ValueError):
+    """A reward function failed on a batch: it raised, or returned the wrong number of values or a
+    value that is no finite number; the message names the reward and the first bad row."""
+
+
 class ChatTemplateError(ValueError):
     """The tokenizer's chat template is missing or cannot separate prompt tokens from answer tokens."""
 

@@ -65,7 +65,7 @@ def load_normalized(src: SourceConfig, path_or_id: str, index: int, work: Path, 
     """The rows of one source, normalized, as a `datasets.Dataset` written under `work`; raises
     DataError naming the first bad row's file and line (or row)."""
     raw._check_columns(src)
-    name = location(path_or_id)
+    name = location(path_or_id, src.format)
     source = _raw_dataset(src, name, work / f"raw-{index}")
     if src.max_rows is not None and len(source) > src.max_rows:
         source = source.select(range(src.max_rows))
@@ -231,13 +231,13 @@ def _rows_of(batch: dict[str, list], indices: list[int]) -> Iterator[tuple[int, 
         yield indices[i] + 1, dict(zip(names, values)), None
 
 
-def location(path_or_id: str) -> str:
-    """What error messages call a source: its path or hub id (the bundled file's path for 'offline')."""
-    return str(raw.OFFLINE_DATA) if path_or_id == OFFLINE else str(path_or_id)
+def location(path_or_id: str, data_format: str = "dolly") -> str:
+    """What error messages call a source: its path or hub id (for 'offline', the bundled file of `data_format`)."""
+    return str(raw.offline_file(data_format)) if path_or_id == OFFLINE else str(path_or_id)
 
 
 def unit_of(path_or_id: str) -> str:
-    """'line' where row numbers are a text file's lines (JSONL); 'row' elsewhere."""
+    """'line' where row numbers are a text file's lines (JSONL, the bundled files among them); 'row' elsewhere."""
     return "line" if Path(location(path_or_id)).suffix.lower() == ".jsonl" else "row"
 
 

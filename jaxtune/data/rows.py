@@ -2,9 +2,9 @@
 
 A normalized example is `{"messages": [...prompt turns...], "response": str, "category": str}`:
 the prompt turns exclude the final assistant answer, which is `response`. A preference pair
-(format 'preference') adds `rejected`, the worse answer; `response` is then the chosen one. Text is stripped of
-surrounding whitespace: chat templates trim it anyway (Gemma's does), and generations are scored
-against `response` by exact match.
+(format 'preference') adds `rejected`, the worse answer; `response` is then the chosen one. A
+prompt_answer row's `response` is the answer its rewards check, which no loss trains on. Files
+and columns are read here; each row's values are checked and read by `fields`.
 """
 
 from __future__ import annotations
@@ -21,19 +21,21 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from jaxtune.config import OFFLINE, DataConfig, SourceConfig
+from jaxtune.data import fields
 from jaxtune.errors import DataError, first_line
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 OFFLINE_DATA = Path(__file__).resolve().parents[1] / "offline" / "data" / "dolly_offline.jsonl"
 # What `source: offline` reads with `format: preference`: pairs built from the same rows (jaxtune.offline.pairs).
 OFFLINE_PAIRS = OFFLINE_DATA.with_name("preference_offline.jsonl")
+# And with `format: prompt_answer`: arithmetic questions with a numeric answer (jaxtune.offline.arithmetic).
+OFFLINE_ARITHMETIC = OFFLINE_DATA.with_name("arithmetic_offline.jsonl")
 
 
 def offline_file(data_format: str) -> Path:
-    """The bundled file `source: offline` names: the Dolly-style rows, or for format 'preference' their pairs."""
-    return OFFLINE_PAIRS if data_format == "preference" else OFFLINE_DATA
-DEFAULT_CATEGORY = "general"
-ROLES = ("system", "user", "assistant")
+    """The bundled file `source: offline` names: the Dolly-style rows, for format 'preference' their
+    pairs, for format 'prompt_answer' the arithmetic questions."""
+    return {"preference": OFFLINE_PAIRS, "prompt_answer": OFFLINE_ARITHMETIC}.get(data_format, OFFLINE_DATA)
 
 # (required, optional) source names per format; `category` is optional everywhere.
 FORMAT_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -43,6 +45,8 @@ FORMAT_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ("category",)),
     # The prompt is `prompt` (text) or `messages` (the conversation before the answers), not both.
     "preference": (("chosen", "rejected"), ("prompt", "messages", "category")),
+    # The same prompt, and the answer the rewards check (text or a number).
+    "prompt_answer": (("answer",), ("prompt", "messages", "category")),
 }
 # instruction, context, response field of each instruction-style format.
 _FIELDS = {
@@ -51,6 +55,8 @@ _FIELDS = {
     "prompt_completion": ("prompt", None, "completion"),
 }
 _LISTS = ("messages", "chosen", "rejected")  # columns that may hold lists of messages
+_NUMBERS = ("answer",)  # columns that may hold numbers
+_PROMPT_FIRST = ("preference", "prompt_answer")  # formats whose prompt is `prompt` or `messages`
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -78,9 +84,9 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
     source = str(offline_file(cfg.format)) if str(path_or_id) == OFFLINE else str(path_or_id)
     _check_columns(cfg)
     required, _ = FORMAT_COLUMNS[cfg.format]
-    fields = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
-    if cfg.format == "preference":
-        fields = ["prompt", "messages", "chosen", "rejected"]
+    keys = [name for name in _FIELDS.get(cfg.format, ()) if name] or list(required)  # messages: ("messages",)
+    if cfg.format in _PROMPT_FIRST:
+        keys = ["prompt", "messages", *required]
     max_rows = getattr(cfg, "max_rows", None)  # a source of a mixture may read only its first rows
     for count, (where, row) in enumerate(_records(source, cfg)):
         if max_rows is not None and count >= max_rows:
@@ -88,14 +94,16 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
         # The checks training reads with, so a bad row is reported by the first stage that reads the file.
         normalize_row(row, cfg, where)
         row = _rename(row, cfg.columns)
-        for name in fields:
+        for name in keys:
             value = row.get(name)
-            if name == "messages" and cfg.format == "preference":
-                values = [m["content"] for m in _prompt_messages(value, where)] if value is not None else []
+            if name == "messages" and cfg.format in _PROMPT_FIRST:
+                values = [m["content"] for m in fields.prompt_turns(value, where, cfg.format)] if value is not None else []
             elif name in ("chosen", "rejected"):
-                values = [_answer(row, name, where)]
+                values = [fields.pair_answer(row, name, where)]
+            elif name == "answer":
+                values = [fields.answer_text(row, where)]
             elif name == "messages":
-                prompt, response = _split_messages(value, where)
+                prompt, response = fields.split_messages(value, where)
                 values = [m["content"] for m in prompt] + [response]
             else:
                 values = [value]
@@ -105,19 +113,21 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
 def normalize_row(row: Any, cfg: DataConfig, where: str) -> dict:
     """One raw row -> normalized example; `where` prefixes error messages."""
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with named columns, got {_type_name(row)}")
+        raise DataError(f"{where}: expected an object with named columns, got {fields.type_name(row)}")
     row = _rename(row, cfg.columns)
     _require_columns(row, cfg, where)
-    category = _category(row, where)
+    category = fields.category_of(row, where)
     if cfg.format == "messages":
-        messages, response = _split_messages(row["messages"], where)
+        messages, response = fields.split_messages(row["messages"], where)
         return {"messages": messages, "response": response, "category": category}
     if cfg.format == "preference":
-        return _preference_pair(row, where, category)
+        return fields.preference_pair(row, where, category)
+    if cfg.format == "prompt_answer":
+        return fields.prompt_answer(row, where, category)
     key_instruction, key_context, key_response = _FIELDS[cfg.format]
-    instruction = _string(row, key_instruction, where, required=True, non_empty=True)
-    context = _string(row, key_context, where) if key_context else ""
-    response = _string(row, key_response, where, required=True)  # may be empty: dropped and counted later
+    instruction = fields.text_of(row, key_instruction, where, required=True, non_empty=True)
+    context = fields.text_of(row, key_context, where) if key_context else ""
+    response = fields.text_of(row, key_response, where, required=True)  # may be empty: dropped and counted later
     content = f"{instruction}\n\n{context}" if context else instruction
     return {"messages": [{"role": "user", "content": content}], "response": response, "category": category}
 
@@ -223,7 +233,7 @@ def json_rows(path: Path) -> list:
             raise DataError(f"{path}: expected a list of rows, or an object with a 'data' or 'train' list; got keys {keys}")
         doc = doc[key]
     if not isinstance(doc, list):
-        raise DataError(f"{path}: expected a list of rows, got {_type_name(doc)}")
+        raise DataError(f"{path}: expected a list of rows, got {fields.type_name(doc)}")
     return doc
 
 
@@ -240,7 +250,8 @@ def check_arrow_schema(name: str, schema: pa.Schema, cfg: DataConfig) -> None:
     """A column has one type, so a wrong one is reported once here rather than as a puzzling value in every row."""
     for column, source in _source_columns(cfg).items():
         if source in schema.names and not _arrow_type_fits(column, schema.field(source).type):
-            expected = "a list of {role, content} objects (list<struct>)" if column in _LISTS else "text (string)"
+            expected = ("a list of {role, content} objects (list<struct>)" if column in _LISTS
+                        else "text (string) or a number" if column in _NUMBERS else "text (string)")
             raise DataError(f"{name}: column {_column_label(column, cfg)} is {schema.field(source).type}, expected {expected}")
 
 
@@ -249,6 +260,8 @@ def _arrow_type_fits(name: str, arrow_type: pa.DataType) -> bool:
     if pa.types.is_dictionary(arrow_type):  # pandas categoricals are stored dictionary-encoded
         arrow_type = arrow_type.value_type
     text = pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_null(arrow_type)
+    if name in _NUMBERS:
+        return text or pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
     if name not in _LISTS:
         return text
     listed = pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
@@ -361,7 +374,7 @@ def _require_columns(row: dict, cfg: DataConfig, where: str) -> None:
     for name in required:
         if name not in row:
             # A file that mixes formats fails at its first row of the other one; naming that format explains it.
-            others = [repr(fmt) for fmt, (needs, _) in FORMAT_COLUMNS.items() if fmt != cfg.format and all(c in row for c in needs)]
+            others = [repr(fmt) for fmt in FORMAT_COLUMNS if fmt != cfg.format and _looks_like(row, fmt)]
             hint = f" (this row looks like format {' or '.join(others)})" if others else ""
             raise DataError(
                 f"{where}: missing column {_column_label(name, cfg)} (format {cfg.format!r} needs {', '.join(required)}; "
@@ -369,105 +382,11 @@ def _require_columns(row: dict, cfg: DataConfig, where: str) -> None:
             )
 
 
-def _string(row: dict, key: str, where: str, required: bool = False, non_empty: bool = False) -> str:
-    """`row[key]` as a string; a missing or null optional field is ''."""
-    value = row.get(key)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str) or (non_empty and not value.strip()):
-        got = "an empty string" if isinstance(value, str) else _type_name(value)
-        raise DataError(f"{where}: {key!r} must be a {'non-empty ' if non_empty else ''}string, got {got}")
-    return value.strip()
-
-
-def _category(row: dict, where: str) -> str:
-    value = row.get("category")
-    if value is None or value == "":
-        return DEFAULT_CATEGORY
-    if not isinstance(value, str):
-        raise DataError(f"{where}: 'category' must be a string, got {_type_name(value)}")
-    return value
-
-
-def _split_messages(messages: Any, where: str) -> tuple[list[dict], str]:
-    """Prompt turns and the final assistant answer of a `messages` row."""
-    turns = _turns(messages, where)
-    if turns[-1]["role"] != "assistant":
-        raise DataError(f"{where}: the last message must be the 'assistant' answer, got role {turns[-1]['role']!r}")
-    prompt = turns[:-1]
-    if not any(t["role"] == "user" for t in prompt):
-        raise DataError(f"{where}: 'messages' has no 'user' turn before the assistant answer")
-    return prompt, turns[-1]["content"]
-
-
-def _turns(messages: Any, where: str) -> list[dict]:
-    """A `messages` value as checked {role, content} turns."""
-    if isinstance(messages, str):  # CSV cells hold the list as JSON text
-        try:
-            messages = json.loads(messages)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: 'messages' is text but not valid JSON ({e.msg})") from None
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {_type_name(messages)}")
-    return [_message(m, where, i) for i, m in enumerate(messages, start=1)]
-
-
-def _preference_pair(row: dict, where: str, category: str) -> dict:
-    """A pair's prompt turns, chosen `response` and `rejected` answer."""
-    has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
-    if has_prompt == has_messages:
-        given = "both" if has_prompt else "neither"
-        raise DataError(f"{where}: a preference row needs its prompt as 'prompt' (text) or 'messages' (the conversation "
-                        f"before the answers), exactly one of them; got {given}")
-    if has_prompt:
-        messages = [{"role": "user", "content": _string(row, "prompt", where, required=True, non_empty=True)}]
-    else:
-        messages = _prompt_messages(row["messages"], where)
-    return {"messages": messages, "response": _answer(row, "chosen", where), "rejected": _answer(row, "rejected", where),
-            "category": category}
-
-
-def _prompt_messages(messages: Any, where: str) -> list[dict]:
-    """The turns before a preference pair's answers: they end with a 'user' turn."""
-    turns = _turns(messages, where)
-    if turns[-1]["role"] != "user":
-        raise DataError(f"{where}: in a preference row 'messages' is the conversation before the two answers, so its last "
-                        f"message must be a 'user' turn, got role {turns[-1]['role']!r}")
-    return turns
-
-
-def _answer(row: dict, key: str, where: str) -> str:
-    """A preference row's `chosen` or `rejected` answer: text, or a list holding one 'assistant' message
-    (TRL's conversational form). May be empty: the pair is then dropped and counted."""
-    value = row.get(key)
-    if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
-        try:  # CSV cells hold a list as JSON text
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
-    if isinstance(value, list):
-        if len(value) != 1:
-            raise DataError(f"{where}: {key!r} as a list must hold one 'assistant' message (the answer), got {len(value)} messages")
-        message = _message(value[0], where, 1)
-        if message["role"] != "assistant":
-            raise DataError(f"{where}: {key!r} must be the 'assistant' answer, got role {message['role']!r}")
-        return message["content"]
-    return _string(row, key, where, required=True)
-
-
-def _message(message: Any, where: str, index: int) -> dict:
-    if not isinstance(message, dict):
-        raise DataError(f"{where}: message {index} must be an object with role and content, got {_type_name(message)}")
-    role, content = message.get("role"), message.get("content")
-    if role not in ROLES:
-        raise DataError(f"{where}: message {index} has role {role!r}; expected one of {', '.join(ROLES)}")
-    if not isinstance(content, str):
-        raise DataError(f"{where}: message {index} 'content' must be a string, got {_type_name(content)}")
-    return {"role": role, "content": content.strip()}
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
+def _looks_like(row: dict, data_format: str) -> bool:
+    """`row` has the columns `data_format` needs (its prompt included, for a format whose prompt is optional by name)."""
+    needs, _ = FORMAT_COLUMNS[data_format]
+    prompted = data_format not in _PROMPT_FIRST or "prompt" in row or "messages" in row
+    return prompted and all(c in row for c in needs)
 
 
 def looks_like_hub_id(source: str) -> bool:

@@ -3,6 +3,9 @@
 Sequences are built with the tokenizer's own chat template and are not padded here. The rows
 stay in Arrow files throughout (`datasets` maps over `num_proc` processes): only per-row keys,
 lengths and indices are held in memory, as numpy arrays, so memory does not grow with the text.
+
+A prompt_answer row becomes its prompt alone, rendered through the generation prompt, with
+nothing labelled: its answers are sampled and scored while training.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jaxtune.config import DataConfig, SourceConfig
+from jaxtune.config import PREFERENCE_FORMAT, PROMPT_ANSWER_FORMAT, DataConfig, SourceConfig
 from jaxtune.data import loading
 from jaxtune.errors import ChatTemplateError, DataError
 
@@ -44,7 +47,12 @@ KEEP, EMPTY, TOO_LONG, IDENTICAL = 0, 1, 2, 3  # the encoded `drop` column
 
 def is_preference(cfg: DataConfig) -> bool:
     """Rows are preference pairs: each becomes two token rows, the chosen answer's and then the rejected one's."""
-    return cfg.mixture()[0].format == "preference"
+    return cfg.mixture()[0].format == PREFERENCE_FORMAT
+
+
+def is_prompt_answer(cfg: DataConfig) -> bool:
+    """Rows are prompts to sample answers to (train.objective grpo): each becomes one token row, the prompt alone."""
+    return cfg.mixture()[0].format == PROMPT_ANSWER_FORMAT
 
 
 def pad_id_of(tokenizer: Any) -> int:
@@ -95,6 +103,17 @@ def encode_batch(messages: Sequence[list[dict]], responses: Sequence[str], token
             texts[k] = text
     ids = token_ids(tokenizer, texts)
     return [None if plan is None else _labelled_row(plan, ids, tokenizer, loss_on) for plan in plans]
+
+
+def encode_prompts(messages: Sequence[list[dict]], tokenizer: Any, wheres: Sequence[str] | None = None) -> list[dict]:
+    """Token rows of prompts to sample answers to: each conversation rendered with the generation
+    prompt, so its ids end where decoding continues (the opening of the assistant's turn); no
+    token is labelled, and the whole row is the prompt (`prompt_length` == `length`). A row the
+    template refuses to render raises DataError naming `wheres[i]`."""
+    wheres = list(wheres) if wheres else [f"row {i + 1}" for i in range(len(messages))]
+    ids = token_ids(tokenizer, _render(tokenizer, list(messages), True, wheres))
+    return [{"input_ids": [int(i) for i in row], "labels": [IGNORE_INDEX] * len(row), "length": len(row),
+             "prompt_length": len(row)} for row in ids]
 
 
 def _render(tokenizer: Any, conversations: list[list[dict]], add_generation_prompt: bool, wheres: list[str]) -> list[str]:
@@ -162,7 +181,8 @@ def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres:
                  names: list[str]) -> dict[str, list]:
     """The `datasets.map` function: normalized rows -> token rows, each with its drop reason
     (EMPTY, TOO_LONG, IDENTICAL or KEEP) and, for a row the template cannot handle, the problem.
-    A preference pair encodes both answers, each labelled on its own tokens alone."""
+    A preference pair encodes both answers, each labelled on its own tokens alone; a prompt_answer
+    row its prompt alone, which is too long whatever data.too_long says when it passes max_length."""
     out: dict[str, list] = {key: [] for key in ENCODED_COLUMNS}
     where = [f"{wheres[s][0]} {wheres[s][1]} {r}" for s, r in zip(batch["source"], batch["row"])]
     pairs = is_preference(cfg)
@@ -172,6 +192,8 @@ def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres:
             encoded = encode_batch(batch["messages"] * 2, batch["response"] + batch["rejected"], tokenizer,
                                    "last_assistant", where * 2)
             rows, rejected = encoded[:n], encoded[n:]
+        elif is_prompt_answer(cfg):
+            rows, rejected = encode_prompts(batch["messages"], tokenizer, where), [None] * n
         else:
             rows, rejected = encode_batch(batch["messages"], batch["response"], tokenizer, cfg.loss_on, where), [None] * n
         problem = template_problem = None
@@ -275,7 +297,7 @@ def tokenize_sources(sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any
 
     parts = [loading.load_normalized(src, path, i, work, cfg.num_proc) for i, (src, path) in enumerate(sources)]
     normalized = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    wheres = [(str(loading.location(path)), loading.unit_of(path)) for _, path in sources]
+    wheres = [(str(loading.location(path, src.format)), loading.unit_of(path)) for src, path in sources]
     return _tokenize_normalized(normalized, tokenizer, cfg, [src for src, _ in sources], wheres, work)
 
 
@@ -357,6 +379,8 @@ def _tokenize_normalized(normalized, tokenizer: Any, cfg: DataConfig, sources: l
     pairs = is_preference(cfg)
     if pairs:
         stats["preference"] = True  # train_rows and eval_rows count pairs, each two rows of the tables
+    if is_prompt_answer(cfg):
+        stats["prompt_answer"] = True  # rows are prompts alone: label_tokens are 0, tokens count prompt tokens
     return TokenTables(encoded, train_pos, eval_pos, stats, pairs)
 
 
@@ -442,11 +466,12 @@ def _prompt_text(messages: list[dict]) -> str:
 
 def _why(dropped: Counter, cfg: DataConfig) -> str:
     """The non-zero drop counts, each with what it means and the setting that changes it."""
-    too_long = (
-        f"rows whose prompt alone has data.max_length={cfg.max_length} tokens or more; raise data.max_length"
-        if cfg.too_long == "truncate"
-        else f"rows longer than data.max_length={cfg.max_length} tokens; raise data.max_length or set data.too_long=truncate"
-    )
+    if is_prompt_answer(cfg):  # a prompt cannot be truncated: its end is where the answers start
+        too_long = f"prompts longer than data.max_length={cfg.max_length} tokens; raise data.max_length"
+    elif cfg.too_long == "truncate":
+        too_long = f"rows whose prompt alone has data.max_length={cfg.max_length} tokens or more; raise data.max_length"
+    else:
+        too_long = f"rows longer than data.max_length={cfg.max_length} tokens; raise data.max_length or set data.too_long=truncate"
     meaning = {
         "duplicate": "exact repeats of an earlier row",
         "duplicate_of_train": "eval rows whose prompt is also a train prompt",
