@@ -531,6 +531,12 @@ class JaxtuneConfig(Section):
         if prompts and objective != "grpo":
             raise ValueError("data.format=prompt_answer holds prompts for reinforcement learning: set train.objective=grpo")
         if objective == "grpo":
+            if self.train.max_steps is None:
+                raise ValueError("train.objective=grpo trains for train.max_steps steps, each on answers it samples: "
+                                 "set train.max_steps (train.epochs counts passes over fixed rows)")
+            if self.rl.beta and self.train.method == "lora" and self.lora.modules_to_save:
+                raise ValueError("rl.beta > 0 with LoRA takes the base with the adapters off as the reference, which "
+                                 "lora.modules_to_save would change: leave modules_to_save empty, or set rl.beta=0")
             answers = self.train.batch_size * self.train.grad_accumulation
             if answers % self.rl.num_generations:
                 raise ValueError(f"train.batch_size x train.grad_accumulation ({answers}) counts a step's answers: it "

@@ -113,9 +113,13 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
     model_section = keyed_model(config.model)
     objective = config.train.objective
     evaluation = evaluate.EvalSection(model=model_section, eval=config.eval)
-    if objective != "sft":
+    if objective in ("dpo", "simpo"):
         evaluation = evaluate.PairEvalSection(model=model_section, eval=config.eval, objective=objective,
                                               preference=config.preference)
+    elif objective == "grpo":
+        evaluation = evaluate.RewardEvalSection(model=model_section, eval=config.eval, rewards=config.rl.rewards,
+                                                reward_weights=config.rl.reward_weights, reward_code=_reward_code(config),
+                                                max_new_tokens=config.rl.max_completion_length)
     # DPO's reference log-probabilities: a stage of their own, read by the evals and train.
     scored = {"model": model, "data": "tokenize", **base, **({"reference": "reference"} if objective == "dpo" else {})}
     trained = {**scored, "train": "train"}
@@ -366,6 +370,15 @@ def _note_stage(error: Exception, stage: str) -> None:
 
 def _train_section(config: JaxtuneConfig) -> train.TrainSection:
     lora = config.lora if config.train.method == "lora" else None
-    preference = config.preference if config.train.objective != "sft" else None
+    objective = config.train.objective
+    preference = config.preference if objective in ("dpo", "simpo") else None
+    rl, code = (config.rl, _reward_code(config)) if objective == "grpo" else (None, None)
     return train.TrainSection(model=keyed_model(config.model), train=config.train, lora=lora, packing=config.data.packing,
-                              preference=preference)
+                              preference=preference, rl=rl, reward_code=code)
+
+
+def _reward_code(config: JaxtuneConfig) -> dict[str, str]:
+    """Each reward's code (`Rewards.identity`): resolving them here also fails a bad reward before any stage runs."""
+    from jaxtune.rewards import load_rewards
+
+    return load_rewards(config.rl.rewards, config.rl.reward_weights).identity()

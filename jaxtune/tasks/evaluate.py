@@ -5,7 +5,11 @@ accuracy, reward margin and the chosen and rejected answers' log-probabilities
 (`inference.pair_summary`), against the `reference` stage's log-probabilities for DPO; loss and
 perplexity are then those of the chosen answers. An SFT eval also writes each row's loss
 (rows.json), a preference eval each pair's margin and log-probabilities (pairs.json), from which
-the report finds the rows or pairs training helped least."""
+the report finds the rows or pairs training helped least.
+
+For GRPO (prompt and answer rows, nothing to score by likelihood) an eval is the rewards of the
+greedy answers to the eval split's prompts: the mean total reward, each reward's mean and the
+total per category, and each prompt's answer and scores (answers.json)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ PARITY_ROWS = 4  # eval rows whose logits are also computed in PyTorch, to certi
 ROWS = "rows.json"  # each eval row's loss, in eval.arrow's order (SFT evals)
 PAIRS = "pairs.json"  # each eval pair's reward margin and log-probabilities, in eval.arrow's order (preference evals)
 PAIR_FIGURES = ("margin", "chosen_logp", "rejected_logp")
+ANSWERS = "answers.json"  # each eval prompt's greedy answer, its scores and total reward (GRPO evals)
 
 
 class EvalSection(Section):
@@ -35,6 +40,16 @@ class PairEvalSection(EvalSection):
 
     objective: str
     preference: PreferenceConfig
+
+
+class RewardEvalSection(EvalSection):
+    """The eval of a GRPO run: its rewards (and their code, so an edit re-scores) on greedy answers
+    of at most `max_new_tokens`."""
+
+    rewards: tuple[str, ...]
+    reward_weights: tuple[float, ...] | None
+    reward_code: dict[str, str]
+    max_new_tokens: int
 
 
 def _loss_parts(p: dict, section: PairEvalSection) -> str:
@@ -61,6 +76,14 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
         model = open_trained_model(inputs, section.model, mesh)
         table = TokenTable(inputs["data"].file("eval.arrow"))  # memory-mapped: rows are read as batches take them
         logger = get_run_logger()
+        if isinstance(section, RewardEvalSection):
+            metrics, answers = _reward_metrics(model, table, section, inputs)
+            (folder / ANSWERS).write_text(json.dumps(answers, ensure_ascii=False))
+            metrics["parity"] = logits_parity(model, table.input_ids[:PARITY_ROWS], pad_id)
+            (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+            logger.info("%s: mean reward %.4f (%s) over %d prompts", stage, metrics["reward"],
+                        ", ".join(f"{k} {v:.3f}" for k, v in metrics["rewards"].items()), metrics["prompts"])
+            return
         if isinstance(section, PairEvalSection):
             metrics, figures = _pair_metrics(model, table, section, inputs, pad_id)
             (folder / PAIRS).write_text(json.dumps({k: [round(float(v), 6) for v in figures[k]] for k in PAIR_FIGURES}))
@@ -78,6 +101,23 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
         logger.info("%s: JAX vs PyTorch logits max |diff| %.2e (%s)", stage, metrics["parity"]["max_abs_diff"], metrics["parity"]["dtype"])
 
     return build_artifact(store_root, stage, __name__, section, inputs, build)
+
+
+def _reward_metrics(model, table, section: RewardEvalSection, inputs: dict) -> tuple[dict, list[dict]]:
+    """`scoring.summary` of the greedy answers to every eval prompt, and each prompt's answer and scores."""
+    from jaxtune.rewards import load_rewards
+    from jaxtune.tasks import scoring
+    from jaxtune.tasks.sources import open_tokenizer
+
+    rewards = load_rewards(section.rewards, section.reward_weights)
+    tokenizer = open_tokenizer(inputs["model"], section.model)
+    rows = scoring.reward_rows(table, "eval")
+    answers, scores = scoring.greedy_scores(model, tokenizer, table.input_ids, rows, rewards, section.eval.batch_size,
+                                            section.max_new_tokens)
+    total = rewards.total(scores)
+    per_prompt = [{"answer": a, "scores": [round(float(v), 6) for v in s], "reward": round(float(t), 6)}
+                  for a, s, t in zip(answers, scores, total)]
+    return scoring.summary(rewards, scores, [r["category"] for r in rows]), per_prompt
 
 
 def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: int) -> tuple[dict, dict]:

@@ -13,7 +13,8 @@ from jaxtune.tracking import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
 from jaxtune.tasks.hardest import HARDEST, hardest_examples, hardest_lines
 from jaxtune.tasks.stage import build_artifact
-from jaxtune.tracking.curves import plot_loss
+from jaxtune.tasks import rl_report
+from jaxtune.tracking.curves import plot_loss, plot_rewards
 
 STAGE = "report"
 EXAMPLES = 6
@@ -223,6 +224,14 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
     """inputs: `tokenize`, `baseline_eval`, `train`, `final_eval`, `export`, `generate`; `base` over a quantized base."""
 
     def build(folder: Path) -> None:
+        if rl_report.is_rl(inputs):  # GRPO: rewards, not losses
+            summary = rl_report.summarize(inputs)
+            plot_rewards(_log(inputs["train"]), summary["reward"]["before"], summary["reward"]["after"],
+                         folder / "loss.png")
+            (folder / "report.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+            (folder / "report.md").write_text(rl_report.render_markdown(summary, "loss.png"))
+            (folder / "examples.json").write_text("[]")
+            return
         summary = summarize(inputs, section.get("hardest", HARDEST))
         log = _log(inputs["train"])
         plot_loss(log, *curve_levels(summary), folder / "loss.png")
@@ -241,6 +250,12 @@ def publish_report(report_ref: ArtifactRef) -> None:
     summary = report_ref.read_json("report.json")
     png = base64.b64encode(report_ref.file("loss.png").read_bytes()).decode()
     examples = report_ref.read_json("examples.json")
+    if summary.get("objective") == "grpo":
+        create_markdown_artifact(key=ui.artifact_key("report"), description=f"report {report_ref.key}",
+                                 markdown=rl_report.render_markdown(summary, f"data:image/png;base64,{png}"))
+        create_table_artifact(key=ui.artifact_key("metrics"), table=rl_report.metric_rows(summary),
+                              description="before vs after fine-tuning")
+        return
     create_markdown_artifact(
         key=ui.artifact_key("report"),
         markdown=render_markdown(summary, examples, f"data:image/png;base64,{png}"),

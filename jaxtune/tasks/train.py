@@ -14,8 +14,8 @@ from prefect import get_run_logger, task
 from jaxtune.tracking import ui
 from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
-from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, Section, TrackingConfig, TrainConfig,
-                            without_credentials)
+from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, RLConfig, Section, TrackingConfig,
+                            TrainConfig, without_credentials)
 from jaxtune.errors import first_line
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
@@ -29,13 +29,16 @@ class TrainSection(Section):
     lora: LoraConfig | None  # None for full fine-tuning, so LoRA settings do not touch its key
     packing: bool  # data.packing
     preference: PreferenceConfig | None = None  # train.objective dpo or simpo: its settings
+    rl: RLConfig | None = None  # train.objective grpo: its settings
+    reward_code: dict[str, str] | None = None  # grpo: each reward's code (`Rewards.identity`), so an edit retrains
 
 
 @task(name=STAGE, result_serializer="json")
 def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig,
           restart: bool = False, tracking: TrackingConfig = TrackingConfig()) -> ArtifactRef:
     """inputs: `model` (base weights and tokenizer), `data` (the tokenize artifact) and, for DPO,
-    `reference` (the reference stage's log-probabilities).
+    `reference` (the reference stage's log-probabilities). GRPO samples answers to the train
+    split's prompts and scores them with `rl.rewards` (`_train_grpo`).
 
     Checkpoints go to the store's scratch folder for this key, so re-running the flow after a
     crash resumes from the newest one; they are removed once the artifact is complete.
@@ -47,12 +50,9 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
     checkpoints = ArtifactStore(store_root).scratch(STAGE, stage_key(STAGE, __name__, section, input_keys(inputs)))
 
     def build(folder: Path) -> None:
-        from safetensors.numpy import save_file
-
         from jaxtune.data.token_table import TokenTable
         from jaxtune.runtime.modeling import model as rt_model
         from jaxtune.runtime.train import training
-        from jaxtune.runtime.train.checkpoint import tree_to_arrays
         from jaxtune.runtime.devices.mesh import make_placement
         from jaxtune.runtime.compiled.preference import objective_of
         from jaxtune.tasks.reference import read_reference
@@ -64,6 +64,10 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
                                     train_all=section.lora is None, base=held_base(inputs))
         _require_space(model, section, checkpoints, folder)
         rows = TokenTable(inputs["data"].file("train.arrow"))  # memory-mapped: rows are read as batches take them
+        if section.rl is not None:
+            result = _train_grpo(model, rows, section, inputs, folder, checkpoints, pad_id, tracking)
+            _write(folder, result, section, name)
+            return
         evals = TokenTable(inputs["data"].file("eval.arrow"))
         objective = objective_of(section.train.objective, section.preference)
         feed = training.feed_for(model, rows.lengths, section.train, rows.longest, section.packing, objective.pairs)
@@ -79,18 +83,52 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
             log.finish(result.summary)
         finally:
             log.close()
-        rt_model.save_weights(result.weights, folder / "params.safetensors")
-        save_file(tree_to_arrays(result.opt_state), str(folder / "optimizer.safetensors"))
-        (folder / "summary.json").write_text(json.dumps(result.summary, indent=2))
-        (folder / "memory.json").write_text(json.dumps(result.memory, indent=2))
-        method = {"method": section.train.method, "objective": section.train.objective, "lora": section.lora.model_dump(mode="json") if section.lora else None,
-                  "base_model": name}  # what `jaxtune chat` opens the weights on; the key hashes the model by content
-        (folder / "method.json").write_text(json.dumps(method, indent=2))
+        _write(folder, result, section, name)
 
     ref = build_artifact(store_root, STAGE, __name__, section, inputs, build)
     if processes.writes():  # in a multi-process job the checkpoints are process 0's
         shutil.rmtree(checkpoints, ignore_errors=True)
     return ref
+
+
+def _write(folder: Path, result, section: TrainSection, base_model: str) -> None:
+    """The artifact's files: trained weights, optimizer state, summary, memory plan, method."""
+    from safetensors.numpy import save_file
+
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.train.checkpoint import tree_to_arrays
+
+    rt_model.save_weights(result.weights, folder / "params.safetensors")
+    save_file(tree_to_arrays(result.opt_state), str(folder / "optimizer.safetensors"))
+    (folder / "summary.json").write_text(json.dumps(result.summary, indent=2))
+    (folder / "memory.json").write_text(json.dumps(result.memory, indent=2))
+    method = {"method": section.train.method, "objective": section.train.objective,
+              "lora": section.lora.model_dump(mode="json") if section.lora else None,
+              "base_model": base_model}  # what `jaxtune chat` opens the weights on; the key hashes the model by content
+    (folder / "method.json").write_text(json.dumps(method, indent=2))
+
+
+def _train_grpo(model, rows, section: TrainSection, inputs: dict, folder: Path, checkpoints: Path, pad_id: int,
+                tracking: TrackingConfig):
+    """GRPO on the train split's prompts, scored by `rl.rewards` (`rollouts.train_grpo`)."""
+    from jaxtune.data.templates import stop_ids
+    from jaxtune.rewards import load_rewards
+    from jaxtune.runtime.train import rollouts
+    from jaxtune.tasks import scoring
+    from jaxtune.tasks.sources import open_tokenizer
+
+    rewards = load_rewards(section.rl.rewards, section.rl.reward_weights)
+    tokenizer = open_tokenizer(inputs["model"], section.model)
+    score = scoring.scorer(rewards, tokenizer, scoring.reward_rows(rows, "train"))
+    eos = stop_ids(tokenizer, getattr(model.module, "generation_config", None))
+    log = TrainLog(folder / "log.jsonl", section.train.max_steps, section, tracking)
+    try:
+        result = rollouts.train_grpo(model, rows.input_ids, score, rewards.names, section.train, section.rl, pad_id,
+                                     eos, log, checkpoint_dir=checkpoints)
+        log.finish(result.summary)
+    finally:
+        log.close()
+    return result
 
 
 def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path) -> None:

@@ -38,13 +38,34 @@ def plot_loss(log: list[dict], baseline: float, final: float, path: Path) -> Non
     plt.close(fig)
 
 
+def draw_rewards(ax, log: list[dict]) -> None:
+    """GRPO: the mean reward of each step's sampled answers."""
+    train = [r for r in log if "reward" in r]
+    ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="sampled answers' reward", linewidth=1)
+    ax.set_xlabel("step"), ax.set_ylabel("reward"), ax.grid(alpha=0.3)
+
+
+def plot_rewards(log: list[dict], baseline: float, final: float, path: Path) -> None:
+    """A GRPO report's curve: the sampled answers' reward during training against the greedy answers'
+    reward on the eval prompts before and after."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    draw_rewards(ax, log)
+    ax.axhline(baseline, color="grey", linestyle="--", label=f"eval before ({baseline:.2f})")
+    ax.axhline(final, color="green", linestyle="--", label=f"eval after ({final:.2f})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def live_curve_png(log: list[dict], total_steps: int) -> bytes:
-    """PNG of the run so far: losses, learning rate and gradient norm, each over all `total_steps`."""
+    """PNG of the run so far: losses (GRPO: rewards), learning rate and gradient norm, each over all `total_steps`."""
     plt = _pyplot()
     train = [r for r in log if "loss" in r]
     steps = [r["step"] for r in train]
     fig, (loss, lr, norm) = plt.subplots(1, 3, figsize=(10, 2.8), dpi=90)
-    draw_losses(loss, log)
+    (draw_rewards if any("reward" in r for r in train) else draw_losses)(loss, log)
     loss.legend(fontsize="small")
     lr.plot(steps, [r["lr"] for r in train], linewidth=1)
     lr.set_ylabel("learning rate"), lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))

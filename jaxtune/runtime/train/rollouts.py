@@ -189,6 +189,7 @@ def train_grpo(
             tokens = int(batch["attention_mask"].sum())
             record = {"step": step, "loss": round(loss, 6), "lr": float(schedule(step - 1)),
                       "grad_norm": round(grad_norm, 6), "tokens": tokens,
+                      "tokens_per_second": round(tokens / (now - update_began), 1),
                       "update_seconds": round(now - update_began, 4), "step_seconds": round(now - step_began, 4),
                       **{key: round(value, 6) for key, value in figures.items()}}
             log.append(record)
