@@ -238,6 +238,9 @@ def breakdown(path: Path) -> dict:
     for text in hlo_files:
         hlo.update(hlo_ops(text.read_text()))
     ops = op_events(events)
+    if not ops:
+        threads = sorted({e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"})
+        raise ValueError(f"{file}: no XLA op events (no \"XLA Ops\" thread, no event naming an hlo_op); threads: {threads}")
     n, wall = len(steps), sum(e["dur"] for e in steps) * 1e-6
     seconds, runs, flops = defaultdict(float), defaultdict(int), defaultdict(float)
     by_op: dict[tuple[str, str], float] = defaultdict(float)

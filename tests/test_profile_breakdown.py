@@ -146,6 +146,18 @@ def test_a_tpu_trace_is_read_from_its_first_chips_xla_ops(tmp_path):
     assert "| idle | 0.016 | 16.0% |  |  |" in table
 
 
+def test_a_trace_without_ops_or_steps_says_what_it_lacks(tmp_path):
+    events = [e for e in tpu_trace_events() if e.get("tid") != XLA_OPS]
+    with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    with pytest.raises(ValueError, match="no XLA op events .* threads: .*'Steps'"):
+        pb.breakdown(tmp_path)
+    with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": [e for e in events if e["name"] != pb.STEP]}, f)
+    with pytest.raises(ValueError, match="no 'train' events"):
+        pb.breakdown(tmp_path / "host.trace.json.gz")
+
+
 # XLA:TPU's optimized HLO (libtpu's compile of a splash-attention forward and a matmul's gradient,
 # trimmed): a dot is a convolution with dim_labels, and a Pallas kernel's kernel_metadata spans lines.
 TPU_HLO = '''HloModule jit_train_step, is_scheduled=true
