@@ -5,6 +5,7 @@ whatever accelerator JAX and torch see, with the same weights and batches on eac
     python benchmarks/accelerator.py --model qwen2.5-0.5b   # another shape of benchmarks/configs
     python benchmarks/accelerator.py --minutes 15 --parts jaxtune --parts torch-compile
     python benchmarks/accelerator.py --tiny --out /tmp/acc  # every part on the CPU with a toy model (make test runs it)
+    python benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --profile --out /tmp/acc  # + /tmp/acc-profile/
     TUNIX_SITE=/tmp/tunix-site python benchmarks/accelerator.py   # with Tunix's side (benchmarks/tunix_wheels.sh install)
 
 The driver builds the model's random weights once (one seed) from a config-only folder and saves
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a setting of the recipes jaxtune's side runs, as `jaxtune run --set` (repeatable)")
     parser.add_argument("--section", action="append", choices=["lora", "full", "decode"],
                         help="jaxtune's sections to run (repeatable; default lora, full and decode)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each jaxtune train case's timed steps, 3 more inside jax.profiler.trace: the traces in "
+                             "STEM-profile/SIDE-CASE/, their breakdown by kind of op in the report")
     parser.add_argument("--minutes", type=float, help=f"the whole run's time (default {DEVICE_MINUTES:g}; --tiny {TINY_MINUTES:g})")
     parser.add_argument("--out", help="output stem (default benchmarks/results/accelerator-latest, or accelerator-tiny)")
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
@@ -155,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     minutes = args.minutes or (TINY_MINUTES if args.tiny else DEVICE_MINUTES)
     deadline = began + 60 * minutes
+    stem = Path(args.out) if args.out else RESULTS / ("accelerator-tiny" if args.tiny else "accelerator-latest")
     settings = Settings.make(args.model, args.tiny, tuple(args.cases) if args.cases else None,
                              tuple(args.remat or ("auto",)), tuple(args.section) if args.section else None,
-                             tuple(args.overrides or ()))
-    stem = Path(args.out) if args.out else RESULTS / ("accelerator-tiny" if args.tiny else "accelerator-latest")
+                             tuple(args.overrides or ()), str(Path(f"{stem}-profile").resolve()) if args.profile else "")
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="jaxtune-accelerator-") as folder:
         work = Path(folder)

@@ -57,6 +57,8 @@ def monitor_compiling() -> None:
     jax.monitoring.register_event_duration_secs_listener(add)
 
 
+PROFILE_STEPS = 3  # steps profiled after a case's timed ones (--profile)
+
 # The sections in order, with the seconds each needs on one H200 for the Gemma 3 1B shape's first cases:
 # the time left is shared among the sections still to run in these proportions.
 SECTIONS = {"lora": 130, "full": 80, "decode": 45}
@@ -105,18 +107,19 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
         side = jaxtune_side(method, remat)
 
         def prepare(case, run_cfg=run_cfg, side=side):
-            step, plan = train_case(settings, run_cfg, model, initial, case, results, side)
-            return step, lambda: {**plan(), **jax_memory(model.placement.mesh.devices.flat[0])}
+            step, plan, profile = train_case(settings, run_cfg, model, initial, case, results, side)
+            return step, lambda: {**plan(), **jax_memory(model.placement.mesh.devices.flat[0])}, profile
 
         measure_cases(results, settings, side, prepare, deadline)
 
 
 def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, int], results: Results, side: str):
-    """(step, plan): step(i) -> loss at i = 0, jaxtune's train step on batch i of `case` from the `initial` weights
-    (the step donates the weights it is given, so the model gets a fresh copy of them for each case); plan() ->
-    XLA's memory plan of that step. The step runs as the train stage runs it: `fit.choose` picks train.remat
-    auto's policy, loss chunk and micro-batch split from compiled plans (a fixed policy is compiled once); the
-    choice is a result line (event "fit")."""
+    """(step, plan, profile): step(i) -> loss at i = 0, jaxtune's train step on batch i of `case` from the `initial`
+    weights (the step donates the weights it is given, so the model gets a fresh copy of them for each case); plan()
+    -> XLA's memory plan of that step; profile(i) -> the breakdown of `PROFILE_STEPS` steps from i on (`profile_steps`),
+    None without --profile. The step runs as the train stage runs it: `fit.choose` picks train.remat auto's policy,
+    loss chunk and micro-batch split from compiled plans (a fixed policy is compiled once); the choice is a result
+    line (event "fit")."""
     import jax
     import numpy as np
 
@@ -141,7 +144,8 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     state["opt"] = steps.init_optimizer(model, optimizer, state["weights"])
     vocab = model.config.vocab_size
     feed = []
-    for i in range(1 + settings.warmups + settings.steps):  # on the device before timing, as the other side's
+    profiled = PROFILE_STEPS if settings.profile else 0
+    for i in range(1 + settings.warmups + settings.steps + profiled):  # on the device before timing, as the other side's
         batch = train_batch(settings, vocab, rows, length, i)
         batch = {**batch, **unpacked_segments(batch["attention_mask"])}
         feed.append(model.placement.shard_micro_batches(
@@ -159,7 +163,34 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
         return {"plan_peak_bytes": chosen.plan["peak"], "plan_code_bytes": chosen.plan["code"], "remat": chosen.remat,
                 "loss_chunk_tokens": chosen.chunk_tokens, "split": split}
 
-    return step, plan
+    def profile(first: int) -> dict:
+        # The program fit.choose compiled for these shapes: JAX still holds it, so this compiles nothing.
+        compiled = steps.compiled_train_step(model, optimizer, split, rows // split, length, chosen.remat,
+                                             chunk_tokens=chosen.chunk_tokens)
+        folder = Path(settings.profile) / f"{side}-{case_name(rows, length)}"
+        found = profile_steps(step, first, folder, compiled.as_text())
+        log(f"{side} {case_name(rows, length)}: profiled {PROFILE_STEPS} steps into {folder}")
+        return {**found, "program_flops": chosen.plan["cost"].get("flops")}
+
+    return step, plan, profile if settings.profile else None
+
+
+def profile_steps(step, first: int, folder: Path, hlo: str) -> dict:
+    """Steps first, first + 1, ... (`PROFILE_STEPS`) inside `jax.profiler.trace(folder)`, each in a
+    StepTraceAnnotation, with the program's optimized HLO beside the trace: their breakdown
+    (`profile_breakdown.breakdown`, which reads the folder again later: `python benchmarks/profile_breakdown.py FOLDER`)."""
+    import jax
+    import profile_breakdown
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train_step.hlo").write_text(hlo)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # no event per Python call, which would slow the host between the steps
+    with jax.profiler.trace(str(folder), profiler_options=options):
+        for i in range(first, first + PROFILE_STEPS):
+            with jax.profiler.StepTraceAnnotation(profile_breakdown.STEP, step_num=i):
+                step(i)
+    return profile_breakdown.breakdown(folder)
 
 
 def device_info() -> dict:

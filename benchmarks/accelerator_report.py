@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import profile_breakdown
 from accelerator_setup import Results, Settings, case_name, jaxtune_side
 from harness import fmt, machine_info
 
@@ -299,6 +300,48 @@ def decode_batch_rows(report: dict) -> list[str]:
     return rows
 
 
+def profile_sections(report: dict) -> list[str]:
+    """Where a step's device time went, per jaxtune side and case the run profiled (--profile)."""
+    profiled = [(case, side, fig) for case, result in report["train"].items() for side, fig in result["sides"].items()
+                if fig.get("profile")]
+    if not profiled:
+        return []
+    rows = ["", "## Step breakdown: where a step's device time goes (jax.profiler, after the timed steps)", "",
+            f"Each case's trace (jax.profiler's .xplane.pb, which XProf reads, and .trace.json.gz, the events read here) "
+            f"and its program's optimized HLO are in SIDE-CASE/ under {report['settings'].get('profile')}; "
+            "`python benchmarks/profile_breakdown.py FOLDER` breaks one down again."]
+    for case, side, fig in profiled:
+        found = fig["profile"]
+        timed = f": the timed steps' median {fig['step_seconds'] * 1e3:,.3f} ms" if fig.get("step_seconds") else ""
+        rows += ["", f"### {side} {case}{timed}", ""]
+        if "error" in found:
+            rows.append(f"Not profiled: {found['error']}")
+            continue
+        rows += [profile_breakdown.markdown(found).rstrip(), "",
+                 matmul_summary(found, fig, (report["measured_matmul"] or {}).get("flops_per_second"))]
+    return rows
+
+
+def matmul_summary(found: dict, fig: dict, peak: float | None) -> str:
+    """The matmuls' share of the profiled step, their FLOP/s against the run's measured matmul, and the
+    MFU were they that fast, the other ops unchanged; XLA's count of the step's flops beside theirs."""
+    row = profile_breakdown.row(found, profile_breakdown.MATMULS)
+    text = f"Matmuls: {row['share']:.1%} of the step"
+    if row["flops"] and row["seconds"]:
+        rate = row["flops"] / row["seconds"]
+        text += f" at {rate / 1e12:,.3g} TFLOP/s"
+        if peak:
+            at_peak = found["step_seconds"] - row["seconds"] + row["flops"] / peak
+            text += f", {rate / peak:.0%} of the measured matmul's {peak / 1e12:,.3g}"
+            if fig.get("mfu"):
+                text += (f"; at that rate the step would take {at_peak * 1e3:,.3f} ms, MFU "
+                         f"{fig['mfu'] * found['step_seconds'] / at_peak:.1%} (now {fig['mfu']:.1%})")
+    if found.get("program_flops"):
+        text += (f". XLA's cost analysis counts {found['program_flops'] / 1e12:,.4g} TFLOP in a step, the matmul ops "
+                 f"{row['flops'] / found['program_flops']:.0%} of it")
+    return text + "."
+
+
 def tunix_versions(machine: dict) -> str:
     """Tunix's packages, where its side ran (reports from before it had one have no such entry)."""
     found = machine.get("tunix_device") or {}
@@ -333,4 +376,4 @@ def markdown(report: dict) -> str:
     rows = train_rows(report) + ([decode_row(report)] if "decode" in sections(report) else [])
     table = ["| case | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS), *rows] if rows else []
     batches = decode_batch_rows(report) if "decode" in sections(report) else []
-    return "\n".join(header + table + batches + remat_rows(report) + parts) + "\n"
+    return "\n".join(header + table + batches + remat_rows(report) + profile_sections(report) + parts) + "\n"

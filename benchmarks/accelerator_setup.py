@@ -44,12 +44,13 @@ class Settings:
     sections: tuple[str, ...] = ("lora", "full", "decode")  # jaxtune's sections that run, in this order
     decode_batches: tuple[int, ...] = ()  # jaxtune's greedy decoding again at these batches (prompts), after `prompts`
     overrides: tuple[str, ...] = ()  # KEY=VALUE settings of the recipes jaxtune's side runs, as `jaxtune run --set` takes them
+    profile: str = ""  # the folder jaxtune's train cases are profiled into after their timed steps (--profile); "": none
 
     @classmethod
     def make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None = None,
              remats: tuple[str, ...] = ("auto",), sections: tuple[str, ...] | None = None,
-             overrides: tuple[str, ...] = ()) -> "Settings":
-        made = dataclasses.replace(cls._make(model, tiny, cases), remats=remats, overrides=overrides)
+             overrides: tuple[str, ...] = (), profile: str = "") -> "Settings":
+        made = dataclasses.replace(cls._make(model, tiny, cases), remats=remats, overrides=overrides, profile=profile)
         return dataclasses.replace(made, sections=sections) if sections else made
 
     @classmethod
@@ -154,7 +155,8 @@ class Results:
 
 
 def measure_cases(results: Results, settings: Settings, side: str, prepare, deadline: float | None = None) -> None:
-    """Every case of the run on one side, in order: `prepare(case)` -> (step, memory) (see `measure_case`).
+    """Every case of the run on one side, in order: `prepare(case)` -> (step, memory) or (step, memory,
+    profile) (see `measure_case`).
     A case that fails (out of memory, say) is recorded as such, and the next one runs; none starts after `deadline`."""
     import gc
     import traceback
@@ -174,11 +176,14 @@ def measure_cases(results: Results, settings: Settings, side: str, prepare, dead
         gc.collect()
 
 
-def measure_case(results: Results, settings: Settings, side: str, case: tuple[int, int], step, memory) -> None:
+def measure_case(results: Results, settings: Settings, side: str, case: tuple[int, int], step, memory,
+                 profile=None) -> None:
     """Time one train case on one side: `step(i)` runs synchronously on batch i (returning the loss
     as a float at i = 0). The first step's time is trace + compile + run; then `warmups` untimed
-    steps and the median of `steps` timed ones. `memory()` is the side's peak-memory reading."""
+    steps and the median of `steps` timed ones. `memory()` is the side's peak-memory reading;
+    `profile(i)`, where given, profiles the steps from i on and returns their breakdown."""
     import itertools
+    import traceback
 
     from harness import log, median_time
 
@@ -194,6 +199,13 @@ def measure_case(results: Results, settings: Settings, side: str, case: tuple[in
     results.add(case=name, side=side, step_seconds=seconds, step_times=times, tokens_per_second=rows * length / seconds,
                 **memory())
     log(f"{side} {name}: {seconds * 1e3:.1f} ms a step, {rows * length / seconds:,.0f} tokens/s")
+    if profile is not None:
+        try:
+            found = profile(1 + settings.warmups + settings.steps)
+        except Exception as e:  # noqa: BLE001  (the case's figures stand without its profile)
+            traceback.print_exc()
+            found = {"error": f"{type(e).__name__}: {e}"[:300]}
+        results.add(case=name, side=side, profile=found)
 
 
 def jax_memory(device) -> dict:

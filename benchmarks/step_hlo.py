@@ -42,6 +42,9 @@ BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "
 ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 HEADER = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*?)\)(, .*)?$")
+# A line break inside an instruction (XLA:TPU prints a Pallas kernel's kernel_metadata over several
+# lines): every line that starts no instruction, computation or closing brace continues the one before.
+CONTINUED = re.compile(r"\n(?![ \t]*(?:ROOT |%|ENTRY |\}[ \t]*$|$))", re.MULTILINE)
 NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call", "conditional",
                "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
 
@@ -67,12 +70,12 @@ class Computation:
 
 def parse(text: str) -> dict[str, Computation]:
     computations, current = {}, None
-    for line in text.splitlines():
+    for line in CONTINUED.sub(" ", text).splitlines():
         header = HEADER.match(line)
         if header:
             current = computations.setdefault(header[2], Computation(header[2], bool(header[1])))
             continue
-        if line.startswith("}"):
+        if line.strip() == "}":
             current = None
             continue
         found = INSTRUCTION.match(line) if current else None
@@ -122,6 +125,20 @@ def executed(computations: dict[str, Computation]) -> dict[str, int]:
     return runs
 
 
+def contracted(instruction: Instruction, lhs: list[int]) -> int:
+    """The entries each result entry of a dot or convolution sums: a dot's contracting dims; a
+    convolution's input features (its lhs dim labelled f) times its window (XLA:TPU writes dots as
+    convolutions, `dim_labels=bf_io->bf`)."""
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.attributes)
+    labels = re.search(r"dim_labels=([0-9a-z]+)_", instruction.attributes)
+    if not lhs or not (contracting or labels):
+        return 1
+    if contracting:
+        return math.prod(lhs[int(i)] for i in contracting[1].split(",") if i)
+    window = re.search(r"window=\{size=([0-9x]+)", instruction.attributes)
+    return lhs[labels[1].index("f")] * (math.prod(int(n) for n in window[1].split("x")) if window else 1)
+
+
 def dot_flops(computations: dict[str, Computation], name: str, seen: set | None = None) -> tuple[float, list[list[int]]]:
     """The flops of every dot in a fused computation (and the fusions it nests), and their operands' dims."""
     seen = seen if seen is not None else set()
@@ -135,9 +152,7 @@ def dot_flops(computations: dict[str, Computation], name: str, seen: set | None 
         if instruction.opcode in ("dot", "convolution"):
             lhs = dims_of(shapes.get(instruction.operands[0], ""))
             rhs = dims_of(shapes.get(instruction.operands[1], ""))
-            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.attributes)
-            inner = math.prod(lhs[int(i)] for i in contracting[1].split(",") if i) if contracting and lhs else 1
-            flops += 2 * math.prod(dims_of(instruction.shape)) * inner
+            flops += 2 * math.prod(dims_of(instruction.shape)) * contracted(instruction, lhs)
             dims += [lhs, rhs]
         for nested in called(instruction, "calls"):
             more, more_dims = dot_flops(computations, nested, seen)

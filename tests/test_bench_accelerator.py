@@ -48,8 +48,8 @@ def tiny(tmp_path_factory, tunix_site) -> tuple[dict, str]:
     stem = tmp_path_factory.mktemp("accelerator") / "tiny"
     site, _ = tunix_site
     env = {**os.environ, "TUNIX_SITE": str(site)} if site else {k: v for k, v in os.environ.items() if k != "TUNIX_SITE"}
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "accelerator.py"), "--tiny", "--out", str(stem)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900, env=env)
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "accelerator.py"), "--tiny", "--profile", "--out", str(stem)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(Path(f"{stem}.json").read_text()), Path(f"{stem}.md").read_text()
 
@@ -70,6 +70,25 @@ def test_every_part_runs_and_measures_every_case(tiny):
         assert f"| LoRA {case}: tokens/s |" in md
     assert report["settings"]["compile_backend"] == "aot_eager" and "torch.compile backend aot_eager" in md
     assert "| case | jaxtune | PyTorch eager | torch.compile | Tunix |" in md and "PyTorch/XLA: not measured" in md
+
+
+@pytest.mark.slow
+def test_profile_breaks_every_jaxtune_case_down(tiny):
+    """--profile: 3 more steps of each jaxtune case under jax.profiler, their device time by category (the
+    chunked loss and the optimizer among them, by their name scopes), in the report."""
+    report, md = tiny
+    assert "## Step breakdown" in md
+    for case, result in report["train"].items():
+        for side in ("jaxtune-lora", "jaxtune-full"):
+            found = result["sides"][side]["profile"]
+            rows = {r["category"]: r for r in found["rows"]}
+            assert found["steps"] == 3 and found["hlo"] == ["train_step.hlo"], (case, side)
+            assert rows["matmuls"]["seconds"] > 0 and rows["matmuls"]["flops"] > 0, (case, side)
+            assert rows["loss"]["seconds"] > 0 and rows["optimizer"]["seconds"] > 0, (case, side)
+            assert sum(r["share"] for r in found["rows"]) == pytest.approx(1.0), (case, side)
+            assert found["program_flops"] >= rows["matmuls"]["flops"], (case, side)
+            assert Path(found["trace"]).is_relative_to(Path(report["settings"]["profile"]) / f"{side}-{case}")
+            assert f"### {side} {case}: the timed steps' median" in md and "| matmuls |" in md
 
 
 @pytest.mark.slow

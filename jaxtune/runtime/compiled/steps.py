@@ -25,6 +25,9 @@ from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
 
 
+OPTIMIZER_SCOPE = "optimizer"  # the name scope of the step's update in its compiled op names
+
+
 class GradNormState(NamedTuple):
     grad_norm: jax.Array
 
@@ -137,9 +140,11 @@ def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, rem
         k = labels.shape[0]
         (grads, nll, count), _ = jax.lax.scan(micro, zeros, (batch, labels, jnp.arange(k)))
         scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = optimizer.update(grads, with_learning_rate(opt_state, lr), weights)
-        return nll * scale, optax.apply_updates(weights, updates), opt_state
+        with jax.named_scope(OPTIMIZER_SCOPE):  # the update's ops, named for a profile to tell apart
+            grads = jax.tree.map(lambda g: g * scale, grads)
+            updates, opt_state = optimizer.update(grads, with_learning_rate(opt_state, lr), weights)
+            weights = optax.apply_updates(weights, updates)
+        return nll * scale, weights, opt_state
 
     return train_step
 

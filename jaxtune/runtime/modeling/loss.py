@@ -27,6 +27,9 @@ ACCELERATOR_CHUNK_TOKENS = 512  # the fewest tokens per chunk on a TPU or GPU
 # Bytes a chunk of c tokens holds at once per vocabulary entry and token in the backward pass: its
 # float32 logits, their float32 softmax gradient and that gradient cast to the weights' 16 bits.
 CHUNK_BYTES_PER_LOGIT = 4 + 4 + 2
+# The name scope of the loss's ops (forward and backward) in the compiled program's op names, so a
+# profile of the step can tell its time apart (benchmarks/profile_breakdown.py).
+SCOPE = "chunked_loss"
 
 
 def chunk_tokens_for(vocab_size: int, budget_bytes: int = LOGITS_BUDGET) -> int:
@@ -198,7 +201,8 @@ def linear_token_nll(hidden, weight, labels, bias=None, softcap=None, chunk_toke
     chunk_tokens = chunk_tokens or chunk_tokens_for(weight.shape[0])
     h, targets = _chunked(hidden, labels, chunk_tokens)
     softcap = None if softcap is None else float(softcap)
-    return _unchunked(_fused_nll(h, weight, bias, targets, softcap), b, t)
+    with jax.named_scope(SCOPE):
+        return _unchunked(_fused_nll(h, weight, bias, targets, softcap), b, t)
 
 
 def head_token_nll(hidden, head: Callable, labels, chunk_tokens=None, softcap=None) -> jax.Array:
@@ -217,5 +221,6 @@ def head_token_nll(hidden, head: Callable, labels, chunk_tokens=None, softcap=No
     def chunk_nll(hc, tc):
         return _nll_and_lse(_cap(head(hc).astype(F32), softcap), tc)[0]  # (k,)
 
-    nll = jax.lax.map(lambda xs: chunk_nll(*xs), (h, targets))  # (c, k)
+    with jax.named_scope(SCOPE):
+        nll = jax.lax.map(lambda xs: chunk_nll(*xs), (h, targets))  # (c, k)
     return _unchunked(nll, b, t)
