@@ -11,6 +11,7 @@ from jaxtune.tracking.curves import live_curve_png
 CURVE = "train-curve"
 LATEST = "train-latest"
 FIGURES = ("step", "loss", "eval_loss", "tokens_per_second", "mfu")
+RL_FIGURES = ("reward", "kl")  # GRPO's, shown only by runs that log them
 
 
 class LiveCurve:
@@ -36,9 +37,9 @@ class LiveCurve:
 
 
 def latest_figures(records: list[dict]) -> dict:
-    """The newest step, train loss, eval loss (if measured yet), tokens/s and MFU."""
+    """The newest step, train loss, eval loss (if measured yet), tokens/s and MFU; a GRPO run's reward and KL."""
     figures = dict.fromkeys(FIGURES)
     for record in records:  # in step order: later values win
-        figures.update({name: record[name] for name in FIGURES if record.get(name) is not None})
+        figures.update({name: record[name] for name in FIGURES + RL_FIGURES if record.get(name) is not None})
     return figures
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -29,7 +30,10 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TI
 # Whatever the user set: the client prints the run's address to stdout, credentials and all.
 CLIENT_SETTINGS = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 STEP_METRICS = {"loss": "loss", "eval_loss": "eval_loss", "lr": "learning_rate", "grad_norm": "grad_norm",
-                "tokens_per_second": "tokens_per_second", "mfu": "mfu"}
+                "tokens_per_second": "tokens_per_second", "mfu": "mfu",
+                # GRPO: the step's sampled answers (and each reward's mean, `reward/NAME`)
+                "reward": "reward", "reward_std": "reward_std", "kl": "kl", "clip_fraction": "clip_fraction",
+                "completion_length": "completion_length", "truncated": "truncated"}
 REPORT_FILES = ("report.md", "report.json", "loss.png")
 
 
@@ -146,17 +150,28 @@ def run_metrics(done: Mapping[str, ArtifactRef]) -> list:
         for record in (json.loads(line) for line in done["train"].file("log.jsonl").read_text().splitlines()):
             metrics += [Metric(name, float(record[field]), now, record["step"])
                         for field, name in STEP_METRICS.items() if record.get(field) is not None]
+            metrics += [Metric(_metric_name(field), float(value), now, record["step"])
+                        for field, value in record.items() if field.startswith("reward/")]
         summary = done["train"].read_json("summary.json")
         metrics += [Metric(f"train_{k}", float(v), now, summary["steps"]) for k, v in summary.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)]
     for stage in ("baseline_eval", "final_eval"):
         if stage in done:
-            figures = done[stage].read_json("metrics.json")
-            metrics += [Metric(f"{stage}_{k}", float(figures[k]), now, 0) for k in ("loss", "perplexity")]
+            figures = done[stage].read_json("metrics.json")  # a GRPO eval has rewards, no loss
+            metrics += [Metric(f"{stage}_{k}", float(figures[k]), now, 0) for k in ("loss", "perplexity", "reward")
+                        if k in figures]
+            metrics += [Metric(_metric_name(f"{stage}_reward/{name}"), float(value), now, 0)
+                        for name, value in figures.get("rewards", {}).items()]
     if "generate" in done:
         exact = done["generate"].read_json("metrics.json")["exact_match"]
         metrics += [Metric(f"exact_match_{when}", float(exact[when]), now, 0) for when in ("before", "after")]
     return metrics
+
+
+def _metric_name(name: str) -> str:
+    """`name` in the characters MLflow takes in a metric's name: a reward's spec may hold others
+    (format:REGEX); each becomes '_'."""
+    return re.sub(r"[^\w\-. /]", "_", name)[:250]
 
 
 def _log_files(client, run_id: str, done: Mapping[str, ArtifactRef]) -> list[str]:

@@ -12,7 +12,15 @@ SCALARS = {
     "grad_norm": "train/grad_norm",
     "tokens_per_second": "train/tokens_per_second",
     "mfu": "train/mfu",
+    # GRPO: the step's sampled answers
+    "reward": "rl/reward",
+    "reward_std": "rl/reward_std",
+    "kl": "rl/kl",
+    "clip_fraction": "rl/clip_fraction",
+    "completion_length": "rl/completion_length",
+    "truncated": "rl/truncated",
 }
+EACH_REWARD = "reward/"  # GRPO: a record's `reward/NAME`, each reward's mean, shown as rl/reward/NAME
 
 
 class TensorBoardWriter:
@@ -29,6 +37,8 @@ class TensorBoardWriter:
             for field, tag in SCALARS.items():
                 if record.get(field) is not None:
                     self.writer.add_scalar(tag, record[field], record["step"])
+            for field in (f for f in record if f.startswith(EACH_REWARD)):
+                self.writer.add_scalar(f"rl/{field}", record[field], record["step"])
         self.writer.flush()  # at every host sync, so `tensorboard --logdir` shows the run as it goes
 
     def finish(self, summary: dict, step: int) -> None:
