@@ -141,6 +141,20 @@ def _batch(vocab_size: int, tokens: int) -> tuple[dict[str, np.ndarray], np.ndar
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
+def train_length(config: JaxtuneConfig) -> int:
+    """The longest row a train step holds: data.max_length, or for GRPO a prompt of that with its sampled answer."""
+    if config.train.objective == "grpo":
+        return config.data.max_length + config.rl.max_completion_length
+    return config.data.max_length
+
+
+def train_objective(config: JaxtuneConfig):
+    """The objective the train step computes, with its settings (what its batch carries beside the rows)."""
+    from jaxtune.runtime.compiled.preference import objective_of
+
+    return objective_of(config.train.objective, config.preference, config.rl)
+
+
 def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]:
     """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
     from jaxtune.runtime.measures import fit
@@ -153,7 +167,8 @@ def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]
     model = to_jax(module, make_placement(config.mesh))
     train = config.train
     try:
-        chosen = fit.choose(model, steps.make_optimizer(train), train, lambda run: (None, config.data.max_length, 0))
+        chosen = fit.choose(model, steps.make_optimizer(train), train, lambda run: (None, train_length(config), 0),
+                            objective=train_objective(config))
     except fit.NothingFits as e:  # on a device that reports its memory (an accelerator)
         if e.fit is None:
             return [Row(MEMORY_CHECK, f"does not compile: {e}", "", False)]
@@ -172,7 +187,7 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str, chosen=None) -> 
     from jaxtune.runtime.measures import memory
 
     train = chosen.train_config(config.train) if chosen else config.train
-    shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {config.data.max_length}"
+    shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {train_length(config)}"
     limit = size_text(plan["device_limit"]) if plan["device_limit"] else "not reported"
     fits = None if not plan["device_limit"] else plan["peak"] <= plan["device_limit"]
     rows = [

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from jaxtune.config import JaxtuneConfig
 from jaxtune.checks.doctor import (DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, fit_row, part_rows,
-                            size_text)
+                            size_text, train_length, train_objective)
 from jaxtune.errors import DoctorError
 
 MAX_SLICES_TRIED = 3  # each is a compile of the whole step: minutes for a real model
@@ -36,7 +36,7 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
 
     target = targets.resolve(target_name)
     devices = targets.devices(target)
-    train, length = config.train, config.data.max_length
+    train, length = config.train, train_length(config)
     dtype = config.model.model_copy(update={"name": name}).compute_dtype
     module = as_trained(meta_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
     method = f"LoRA r={config.lora.r}" if train.method == "lora" else "full fine-tuning"
@@ -76,7 +76,8 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
     model = to_jax(module, placement, shapes_only=True)
     try:
         chosen = fit.choose(model, steps.make_optimizer(config.train), config.train,
-                            lambda run: (None, config.data.max_length, 0), limit=target.chip.hbm)
+                            lambda run: (None, train_length(config), 0), limit=target.chip.hbm,
+                            objective=train_objective(config))
     except fit.NothingFits as e:  # XLA:TPU refuses a step that does not fit at compile time
         if e.fit is None:
             return None, {"mesh": memory.mesh_text(placement.sizes, placement.mesh.size), "message": str(e)}
@@ -136,12 +137,14 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
     model = to_jax(module, make_placement(config.mesh, devices), shapes_only=True)
     shards = model.placement.batch_shards
     rows = -(-config.eval.batch_size // shards) * shards  # as `inference.evaluate` rounds them
-    length, generate = config.data.max_length, config.generate
+    length, prompts, new_tokens = config.data.max_length, config.generate.batch_size, config.generate.max_new_tokens
+    if config.train.objective == "grpo":  # its largest decode: the answers a step samples
+        prompts, new_tokens = config.train.batch_size * config.train.grad_accumulation, config.rl.max_completion_length
     found = []
     for check, shape, plan in (
         (EVAL_CHECK, f"{rows} x {length}", lambda: steps.eval_step_memory(model, rows, length)),
-        (DECODE_CHECK, f"{generate.batch_size} prompts of {length} + {generate.max_new_tokens} tokens",
-         lambda: decode.generate_memory(model, generate.batch_size, length, generate.max_new_tokens)),
+        (DECODE_CHECK, f"{prompts} prompts of {length} + {new_tokens} tokens",
+         lambda: decode.generate_memory(model, prompts, length, new_tokens)),
     ):
         try:
             bytes_ = plan()

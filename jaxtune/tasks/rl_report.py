@@ -35,6 +35,7 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = MOVED) -> dict:
         "per_category": {c: {"prompts": m["prompts"], "before": baseline["per_category"][c]["reward"], "after": m["reward"]}
                          for c, m in final["per_category"].items()},
         "prompts": final["prompts"],
+        "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
         "gained_most": rows[::-1][:count], "lost_most": rows[:count],
         "train": {k: train.get(k) for k in ("steps", "seconds", "sample_seconds", "update_seconds", "answers_per_step",
                                              "prompts_per_rollout", "row_length", "trainable_parameters", "resumed_from",
@@ -52,7 +53,9 @@ def render_markdown(summary: dict, image: str) -> str:
         f"Greedy answers to {summary['prompts']:,} held-out prompts, scored by the run's rewards, before and after.", "",
         "| reward | before | after |", "|---|---|---|",
         f"| **total** | {r['before']:.3f} | {r['after']:.3f} |",
-        *[f"| {name} | {v['before']:.3f} | {v['after']:.3f} |" for name, v in summary["rewards"].items()], "",
+        *[f"| {name} | {v['before']:.3f} | {v['after']:.3f} |" for name, v in summary["rewards"].items()],
+        f"| exact match of the whole answer (generate stage) | {summary['exact_match']['before']:.3f} "
+        f"| {summary['exact_match']['after']:.3f} |", "",
         f"Training: {t['steps']} steps in {t['seconds']:.1f} s ({t['sample_seconds']:.1f} s sampling, "
         f"{t['update_seconds']:.1f} s updating), {t['answers_per_step']} answers a step to {t['prompts_per_rollout']} "
         f"prompts; the sampled answers' mean reward went from {t['reward_first_quarter']:.3f} in the first quarter of "

@@ -29,6 +29,7 @@ RECIPES = {  # recipe -> the family of the model it names
     "gemma3-270m-offline-lora.yaml": "gemma3",
     "smollm2-135m-offline-lora.yaml": "llama",
     "smollm2-135m-offline-dpo.yaml": "llama",
+    "smollm2-135m-offline-grpo.yaml": "llama",
     "tiny-offline-dpo.yaml": "gemma3",
 }
 
@@ -66,7 +67,11 @@ def test_recipe_runs_two_steps_on_a_tiny_model_keeping_its_settings(recipe, stor
 
     result = finetune(config=config)
     report = json.loads((Path(result["path"]) / "report.json").read_text())
-    assert report["train"]["steps"] == 2 and report["final"]["loss"] > 0
+    if real.train.objective == "grpo":  # rewards of greedy answers, not losses
+        assert report["train"]["steps"] == 2 and set(report["rewards"]) == set(real.rl.rewards)
+        assert report["prompts"] == real.data.max_eval_rows
+    else:
+        assert report["train"]["steps"] == 2 and report["final"]["loss"] > 0
     assert (report["data"]["train_rows"], report["data"]["eval_rows"]) == (real.data.max_train_rows, real.data.max_eval_rows)
     assert report["data"]["length_percentiles"]["max"] <= real.data.max_length
     assert set(report["exact_match"]) == {"before", "after"} and report["parity"]["dtype"] == real.model.dtype
