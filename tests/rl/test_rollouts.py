@@ -76,3 +76,25 @@ def test_the_reward_rises_and_every_figure_is_logged():
     assert records[-1]["kl"] > 1e-4  # and moves away from it
     assert all(r["clip_fraction"] == 0.0 for r in records[0::2])  # a rollout's first step is on-policy
     assert result.summary["answers_per_step"] == 16 and result.summary["prompts_per_rollout"] == 4
+
+
+def test_a_full_fine_tunes_reference_is_its_starting_weights():
+    """Every weight trains, so the reference is a copy of the starting ones: the KL starts at 0 and
+    grows as the weights leave them, and the starting weights are still what the model holds."""
+    import torch
+
+    base = tiny_model("llama", layers=2)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(20.0)
+    model = rt_model.to_jax(base, make_placement(MeshConfig()))
+    start = {name: np.asarray(value) for name, value in model.weights.items()}
+    cfg = TrainConfig(method="full", max_steps=4, batch_size=8, learning_rate=1e-3, warmup_steps=0,
+                      lr_schedule="constant", weight_decay=0.0)
+    rl = RLConfig(num_generations=4, max_completion_length=6, beta=0.1)
+    log: list[dict] = []
+    result = rollouts.train_grpo(model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend,
+                                 check_memory=False)
+    kl = [r["kl"] for r in log if "loss" in r]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-4, kl
+    changed = [name for name in start if not np.array_equal(start[name], result.weights[name])]
+    assert len(changed) == len(start)  # every weight trained
