@@ -18,17 +18,17 @@ from tests.conftest import EOS, PAD, VOCAB, tiny_model
 pytestmark = pytest.mark.rl
 
 
-def lora_model():
-    """A tiny Llama with LoRA on every linear layer. A random model's logits are within a few
-    hundredths of each other whatever its hidden state, which LoRA cannot change; its output head
-    is scaled up so they are nats apart, as a trained model's are."""
+def lora_model(placement=None):
+    """A tiny Llama with LoRA on every linear layer (on `placement`, default one device). A random
+    model's logits are within a few hundredths of each other whatever its hidden state, which LoRA
+    cannot change; its output head is scaled up so they are nats apart, as a trained model's are."""
     import torch
 
     base = tiny_model("llama", layers=2)
     with torch.no_grad():
         base.lm_head.weight.mul_(20.0)
     module = rt_model.attach_lora(base, LoraConfig(r=8, alpha=16, target_modules="all-linear"))
-    return rt_model.to_jax(module, make_placement(MeshConfig()))
+    return rt_model.to_jax(module, placement or make_placement(MeshConfig()))
 
 
 def even_share(rows: np.ndarray, answers: list[list[int]]) -> np.ndarray:

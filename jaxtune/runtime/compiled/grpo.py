@@ -113,14 +113,19 @@ def clip_fraction(rl: RLConfig, ratio: np.ndarray, advantages: np.ndarray, mask:
 
 
 def answer_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int, length: int) -> dict[str, np.ndarray]:
-    """Rows of each prompt followed by its answer, right-padded to `length`: input_ids, attention_mask
-    and labels (S, length), the labels the answer's tokens alone (the prompt and padding -100)."""
+    """Rows of each prompt followed by its answer, right-padded to `length`: input_ids, attention_mask,
+    segment_ids, position_ids and labels (S, length), the labels the answer's tokens alone (the
+    prompt and padding -100). Every key the train step is planned with (`steps.BATCH_KEYS`), so the
+    step that trains is the one `fit.choose` compiled."""
     ids = [list(p) + list(a) for p, a in zip(prompts, answers)]
     labels = [[IGNORE_INDEX] * len(p) + list(a) for p, a in zip(prompts, answers)]
     longest = max(len(row) for row in ids)
     if longest > length:
         raise ValueError(f"an answer row of {longest} tokens does not fit the batch's {length}")
-    return pad_batch(ids, labels, pad_id, length, len(ids))
+    batch = pad_batch(ids, labels, pad_id, length, len(ids))
+    batch["segment_ids"] = batch["attention_mask"].copy()  # one row, one segment; padding none
+    batch["position_ids"] = np.broadcast_to(np.arange(length, dtype=np.int32), (len(ids), length)).copy()
+    return batch
 
 
 def on_token_axis(values: np.ndarray, prompt_lengths: np.ndarray, length: int) -> np.ndarray:
