@@ -6,6 +6,7 @@ whatever accelerator JAX and torch see, with the same weights and batches on eac
     python benchmarks/accelerator.py --minutes 15 --parts jaxtune --parts torch-compile
     python benchmarks/accelerator.py --tiny --out /tmp/acc  # every part on the CPU with a toy model (make test runs it)
     python benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --profile --out /tmp/acc  # + /tmp/acc-profile/
+    python benchmarks/accelerator.py --parts jaxtune --section grpo --cases 8x8x256 --minutes 9   # a GRPO step
     TUNIX_SITE=/tmp/tunix-site python benchmarks/accelerator.py   # with Tunix's side (benchmarks/tunix_wheels.sh install)
 
 The driver builds the model's random weights once (one seed) from a config-only folder and saves
@@ -123,9 +124,12 @@ def run_parts(parts: list[str], work: Path, deadline: float) -> dict:
     return out
 
 
-def parse_case(text: str) -> tuple[int, int]:
-    rows, _, length = text.partition("x")
-    return int(rows), int(length)
+def parse_case(text: str) -> tuple[int, ...]:
+    """'8x512': a train case (rows, length); '8x8x256': a GRPO case (prompts, generations, new tokens)."""
+    sizes = tuple(int(n) for n in text.split("x"))
+    if len(sizes) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"a case is ROWSxLENGTH or PROMPTSxGENERATIONSxNEW_TOKENS, got {text!r}")
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the shape: a config-only folder of benchmarks/configs")
     parser.add_argument("--tiny", action="store_true", help="a toy model of the family, on the CPU, in float32 (make test)")
     parser.add_argument("--parts", action="append", choices=list(PARTS), help="run only these parts (repeatable; default all, Tunix's where TUNIX_SITE holds it)")
-    parser.add_argument("--cases", action="append", type=parse_case, help="train cases ROWSxLENGTH, in order (repeatable)")
+    parser.add_argument("--cases", action="append", type=parse_case,
+                        help="train cases ROWSxLENGTH and GRPO cases PROMPTSxGENERATIONSxNEW_TOKENS, in order (repeatable)")
     parser.add_argument("--remat", action="append", choices=["auto", "none", "matmuls", "layer"],
                         help="train.remat of jaxtune's train cases (repeatable: each runs every case; default auto)")
     parser.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE",
                         help="a setting of the recipes jaxtune's side runs, as `jaxtune run --set` (repeatable)")
-    parser.add_argument("--section", action="append", choices=["lora", "full", "decode"],
-                        help="jaxtune's sections to run (repeatable; default lora, full and decode)")
+    parser.add_argument("--section", action="append", choices=["lora", "full", "decode", "grpo"],
+                        help="jaxtune's sections to run (repeatable; default lora, full and decode; --tiny adds grpo)")
     parser.add_argument("--profile", action="store_true",
                         help="after each jaxtune train case's timed steps, 3 more inside jax.profiler.trace: the traces in "
                              "STEM-profile/SIDE-CASE/, their breakdown by kind of op in the report")
@@ -160,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     minutes = args.minutes or (TINY_MINUTES if args.tiny else DEVICE_MINUTES)
     deadline = began + 60 * minutes
     stem = Path(args.out) if args.out else RESULTS / ("accelerator-tiny" if args.tiny else "accelerator-latest")
-    settings = Settings.make(args.model, args.tiny, tuple(args.cases) if args.cases else None,
+    cases = args.cases or []
+    settings = Settings.make(args.model, args.tiny, tuple(c for c in cases if len(c) == 2) or None,
                              tuple(args.remat or ("auto",)), tuple(args.section) if args.section else None,
-                             tuple(args.overrides or ()), str(Path(f"{stem}-profile").resolve()) if args.profile else "")
+                             tuple(args.overrides or ()), str(Path(f"{stem}-profile").resolve()) if args.profile else "",
+                             tuple(c for c in cases if len(c) == 3) or None)
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="jaxtune-accelerator-") as folder:
         work = Path(folder)

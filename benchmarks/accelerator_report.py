@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import profile_breakdown
+from accelerator_grpo import grpo_results
 from accelerator_setup import Results, Settings, case_name, jaxtune_side
 from harness import fmt, machine_info
 
@@ -143,6 +144,8 @@ def build_report(settings: Settings, weights: dict, parts: dict, work: Path, dat
         "parts": parts,
         "train": train_results(settings, lines, parts, peak, matmul.get("flops_per_second")),
         "decode": decode_results(lines, parts),
+        **({"grpo": grpo_results(settings, lines, parts, device.get("hbm_bandwidth"))}
+           if "grpo" in settings.sections else {}),
     }
 
 
@@ -342,6 +345,57 @@ def matmul_summary(found: dict, fig: dict, peak: float | None) -> str:
     return text + "."
 
 
+def grpo_rows(report: dict) -> list[str]:
+    """The main table's rows of the GRPO cases: jaxtune's step; the other parts have none."""
+    others = " | ".join(["no GRPO step"] * (len(COLUMNS) - 1))
+    return [f"| GRPO {case}: a step | {grpo_step(fig)} | {others} |" for case, fig in report.get("grpo", {}).items()]
+
+
+def grpo_step(fig: dict) -> str:
+    if "missing" in fig:
+        return (f"first step ran in {first_step(fig)}; then " if fig.get("first_step_seconds") else "") + fig["missing"]
+    return (f"{fmt_seconds(fig['step_seconds'])}: sampling {fig['sampling_tokens_per_second']:,.0f} tokens/s "
+            f"({percent(fig['sample_share'])}), update {fig['update_tokens_per_second']:,.0f} tokens/s "
+            f"({percent(fig['update_share'])}), the rest {percent(fig['rest_share'])}")
+
+
+def grpo_section(report: dict) -> list[str]:
+    """Each GRPO case's step split into sampling, the update and the rest, its first step and memory plan."""
+    results, s = report.get("grpo") or {}, report["settings"]
+    if not results:
+        return []
+    rows = ["", "## A GRPO step (jaxtune)", "",
+            f"`rollouts.train_grpo` on the LoRA recipe. A case PxGxN samples G answers of N new tokens to each of P "
+            f"prompts of {s['grpo_prompt_length']} random tokens (temperature 1, no KL term, one optimizer step per "
+            "sampled batch), then takes one optimizer step on the P x G answers (train.remat auto). The end token is an "
+            "id past the vocabulary: no answer ends early, every one runs all N tokens, the worst case for sampling. "
+            f"Figures over the timed steps after the first (which compiles) and {s['warmups']} warm-up(s): sampling "
+            "tokens/s = the answers' tokens / sampling's seconds (its prefill and the answers' fetch included); update "
+            "tokens/s = the rows' real tokens (prompt and answer) / the update's seconds; the rest: the step's other "
+            "seconds (scoring, building and placing the rows, reading the loss; no reference or old-policy pass here).",
+            "", "| case | a step | sampling | update | the rest | first step | memory plan | "
+                "sampling, of the weight-read bound |", "|---|---|---|---|---|---|---|---|"]
+    for case, fig in results.items():
+        if "missing" in fig:
+            rows.append(f"| {case} | {grpo_step(fig)} | | | | {first_step(fig)} | {chosen(fig)} | |")
+            continue
+        cut = f" ({fig['timed_steps']} of {s['steps']} timed steps)" if fig["timed_steps"] < s["steps"] else ""
+        bound = (f"{fig['sampling_of_bound']:.1%} of {fig['weight_read_bound']:,.0f}" if fig.get("weight_read_bound")
+                 else "- (no bandwidth known for the device)")
+        rows.append(f"| {case} | {fmt_seconds(fig['step_seconds'])}{cut} | {fig['sampled_tokens']:,.0f} tokens in "
+                    f"{fmt_seconds(fig['sample_seconds'])}: {fig['sampling_tokens_per_second']:,.0f} tokens/s "
+                    f"({percent(fig['sample_share'])}) | {fig['update_tokens']:,.0f} tokens in "
+                    f"{fmt_seconds(fig['update_seconds'])}: {fig['update_tokens_per_second']:,.0f} tokens/s "
+                    f"({percent(fig['update_share'])}) | {percent(fig['rest_share'])} | {first_step(fig)}; in the step, "
+                    f"sampling {fmt_seconds(fig['first_sample_seconds'])}, update {fmt_seconds(fig['first_update_seconds'])} | "
+                    f"{chosen(fig)}; {memory(fig)} | {bound} |")
+    rows += ["", "The weight-read bound: answers x the device's memory bandwidth / the bytes of the model's weights, "
+                 "which each decoding step reads at least once (the KV cache's reads not counted). The memory plans "
+                 "as the loop logged them:", ""]
+    rows += [f"- {case}: {fig['message']}" for case, fig in results.items() if fig.get("message")]
+    return rows
+
+
 def tunix_versions(machine: dict) -> str:
     """Tunix's packages, where its side ran (reports from before it had one have no such entry)."""
     found = machine.get("tunix_device") or {}
@@ -373,7 +427,8 @@ def markdown(report: dict) -> str:
              + (f"; {measured}." if measured else ".")]
     parts = ["", *notes, "", TORCH_XLA, "", "| part | status | seconds | limit |", "|---|---|---|---|"]
     parts += [f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |" for name, p in report["parts"].items()]
-    rows = train_rows(report) + ([decode_row(report)] if "decode" in sections(report) else [])
+    rows = train_rows(report) + ([decode_row(report)] if "decode" in sections(report) else []) + grpo_rows(report)
     table = ["| case | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS), *rows] if rows else []
     batches = decode_batch_rows(report) if "decode" in sections(report) else []
-    return "\n".join(header + table + batches + remat_rows(report) + profile_sections(report) + parts) + "\n"
+    return "\n".join(header + table + batches + grpo_section(report) + remat_rows(report) + profile_sections(report)
+                     + parts) + "\n"

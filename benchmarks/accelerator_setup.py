@@ -41,16 +41,20 @@ class Settings:
     compile_backend: str  # torch.compile's backend
     seed: int = 0
     remats: tuple[str, ...] = ("auto",)  # train.remat settings jaxtune's train cases run with, side by side
-    sections: tuple[str, ...] = ("lora", "full", "decode")  # jaxtune's sections that run, in this order
+    sections: tuple[str, ...] = ("lora", "full", "decode")  # jaxtune's sections that run, in this order (grpo: asked for)
     decode_batches: tuple[int, ...] = ()  # jaxtune's greedy decoding again at these batches (prompts), after `prompts`
     overrides: tuple[str, ...] = ()  # KEY=VALUE settings of the recipes jaxtune's side runs, as `jaxtune run --set` takes them
     profile: str = ""  # the folder jaxtune's train cases are profiled into after their timed steps (--profile); "": none
+    grpo_cases: tuple[tuple[int, int, int], ...] = ((8, 8, 256),)  # (prompts, generations, new tokens) of a GRPO step
+    grpo_prompt_length: int = 128  # tokens of every GRPO prompt (random ids, no padding)
 
     @classmethod
     def make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None = None,
              remats: tuple[str, ...] = ("auto",), sections: tuple[str, ...] | None = None,
-             overrides: tuple[str, ...] = (), profile: str = "") -> "Settings":
+             overrides: tuple[str, ...] = (), profile: str = "",
+             grpo_cases: tuple[tuple[int, int, int], ...] | None = None) -> "Settings":
         made = dataclasses.replace(cls._make(model, tiny, cases), remats=remats, overrides=overrides, profile=profile)
+        made = dataclasses.replace(made, grpo_cases=grpo_cases) if grpo_cases else made
         return dataclasses.replace(made, sections=sections) if sections else made
 
     @classmethod
@@ -58,7 +62,8 @@ class Settings:
         if tiny:  # inductor needs 35-45 s a shape for the tiny model on 2 CPU cores; aot_eager 4 s
             return cls(model, True, "float32", cases or ((8, 32), (8, 64)), steps=2, warmups=1, prompts=8,
                        prompt_length=8, new_tokens=8, decode_repeats=1, matmul_n=256, compile_backend="aot_eager",
-                       decode_batches=(16,))
+                       decode_batches=(16,), sections=("lora", "full", "decode", "grpo"), grpo_cases=((2, 4, 8),),
+                       grpo_prompt_length=16)
         return cls(model, False, "bfloat16", cases or ((8, 512), (8, 2048), (16, 512)), steps=10, warmups=2, prompts=8,
                    prompt_length=64, new_tokens=64, decode_repeats=3, matmul_n=8192, compile_backend="inductor",
                    decode_batches=(32, 64))
@@ -72,11 +77,13 @@ class Settings:
         return cls(**{**raw, "cases": tuple(tuple(c) for c in raw["cases"]), "remats": tuple(raw.get("remats", ("auto",))),
                       "sections": tuple(raw.get("sections", cls.sections)),
                       "decode_batches": tuple(raw.get("decode_batches", ())),
+                      "grpo_cases": tuple(tuple(c) for c in raw.get("grpo_cases", cls.grpo_cases)),
                       "overrides": tuple(raw.get("overrides", ()))})
 
 
-def case_name(rows: int, length: int) -> str:
-    return f"{rows}x{length}"
+def case_name(*sizes: int) -> str:
+    """'8x512' (rows x length) or '8x8x256' (GRPO's prompts x generations x new tokens)."""
+    return "x".join(str(n) for n in sizes)
 
 
 def jaxtune_side(method: str, remat: str = "auto") -> str:
@@ -122,11 +129,11 @@ def train_batch(settings: Settings, vocab: int, rows: int, length: int, index: i
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids.copy()}
 
 
-def prompts(settings: Settings, vocab: int, count: int | None = None) -> np.ndarray:
-    """(count, prompt_length) random prompt tokens (`settings.prompts` of them unless given), all the same
-    length: no padding on either side. A larger count starts with the same prompts."""
+def prompts(settings: Settings, vocab: int, count: int | None = None, length: int | None = None) -> np.ndarray:
+    """(count, length) random prompt tokens (`settings.prompts` of them, `settings.prompt_length` long, unless
+    given), all the same length: no padding on either side. A larger count starts with the same prompts."""
     rng = np.random.default_rng([settings.seed, 1])
-    return rng.integers(3, vocab, size=(count or settings.prompts, settings.prompt_length), dtype=np.int32)
+    return rng.integers(3, vocab, size=(count or settings.prompts, length or settings.prompt_length), dtype=np.int32)
 
 
 class Results:

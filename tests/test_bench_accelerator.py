@@ -159,6 +159,58 @@ def test_mfu_follows_from_tokens_per_second_and_the_model_flops(tiny):
 
 
 @pytest.mark.slow
+def test_a_grpo_step_splits_into_sampling_the_update_and_the_rest(tiny):
+    """--tiny runs the grpo section: every answer runs all its new tokens (the end token is past the vocabulary),
+    the update reads every prompt and answer token, and the shares of the step add up."""
+    report, md = tiny
+    settings = report["settings"]
+    assert report["grpo"] and "grpo" in settings["sections"]
+    for case, fig in report["grpo"].items():
+        n_prompts, generations, new_tokens = (int(n) for n in case.split("x"))
+        answers = n_prompts * generations
+        assert fig["answers"] == answers and fig["timed_steps"] == settings["steps"], case
+        assert fig["truncated"] == 1.0 and fig["completion_length"] == new_tokens, case  # no end token emitted
+        assert fig["sampled_tokens"] == answers * new_tokens, case
+        assert fig["update_tokens"] == answers * (settings["grpo_prompt_length"] + new_tokens), case
+        assert fig["sampling_tokens_per_second"] == pytest.approx(fig["sampled_tokens"] / fig["sample_seconds"])
+        assert fig["update_tokens_per_second"] == pytest.approx(fig["update_tokens"] / fig["update_seconds"])
+        shares = (fig["sample_share"], fig["update_share"], fig["rest_share"])
+        assert all(0 < x < 1 for x in shares[:2]) and 0 <= shares[2] < 1 and sum(shares) == pytest.approx(1.0), shares
+        assert fig["first_step_seconds"] > fig["step_seconds"] > 0 and fig["fit_seconds"] > 0, case
+        assert fig["plan_peak_bytes"] > 0 and fig["remat"] in ("none", "matmuls", "layer") and fig["message"], case
+        assert "weight_read_bound" not in fig  # no memory bandwidth known for a CPU
+        assert f"| GRPO {case}: a step | " in md and "| no GRPO step | no GRPO step | no GRPO step |" in md
+        assert f"| {case} | " in md.split("## A GRPO step (jaxtune)")[1]
+
+
+def test_grpo_figures_sum_the_timed_steps_and_say_what_is_missing():
+    """The figures of hand-made result lines: the first step and the warm-ups left out, seconds and tokens
+    summed over the rest, the weight-read bound where the device's bandwidth is known; a cut case says why."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from accelerator_grpo import case_figures
+
+    def step(i: int, sample: float, update: float, rest: float) -> dict:
+        return {"event": "grpo_step", "case": "2x4x8", "step": i, "sample_seconds": sample, "update_seconds": update,
+                "step_seconds": sample + update + rest, "tokens": 192, "completion_length": 8.0, "truncated": 1.0,
+                "reward": 0.5}
+
+    lines = [{"event": "grpo", "case": "2x4x8", "answers": 8, "weight_bytes": 1000},
+             step(1, 5.0, 5.0, 0.0), step(2, 9.0, 9.0, 9.0), step(3, 0.2, 0.5, 0.3), step(4, 0.6, 0.5, 0.1)]
+    fig = case_figures(lines, "2x4x8", warmups=1, parts={}, bandwidth=4000.0)
+    assert (fig["first_step_seconds"], fig["first_sample_seconds"], fig["first_update_seconds"]) == (10.0, 5.0, 5.0)
+    assert fig["timed_steps"] == 2
+    assert fig["step_seconds"] == pytest.approx(1.1) and fig["sampled_tokens"] == 64
+    assert fig["sampling_tokens_per_second"] == pytest.approx(128 / 0.8)
+    assert fig["update_tokens_per_second"] == pytest.approx(384 / 1.0)
+    shares = (fig["sample_share"], fig["update_share"], fig["rest_share"])
+    assert shares == pytest.approx((0.8 / 2.2, 1.0 / 2.2, 0.4 / 2.2))
+    assert fig["weight_read_bound"] == 8 * 4000 / 1000 and fig["sampling_of_bound"] == pytest.approx(160 / 32)
+    cut = case_figures(lines[:3], "2x4x8", warmups=1, parts={"jaxtune": {"status": "cut at its limit of 60 s"}},
+                       bandwidth=None)
+    assert cut["missing"] == "not measured: jaxtune cut at its limit of 60 s" and cut["first_step_seconds"] == 10.0
+
+
+@pytest.mark.slow
 def test_tunix_side_builds_tunix_own_configs_of_the_published_shapes(tunix_site, monkeypatch):
     """From the shipped config.json alone, Tunix's side builds the configs Tunix ships for Gemma 3 1B and Llama 3.2 1B,
     and Gemma's layers alternate as Tunix's own pattern has them (Llama 3.2's RoPE scaling, which Tunix lacks, aside)."""
