@@ -1,5 +1,5 @@
 """Checks `jaxtune run` makes before it starts a Prefect server or any stage: that the files the
-config names exist, and that the mesh can split every batch. A mistake found here costs the
+config names exist, that GRPO's rewards load, and that the mesh can split every batch. A mistake found here costs the
 user a second, not a server start and the stages before the one that would have failed."""
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ def check(config: JaxtuneConfig) -> None:
         from jaxtune.tasks.sources import check_model_name
 
         check_model_name(config.model)
+    if config.train.objective == "grpo":
+        from jaxtune.rewards import load_rewards
+
+        load_rewards(config.rl.rewards, config.rl.reward_weights)  # one line naming a reward that cannot load
     check_mesh(config, _device_count())
 
 
