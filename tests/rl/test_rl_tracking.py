@@ -75,3 +75,4 @@ def test_mlflow_gets_every_step_figure_and_the_evals_rewards(tmp_path):
     assert metrics[("baseline_eval_reward", 0)] == 0.25 and metrics[("final_eval_reward", 0)] == 0.75
     assert metrics[("final_eval_reward/format_._____._", 0)] == 0.5
     assert not any(key.endswith("_loss") for key, _ in metrics if key.startswith(("baseline", "final")))
+
