@@ -27,9 +27,14 @@ def draw_losses(ax, log: list[dict]) -> None:
 
 def plot_loss(log: list[dict], baseline: float, final: float, path: Path) -> None:
     """The report's curve: the losses during training against the eval loss before and after."""
+    _plot_against_evals(draw_losses, log, baseline, final, path)
+
+
+def _plot_against_evals(draw, log: list[dict], baseline: float, final: float, path: Path) -> None:
+    """`draw`'s curve of the training log, with the eval figure before and after as level lines."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    draw_losses(ax, log)
+    draw(ax, log)
     ax.axhline(baseline, color="grey", linestyle="--", label=f"eval before ({baseline:.2f})")
     ax.axhline(final, color="green", linestyle="--", label=f"eval after ({final:.2f})")
     ax.legend()
@@ -48,15 +53,7 @@ def draw_rewards(ax, log: list[dict]) -> None:
 def plot_rewards(log: list[dict], baseline: float, final: float, path: Path) -> None:
     """A GRPO report's curve: the sampled answers' reward during training against the greedy answers'
     reward on the eval prompts before and after."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    draw_rewards(ax, log)
-    ax.axhline(baseline, color="grey", linestyle="--", label=f"eval before ({baseline:.2f})")
-    ax.axhline(final, color="green", linestyle="--", label=f"eval after ({final:.2f})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _plot_against_evals(draw_rewards, log, baseline, final, path)
 
 
 def live_curve_png(log: list[dict], total_steps: int) -> bytes:

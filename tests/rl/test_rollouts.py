@@ -98,3 +98,23 @@ def test_a_full_fine_tunes_reference_is_its_starting_weights():
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-4, kl
     changed = [name for name in start if not np.array_equal(start[name], result.weights[name])]
     assert len(changed) == len(start)  # every weight trained
+
+
+def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
+    """Killed after its step-2 checkpoint, a run started again resumes there: it samples step 3's
+    answers from the same key with the same weights, so it ends with the same weights and log."""
+    cfg = TrainConfig(max_steps=4, batch_size=8, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant",
+                      checkpoint_every=2)
+    rl = RLConfig(num_generations=4, max_completion_length=6)
+    whole: list[dict] = []
+    uninterrupted = rollouts.train_grpo(lora_model(), PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS],
+                                        on_log=whole.extend, checkpoint_dir=tmp_path, check_memory=False)
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-00000002"]  # what a kill after step 2 leaves
+    again: list[dict] = []
+    resumed = rollouts.train_grpo(lora_model(), PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS],
+                                  on_log=again.extend, checkpoint_dir=tmp_path, check_memory=False)
+    assert resumed.summary["resumed_from"] == 2
+    steps_of = lambda log: [(r["step"], r["reward"], r["loss"]) for r in log if "loss" in r]  # noqa: E731
+    assert steps_of(again) == steps_of(whole)
+    for name, value in uninterrupted.weights.items():
+        np.testing.assert_allclose(resumed.weights[name], value, rtol=0, atol=1e-6, err_msg=name)

@@ -41,7 +41,7 @@ from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling.model import JaxModel, adapters_off
 from jaxtune.runtime.train import checkpoint
-from jaxtune.runtime.train.training import TrainResult, save_checkpoint
+from jaxtune.runtime.train.training import TrainResult, resume, save_checkpoint
 
 # score(prompt indices (n,), answers (n lists of token ids, each cut after its end token)) -> (n, rewards)
 Score = Callable[[np.ndarray, list[list[int]]], np.ndarray]
@@ -122,15 +122,7 @@ def train_grpo(
     if rl.beta and not _is_lora(model):  # a full fine-tune's reference: its starting weights, kept
         frozen_start = jax.tree.map(lambda a: a.copy(), model.weights)
 
-    weights, opt_state, start, log = model.weights, steps.init_optimizer(model, optimizer), 0, []
-    resumed = checkpoint.latest(checkpoint_dir, opt_state) if checkpoint_dir else None
-    if resumed is not None:
-        put = model.placement.put
-        weights = {name: put(resumed.weights[name], value.sharding) for name, value in weights.items()}
-        opt_state = jax.tree.map(lambda saved, now: put(saved, now.sharding), resumed.opt_state, opt_state)
-        start, log = resumed.step, resumed.state["log"]
-        on_log(log)
-    last_checkpoint = str(resumed.path) if resumed else None
+    weights, opt_state, start, log, last_checkpoint = resume(model, optimizer, checkpoint_dir, on_log)
 
     def sample(step: int, weights) -> dict:
         """The rollout of the step: its rows on the host, rewards, advantages and figures."""

@@ -115,15 +115,7 @@ def train(
     flops = flops_per_token(model, feed)
 
     # Placed on the mesh as the step's outputs are: a state on one device would compile the step twice.
-    weights, opt_state, start, log = model.weights, steps.init_optimizer(model, optimizer), 0, []
-    resumed = checkpoint.latest(checkpoint_dir, opt_state) if checkpoint_dir else None
-    if resumed is not None:
-        put = model.placement.put
-        weights = {name: put(resumed.weights[name], value.sharding) for name, value in weights.items()}
-        opt_state = jax.tree.map(lambda saved, now: put(saved, now.sharding), resumed.opt_state, opt_state)
-        start, log = resumed.step, resumed.state["log"]
-        on_log(log)  # the records before the checkpoint, so the resumed run's log is whole
-    last_checkpoint = str(resumed.path) if resumed else None
+    weights, opt_state, start, log, last_checkpoint = resume(model, optimizer, checkpoint_dir, on_log)
 
     k = cfg.grad_accumulation
     micro_batches = feed.micro_batches(input_ids, labels, pad_id, train_reference)
@@ -204,6 +196,21 @@ def train(
     }
     weights, opt_state = fetch((weights, opt_state))
     return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
+
+
+def resume(model: JaxModel, optimizer, checkpoint_dir: Path | None, on_log: Callable[[list[dict]], None]):
+    """(weights, optimizer state, step, log, checkpoint path): the newest checkpoint's in `checkpoint_dir`,
+    placed on the mesh as the step's outputs are (a state on one device would compile the step twice),
+    else the model's own at step 0. A resumed log is passed to `on_log` first, so the run's log is whole."""
+    weights, opt_state = model.weights, steps.init_optimizer(model, optimizer)
+    resumed = checkpoint.latest(checkpoint_dir, opt_state) if checkpoint_dir else None
+    if resumed is None:
+        return weights, opt_state, 0, [], None
+    put = model.placement.put
+    weights = {name: put(resumed.weights[name], value.sharding) for name, value in weights.items()}
+    opt_state = jax.tree.map(lambda saved, now: put(saved, now.sharding), resumed.opt_state, opt_state)
+    on_log(resumed.state["log"])
+    return weights, opt_state, resumed.step, resumed.state["log"], str(resumed.path)
 
 
 GIVE_UP_AFTER = 3  # automatic restarts in a row that came back to one checkpoint before the next gives up
