@@ -32,7 +32,7 @@ from jaxtune.config import RLConfig, TrainConfig
 from jaxtune.errors import NonFiniteLoss
 from jaxtune.host import processes, stopping
 from jaxtune.runtime.compiled import grpo, steps
-from jaxtune.runtime.compiled.batches import bucket_length, epoch_order
+from jaxtune.runtime.compiled.batches import bucket_length, epoch_order, row_lengths
 from jaxtune.runtime.compiled.preference import objective_of
 from jaxtune.runtime.decoding import decode
 from jaxtune.runtime.decoding.sampling import Sampling
@@ -95,7 +95,7 @@ def train_grpo(
     fused = attention.supported(model.module)
     k, answers_per_step = cfg.grad_accumulation, cfg.batch_size * cfg.grad_accumulation
     per_rollout = answers_per_step // rl.num_generations
-    prompt_length = bucket_length(max(len(p) for p in prompts))
+    prompt_length = bucket_length(int(row_lengths(prompts).max()))  # a token table's lengths, not its rows
     length = row_length(model, prompt_length, rl)
     weights_of = np.asarray(rl.reward_weights or [1.0] * len(reward_names), np.float32)
 
