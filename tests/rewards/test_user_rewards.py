@@ -4,6 +4,7 @@ each way it can fail to load reported in one line naming it."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
 
 import pytest
@@ -43,7 +44,10 @@ def test_its_key_changes_when_its_source_does(user_module):
     user_module("jt_edited_rw", LENGTH)
     before = load_rewards(["jt_edited_rw:shortness"]).identity()
     del sys.modules["jt_edited_rw"]  # a new process, as the next run is
-    user_module("jt_edited_rw", LENGTH.replace("1.0 /", "2.0 /"))
+    path = user_module("jt_edited_rw", LENGTH.replace("1.0 /", "2.0 /"))
+    # Python trusts a cached .pyc whose source has the same size and modification second: an edit
+    # that fast is a test's, not a person's, so the cache goes as a new second would make it stale.
+    shutil.rmtree(path.parent / "__pycache__", ignore_errors=True)
     after = load_rewards(["jt_edited_rw:shortness"])
     assert after.identity() != before
     assert after.score(["q"], ["x"], [{}]).tolist() == [[1.0]]  # the edited code is what runs
