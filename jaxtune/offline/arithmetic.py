@@ -11,12 +11,11 @@ a tiny model sampling answers finds some right and learns from them within minut
 
 from __future__ import annotations
 
-import argparse
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from jaxtune.offline.dataset import write_jsonl
+from jaxtune.offline.dataset import generator_main
 
 DEFAULT_PATH = Path(__file__).parent / "data" / "arithmetic_offline.jsonl"
 DEFAULT_ROWS = 2000
@@ -74,13 +73,9 @@ def generate_rows(n_rows: int = DEFAULT_ROWS, seed: int = DEFAULT_SEED) -> list[
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m jaxtune.offline.arithmetic", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_PATH, help="output .jsonl path")
-    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="number of rows")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the generator")
-    args = parser.parse_args(argv)
-    return write_jsonl(generate_rows(args.rows, args.seed), args.out)
-
+    """Command line entry: generate rows and write them to --out (the bundled file by default)."""
+    return generator_main("jaxtune.offline.arithmetic", __doc__.splitlines()[0], generate_rows, DEFAULT_PATH,
+                          DEFAULT_ROWS, DEFAULT_SEED, argv)
 
 if __name__ == "__main__":
     main()

@@ -259,14 +259,22 @@ def write_jsonl(rows: Iterable[Row], path: str | Path) -> Path:
     return path
 
 
+def generator_main(module: str, description: str, generate: Callable[[int, int], list], path: Path, rows: int,
+                   seed: int, argv: Sequence[str] | None = None) -> Path:
+    """The command line of a bundled file's generator (`python -m MODULE`): `generate(rows, seed)`'s
+    rows written to --out (the bundled file by default)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    parser.add_argument("--out", type=Path, default=path, help="output .jsonl path")
+    parser.add_argument("--rows", type=int, default=rows, help="number of rows")
+    parser.add_argument("--seed", type=int, default=seed, help="seed of the generator")
+    args = parser.parse_args(argv)
+    return write_jsonl(generate(args.rows, args.seed), args.out)
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     """Command line entry: generate rows and write them to --out (the bundled file by default)."""
-    parser = argparse.ArgumentParser(prog="python -m jaxtune.offline.dataset", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_PATH, help="output .jsonl path")
-    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="number of rows")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the generator")
-    args = parser.parse_args(argv)
-    return write_jsonl(generate_rows(args.rows, args.seed), args.out)
+    return generator_main("jaxtune.offline.dataset", __doc__.splitlines()[0], generate_rows, DEFAULT_PATH,
+                          DEFAULT_ROWS, DEFAULT_SEED, argv)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtune.config import LoraConfig, MeshConfig, RLConfig
+from jaxtune.config import RLConfig
 from jaxtune.runtime.compiled import grpo, preference, steps
-from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling import model as rt_model
-from tests.conftest import EOS, PAD, VOCAB, tiny_model
-from tests.preference.test_against_trl import assert_same_gradients, torch_grads, trl_args
+from tests.conftest import EOS, PAD, VOCAB
+# The preference tests' tiny LoRA Llama (random B), its JAX copy and their word-level tokenizer.
+from tests.preference.test_against_trl import (assert_same_gradients, jax_model, lora_module,  # noqa: F401
+                                               tokenizer, torch_grads, trl_args)
 
 pytestmark = [pytest.mark.rl,
               pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning")]
@@ -43,23 +44,6 @@ LOGP_ATOL = 1e-5
 # last digit). The LoRA gradients are held to the preference tests' bound, 1e-4 of each tensor's
 # largest entry (measured: 2.7e-6).
 LOSS_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def lora_module():
-    import torch
-
-    module = rt_model.attach_lora(tiny_model("llama", layers=2), LoraConfig(r=4, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    return module
-
-
-@pytest.fixture(scope="module")
-def jax_model(lora_module):
-    return rt_model.to_jax(copy.deepcopy(lora_module), make_placement(MeshConfig()))
 
 
 @pytest.fixture(scope="module")
@@ -95,19 +79,10 @@ def trl_inputs(rollout):
             "completion_mask": completion_mask}
 
 
-def trl_trainer(lora_module, tmp_path, rl: RLConfig):
+def trl_trainer(lora_module, tokenizer, tmp_path, rl: RLConfig):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from tests.preference.test_against_trl import NAMES
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({name: i for i, name in enumerate(NAMES)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                        bos_token="<bos>", unk_token="<unk>")
     args = trl_args(GRPOConfig, tmp_path, num_generations=GENERATIONS, per_device_train_batch_size=GROUPS * GENERATIONS,
                     max_completion_length=rl.max_completion_length, beta=rl.beta, epsilon=rl.epsilon,
                     epsilon_high=rl.epsilon_high, loss_type=rl.loss_type, scale_rewards=rl.scale_rewards,
@@ -157,8 +132,8 @@ def test_answer_rows_put_each_answer_token_where_the_step_scores_it(rollout):
     np.testing.assert_array_equal(grpo.on_answer_axis(placed, prompt_lengths, ANSWER), values)
 
 
-def test_the_reference_is_the_base_as_peft_disable_adapter_gives_it(lora_module, jax_model, rollout, tmp_path):
-    trainer = trl_trainer(lora_module, tmp_path, RLConfig(beta=0.1))
+def test_the_reference_is_the_base_as_peft_disable_adapter_gives_it(lora_module, jax_model, tokenizer, rollout, tmp_path):
+    trainer = trl_trainer(lora_module, tokenizer, tmp_path, RLConfig(beta=0.1))
     inputs = trl_inputs(rollout)
     mask = inputs["completion_mask"].numpy().astype(bool)
     ours_on, ours_off = jaxtune_logps(jax_model, rollout), jaxtune_logps(jax_model, rollout,
@@ -193,12 +168,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("rl", CASES.values(), ids=CASES.keys())
-def test_loss_and_lora_gradients_match_trls(lora_module, jax_model, rollout, tmp_path, rl):
+def test_loss_and_lora_gradients_match_trls(lora_module, jax_model, tokenizer, rollout, tmp_path, rl):
     """Advantages of both signs; with num_iterations 2 the answers' sampling policy is a stand-in a
     few tenths of a nat from the policy per token, so the clip holds some tokens on each side."""
     import torch
 
-    trainer = trl_trainer(lora_module, tmp_path, rl)
+    trainer = trl_trainer(lora_module, tokenizer, tmp_path, rl)
     inputs = trl_inputs(rollout)
     mask = inputs["completion_mask"].numpy().astype(bool)
     rng = np.random.default_rng(1)
