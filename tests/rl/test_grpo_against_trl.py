@@ -86,7 +86,7 @@ def trl_trainer(lora_module, tokenizer, tmp_path, rl: RLConfig):
     args = trl_args(GRPOConfig, tmp_path, num_generations=GENERATIONS, per_device_train_batch_size=GROUPS * GENERATIONS,
                     max_completion_length=rl.max_completion_length, beta=rl.beta, epsilon=rl.epsilon,
                     epsilon_high=rl.epsilon_high, loss_type=rl.loss_type, scale_rewards=rl.scale_rewards,
-                    num_iterations=rl.num_iterations, use_bias_correction_kl=rl.use_bias_correction_kl, temperature=1.0)
+                    num_iterations=rl.num_iterations, use_bias_correction_kl=rl.use_bias_correction_kl, temperature=rl.temperature)
     trainer = GRPOTrainer(model=copy.deepcopy(lora_module), reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
                           args=args, train_dataset=Dataset.from_dict({"prompt": ["t5"] * GROUPS}), processing_class=tokenizer)
     trainer.current_gradient_accumulation_steps = 1  # what its training loop sets: one micro-batch a step
@@ -161,6 +161,8 @@ def test_advantages_are_trls_group_relative_ones():
 CASES = {
     "grpo": RLConfig(loss_type="grpo", max_completion_length=ANSWER),
     "dr_grpo-kl": RLConfig(loss_type="dr_grpo", beta=0.2, max_completion_length=ANSWER),
+    # Log-probabilities of softmax(logits / T), as TRL scores the answers it sampled at T.
+    "grpo-tempered-kl": RLConfig(loss_type="grpo", temperature=0.7, beta=0.1, max_completion_length=ANSWER),
     "bnpo-plain-kl": RLConfig(loss_type="bnpo", beta=0.05, use_bias_correction_kl=False, max_completion_length=ANSWER),
     "dapo-clipped": RLConfig(loss_type="dapo", num_iterations=2, epsilon=0.1, epsilon_high=0.3,
                              max_completion_length=ANSWER),

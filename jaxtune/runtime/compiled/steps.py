@@ -103,7 +103,9 @@ def _summed_loss(model: JaxModel, training: bool, remat: str, fused: bool, objec
     (`preference.summed_objective`: token NLL and scored tokens for sft); dropout, if any, draws from `key`."""
     from torchax import interop
 
-    forward = forward_token_nll(model, training=training, remat=remat, fused=fused, chunk_tokens=chunk_tokens)
+    temperature = objective.rl.temperature if objective.sampled else 1.0  # GRPO scores its tempered samples
+    forward = forward_token_nll(model, training=training, remat=remat, fused=fused, chunk_tokens=chunk_tokens,
+                                temperature=temperature)
 
     def per_token(weights, buffers, batch, labels):
         with model.env:
@@ -353,13 +355,14 @@ def shared_eval_step(model: JaxModel, fused: bool = True) -> programs.Program:
     return programs.shared("eval_step", model, (fused,), build)
 
 
-def make_token_logp_step(model: JaxModel, fused: bool = True) -> Callable:
-    """logp(weights, buffers, batch, labels) -> each scored token's log-probability (b, t-1), 0 elsewhere:
-    entry i scores token i+1. GRPO's reference and sampling-policy log-probabilities."""
+def make_token_logp_step(model: JaxModel, fused: bool = True, temperature: float = 1.0) -> Callable:
+    """logp(weights, buffers, batch, labels) -> each scored token's log-probability (b, t-1), 0 elsewhere,
+    under softmax(logits / temperature): entry i scores token i+1. GRPO's reference and sampling-policy
+    log-probabilities."""
     from torchax import interop
 
     def build(ref):
-        forward = forward_token_nll(ref, fused=fused)
+        forward = forward_token_nll(ref, fused=fused, temperature=temperature)
 
         def logp(weights, buffers, batch, labels):
             nll, _ = forward(weights, buffers, batch, labels)
@@ -367,7 +370,7 @@ def make_token_logp_step(model: JaxModel, fused: bool = True) -> Callable:
 
         return jax.jit(interop.jax_view(logp))
 
-    program = programs.shared("token_logp_step", model, (fused,), build)
+    program = programs.shared("token_logp_step", model, (fused, temperature), build)
 
     def run(weights, buffers, batch, labels):
         with model.env:

@@ -79,23 +79,34 @@ def forward_logits(model: JaxModel, training: bool = False, remat: str = "none",
 
 
 def forward_token_nll(model: JaxModel, training: bool = False, remat: str = "none", fused: bool = True,
-                      chunk_tokens: int | None = None) -> Callable:
+                      chunk_tokens: int | None = None, temperature: float = 1.0) -> Callable:
     """(weights, buffers, batch, labels) -> (per-token NLL (b, t-1) float32, scored (b, t-1) bool), as a torch function.
-    `chunk_tokens`: tokens per chunk of the loss (default `loss.chunk_tokens_on` the model's platform)."""
+    `chunk_tokens`: tokens per chunk of the loss (default `loss.chunk_tokens_on` the model's platform).
+    `temperature`: of the distribution scored, softmax(logits / temperature) (GRPO scores the answers it
+    sampled so); a plain head without bias or softcap takes the hidden states divided by it instead,
+    the same logits without materialising them, others full logits."""
     fused = fused and attention.supported(model.module)
     parts = _Parts(model.module) if fused and _plain_head(model.module) else None
+    if parts is not None and temperature != 1.0 and not parts.linear_in_hidden:
+        parts = None
     if parts is None:
         logits = forward_logits(model, training, remat, fused)
-        return lambda weights, buffers, batch, labels: token_nll(logits(weights, buffers, batch), labels)
+        return lambda weights, buffers, batch, labels: token_nll(_tempered(logits(weights, buffers, batch), temperature),
+                                                                 labels)
 
     def forward(weights, buffers, batch, labels):
         with tracing(model, training, remat, fused):
             tensors = {**model.for_compute(weights), **buffers}
             hidden = parts.hidden(tensors, model_kwargs(batch, fused))  # (b, t, d)
+            hidden = _tempered(hidden, temperature)  # a linear head's logits / T
             nll = parts.nll(tensors, hidden, labels, model.placement.mesh.devices.flat[0].platform, chunk_tokens)
         return nll, labels[:, 1:] != IGNORE_INDEX
 
     return forward
+
+
+def _tempered(values: torch.Tensor, temperature: float) -> torch.Tensor:
+    return values if temperature == 1.0 else values / temperature
 
 
 def _base(module: torch.nn.Module) -> torch.nn.Module:
@@ -120,6 +131,9 @@ class _Parts:
         plain = type(self.head) is torch.nn.Linear
         self.weight = params[id(self.head.weight)] if plain else None  # tied heads name the embedding
         self.bias = params[id(self.head.bias)] if plain and self.head.bias is not None else None
+        # Whether the logits are a linear map of the hidden states (no bias, no softcap): then
+        # logits / T are the head applied to hidden / T.
+        self.linear_in_hidden = plain and self.bias is None and self.softcap is None
 
     @staticmethod
     def _slice(tensors: dict, prefix: str) -> dict:

@@ -117,7 +117,8 @@ def train_grpo(
     schedule = steps.learning_rate_schedule(cfg, cfg.max_steps)
     generate = decode.make_generate(model, rl.max_completion_length, tuple(eos_ids),
                                     Sampling(rl.temperature, rl.top_k, rl.top_p))
-    logp_step = steps.make_token_logp_step(model) if rl.beta or rl.num_iterations > 1 else None
+    logp_step = (steps.make_token_logp_step(model, temperature=rl.temperature)
+                 if rl.beta or rl.num_iterations > 1 else None)
     frozen_start = None
     if rl.beta and not _is_lora(model):  # a full fine-tune's reference: its starting weights, kept
         frozen_start = jax.tree.map(lambda a: a.copy(), model.weights)
