@@ -191,7 +191,11 @@ class TrainLog:
         if "eval_loss" in last:
             self.logger.info("step %(step)d eval loss %(eval_loss).4f", last)
         elif "loss" in last:
-            self.logger.info("step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f", last)
+            if "reward" in last:  # GRPO: what its sampled answers scored
+                self.logger.info("step %(step)d reward %(reward).3f loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f "
+                                 "answer length %(completion_length).1f", last)
+            else:
+                self.logger.info("step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f", last)
             if self.progress is not None:
                 update_progress_artifact(self.progress, 100.0 * last["step"] / self.total)
         if self.live is not None and last:
