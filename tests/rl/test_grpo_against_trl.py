@@ -117,19 +117,40 @@ def jaxtune_logps(model, rollout, weights=None) -> np.ndarray:
     batch, prompt_lengths = jaxtune_rows(rollout)
     labels = batch.pop("labels")
     logp = steps.make_token_logp_step(model)(model.weights if weights is None else weights, model.buffers, batch, labels)
-    return grpo.on_answer_axis(np.asarray(logp), prompt_lengths, ANSWER)
+    return on_answer_axis(np.asarray(logp), prompt_lengths, ANSWER)
+
+
+def on_token_axis(values: np.ndarray, prompt_lengths: np.ndarray, length: int) -> np.ndarray:
+    """TRL's layout to jaxtune's: (S, C) values of each answer's tokens -> (S, length - 1), where the
+    step's per-token NLL has them: answer token j of a row whose prompt has P tokens is token P + j, scored at P + j - 1."""
+    values = np.asarray(values, np.float32)
+    out = np.zeros((values.shape[0], length - 1), np.float32)
+    for row, (p, v) in enumerate(zip(prompt_lengths, values)):
+        n = min(len(v), length - p)
+        out[row, p - 1:p - 1 + n] = v[:n]
+    return out
+
+
+def on_answer_axis(values: np.ndarray, prompt_lengths: np.ndarray, answer_length: int) -> np.ndarray:
+    """The inverse of `on_token_axis`: (S, length - 1) per-token values -> (S, answer_length)."""
+    values = np.asarray(values)
+    out = np.zeros((values.shape[0], answer_length), values.dtype)
+    for row, (p, v) in enumerate(zip(prompt_lengths, values)):
+        n = min(answer_length, len(v) - (p - 1))
+        out[row, :n] = v[p - 1:p - 1 + n]
+    return out
 
 
 def test_answer_rows_put_each_answer_token_where_the_step_scores_it(rollout):
     batch, prompt_lengths = jaxtune_rows(rollout)
     values = np.arange(1, len(rollout[1]) * ANSWER + 1, dtype=np.float32).reshape(-1, ANSWER)
-    placed = grpo.on_token_axis(values, prompt_lengths, LENGTH)
+    placed = on_token_axis(values, prompt_lengths, LENGTH)
     scored = batch["labels"][:, 1:] != -100
     for row, (p, a) in enumerate(zip(*rollout)):
         # Entry i scores token i + 1: the answer's tokens are scored from the prompt's last position.
         assert np.flatnonzero(scored[row]).tolist() == list(range(len(p) - 1, len(p) - 1 + len(a)))
         assert batch["input_ids"][row, len(p):len(p) + len(a)].tolist() == a
-    np.testing.assert_array_equal(grpo.on_answer_axis(placed, prompt_lengths, ANSWER), values)
+    np.testing.assert_array_equal(on_answer_axis(placed, prompt_lengths, ANSWER), values)
 
 
 def test_the_reference_is_the_base_as_peft_disable_adapter_gives_it(lora_module, jax_model, tokenizer, rollout, tmp_path):
@@ -201,7 +222,7 @@ def test_loss_and_lora_gradients_match_trls(lora_module, jax_model, tokenizer, r
     labels = batch.pop("labels")
     batch["advantages"] = advantages
     for name, values in extra.items():
-        batch[name] = grpo.on_token_axis(values, prompt_lengths, LENGTH)
+        batch[name] = on_token_axis(values, prompt_lengths, LENGTH)
     objective = preference.objective_of("grpo", None, rl)
     summed = steps._summed_loss(jax_model, training=True, remat="none", fused=True, objective=objective)
 

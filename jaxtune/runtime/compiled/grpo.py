@@ -127,23 +127,3 @@ def answer_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int
     batch["position_ids"] = np.broadcast_to(np.arange(length, dtype=np.int32), (len(ids), length)).copy()
     return batch
 
-
-def on_token_axis(values: np.ndarray, prompt_lengths: np.ndarray, length: int) -> np.ndarray:
-    """(S, C) values of each answer's tokens -> (S, length - 1), where the step's per-token NLL has
-    them: answer token j of a row whose prompt has P tokens is token P + j, scored at P + j - 1."""
-    values = np.asarray(values, np.float32)
-    out = np.zeros((values.shape[0], length - 1), np.float32)
-    for row, (p, v) in enumerate(zip(prompt_lengths, values)):
-        n = min(len(v), length - p)
-        out[row, p - 1:p - 1 + n] = v[:n]
-    return out
-
-
-def on_answer_axis(values: np.ndarray, prompt_lengths: np.ndarray, answer_length: int) -> np.ndarray:
-    """The inverse of `on_token_axis`: (S, length - 1) per-token values -> (S, answer_length)."""
-    values = np.asarray(values)
-    out = np.zeros((values.shape[0], answer_length), values.dtype)
-    for row, (p, v) in enumerate(zip(prompt_lengths, values)):
-        n = min(answer_length, len(v) - (p - 1))
-        out[row, :n] = v[p - 1:p - 1 + n]
-    return out

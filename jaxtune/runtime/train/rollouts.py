@@ -93,7 +93,7 @@ def train_grpo(
     generation prompt), scored by `score`; `reward_names` name its columns in the log."""
     objective = objective_of("grpo", None, rl)
     fused = attention.supported(model.module)
-    k, answers_per_step = cfg.grad_accumulation, cfg.batch_size * cfg.grad_accumulation
+    answers_per_step = cfg.batch_size * cfg.grad_accumulation
     per_rollout = answers_per_step // rl.num_generations
     prompt_length = bucket_length(int(row_lengths(prompts).max()))  # a token table's lengths, not its rows
     length = row_length(model, prompt_length, rl)
@@ -131,14 +131,15 @@ def train_grpo(
         rollout = (step - 1) // rl.num_iterations
         chosen = prompts_of_rollout(len(prompts), per_rollout, cfg.seed, rollout)
         rows = np.repeat(chosen, rl.num_generations)
-        ids, mask = decode.left_pad([list(prompts[i]) for i in rows], pad_id, prompt_length)
+        prompt_ids = [list(prompts[i]) for i in rows]
+        ids, mask = decode.left_pad(prompt_ids, pad_id, prompt_length)
         ids, mask = model.placement.shard_prompts((ids, mask))
         tokens = fetch(generate(model, weights, model.buffers, ids, mask, steps.step_key(cfg.seed, rollout)))
         answers, truncated = cut_answers(tokens, eos_ids)
         sampled = time.perf_counter()
         scores = np.asarray(score(rows, answers), np.float32).reshape(len(rows), len(reward_names))
         total = scores @ weights_of
-        batch = grpo.answer_batch([list(prompts[i]) for i in rows], answers, pad_id, length)
+        batch = grpo.answer_batch(prompt_ids, answers, pad_id, length)
         if rl.mask_truncated_completions:
             batch["labels"][truncated] = grpo.IGNORE_INDEX
         batch["advantages"] = grpo.advantages(total, rl.num_generations, rl.scale_rewards)
@@ -166,8 +167,9 @@ def train_grpo(
                 rollout_data = sample(step, weights)
             batch = rollout_data["batch"]
             figures = dict(rollout_data["figures"])
-            if rl.num_iterations > 1 or rl.beta:
-                figures.update(_policy_figures(model, logp_step, weights, batch, rl))
+            if logp_step is not None:  # a rollout's first step: the sampling policy's are the policy's own
+                fresh = batch.get("old") if (step - 1) % rl.num_iterations == 0 else None
+                figures.update(_policy_figures(model, logp_step, weights, batch, rl, fresh))
             stacked = {name: value.reshape(k, -1, *value.shape[1:]) for name, value in batch.items()}
             stacked = model.placement.shard_micro_batches(stacked)
             labels = stacked.pop("labels")
@@ -228,18 +230,19 @@ def _on_mesh(model: JaxModel, batch: dict) -> dict:
     return {name: model.placement.put(batch[name], model.placement.batch_sharding) for name in keys}
 
 
-def _policy_figures(model: JaxModel, logp_step, weights, batch: dict, rl: RLConfig) -> dict:
+def _policy_figures(model: JaxModel, logp_step, weights, batch: dict, rl: RLConfig, logp: np.ndarray | None) -> dict:
     """The KL to the reference (rl.beta > 0) and the share of answer tokens the clip holds
-    (rl.num_iterations > 1), under the weights about to be updated, averaged over answer tokens."""
-    rows = _on_mesh(model, batch)
-    labels = rows.pop("labels")
-    logp = np.asarray(fetch(logp_step(weights, model.buffers, rows, labels)))
+    (rl.num_iterations > 1), under the weights about to be updated (`logp`, their log-probabilities,
+    where the rollout has them already), averaged over answer tokens."""
+    if logp is None:
+        rows = _on_mesh(model, batch)
+        labels = rows.pop("labels")
+        logp = np.asarray(fetch(logp_step(weights, model.buffers, rows, labels)))
+    terms = grpo.token_terms(rl, logp, batch["advantages"], batch.get("old"), batch.get("reference"))
     mask = batch["labels"][:, 1:] != grpo.IGNORE_INDEX
     figures = {}
     if rl.beta:
-        delta = batch["reference"] - logp
-        kl = np.exp(delta) - delta - 1.0
-        figures["kl"] = float(kl[mask].mean()) if mask.any() else 0.0
+        figures["kl"] = float(np.asarray(terms["kl"])[mask].mean()) if mask.any() else 0.0
     if rl.num_iterations > 1:
-        figures["clip_fraction"] = grpo.clip_fraction(rl, np.exp(logp - batch["old"]), batch["advantages"], mask)
+        figures["clip_fraction"] = grpo.clip_fraction(rl, np.asarray(terms["ratio"]), batch["advantages"], mask)
     return figures
