@@ -78,12 +78,37 @@ def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, spl
     chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
     assert (chosen.remat, chosen.split, chosen.chosen_by) == (remat, split, "auto")
     assert fit._needed(chosen.plan) == found[(remat, 4 // split)] <= chosen.budget < limit
-    # Every policy with less recomputation was compiled first and did not fit.
+    # Every policy with less recomputation was tried first and did not fit; matmuls is not compiled
+    # where none needs more than the budget by more than matmuls could save.
     earlier = fit.POLICIES[: fit.POLICIES.index(remat) + (1 if split > 1 else 0)]
     assert [t["remat"] for t in chosen.tried if t["split"] == 1] == list(earlier if split > 1 else (*earlier, remat))[:3]
-    assert all(t["needed"] > chosen.budget for t in chosen.tried[:-1])
+    skipped = [t["remat"] for t in chosen.tried if "skipped" in t]
+    assert skipped == (["matmuls"] if "matmuls" in earlier and found[("none", 4)] * fit.MATMULS_OF_NONE > chosen.budget else [])
+    assert all(t["needed"] > chosen.budget for t in chosen.tried[:-1] if "skipped" not in t)
     run = chosen.train_config(CFG)
     assert (run.remat, run.batch_size, run.grad_accumulation) == (remat, 4 // split, split)
+
+
+def test_matmuls_is_not_compiled_where_none_needs_far_more_than_there_is(needs, monkeypatch):
+    model, found = needs
+    compiled = []
+    compile_plan = memory.memory_plan
+    monkeypatch.setattr(memory, "memory_plan", lambda model, optimizer, cfg, *a, **k:
+                        compiled.append(cfg.remat) or compile_plan(model, optimizer, cfg, *a, **k))
+    # A budget that holds layer and is less than 3/4 of what none needs: matmuls is skipped, as on a TPU,
+    # where a refused candidate is a whole compile lost.
+    limit = int(found[("none", 4)] * fit.MATMULS_OF_NONE * 0.99 / (1 - fit.HEADROOM))
+    chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
+    assert chosen.remat == "layer" and "matmuls" not in compiled and compiled[0] == "none"
+    assert [t["remat"] for t in chosen.tried][:3] == ["none", "matmuls", "layer"]
+    assert "not compiled" in chosen.tried[1]["skipped"]
+    assert "matmuls chunk" in chosen.describe(CFG) and "not compiled" in chosen.describe(CFG)
+    # Where none needs less than the budget over 3/4, matmuls is compiled and tried as before.
+    compiled.clear()
+    limit = device_between(found[("matmuls", 4)], found[("none", 4)])
+    assert found[("none", 4)] * fit.MATMULS_OF_NONE <= limit * (1 - fit.HEADROOM)
+    assert fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit).remat == "matmuls"
+    assert compiled[:2] == ["none", "matmuls"]
 
 
 def test_nothing_fits_says_so_in_one_line_with_what_would(needs):

@@ -11,7 +11,9 @@ is the devices' own compiler's, not an estimate. In order:
    an accelerator, and a chunk is grown (`loss.grown_chunk_tokens`) from the platform's smallest
    (`loss.chunk_tokens_on`) while its backward pass's logits take at most 1/`CHUNK_SHARE` of the
    memory; then with the smallest chunk, unless the first plan needed more than the larger chunk
-   explains. The first plan that fits wins;
+   explains. The first plan that fits wins. `matmuls` is not compiled where `none` needs more than
+   the budget by more than `matmuls` could save (`MATMULS_OF_NONE`): on a TPU each refusal is a
+   whole compile, a minute or two for a 1B model;
 2. where even `layer` does not fit, the micro-batch split: `batch_size` rows run as s micro-batches
    of batch_size / s rows, s times as many per step (the gradients of a step's micro-batches are
    summed inside it, so the update is the one the whole batch gives), the smallest s that fits,
@@ -44,6 +46,11 @@ from jaxtune.runtime.modeling import loss
 HEADROOM = 0.03  # of the device's memory, kept free beyond XLA's plan
 POLICIES = ("none", "matmuls", "layer")  # least recomputation first
 WITHOUT_LIMIT = "matmuls"  # auto where the devices report no memory
+# `matmuls` recomputes only what lies between a layer's matmuls, so it needs most of what `none` needs:
+# 0.95x of it on this CPU's tiny Llama, 1.49x on a TPU v5e (GRPO's 64 x 384 rows of Gemma 3 1B, where XLA
+# keeps more under the policy than it chose to without). Where `none` needs more than the budget by more
+# than that could save, `matmuls` is not compiled: on a TPU a refused candidate costs a whole compile.
+MATMULS_OF_NONE = 0.75
 CHUNK_SHARE = 8  # the loss's chunk is first tried as large as 1/8 of the budget allows (`loss.grown_chunk_tokens`)
 
 REFUSED_BYTES = re.compile(r"\(([\d.]+)G\) exceeds")  # libtpu's "... temporaries (21.49G) exceeds available HBM"
@@ -143,6 +150,9 @@ def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True,
     extra = (chunk - base) * vocab_size(model) * loss.CHUNK_BYTES_PER_LOGIT  # beyond the smallest chunk's need
     found = None
     for policy in POLICIES:
+        if policy == "matmuls" and _least_needed(found, tried[-1]) * MATMULS_OF_NONE > budget:
+            tried.append({"remat": policy, "split": 1, "chunk_tokens": chunk, "skipped": _skipped(tried[-1], budget)})
+            continue
         found = plan(policy, 1, chunk)
         if fits(found):
             return Fit(policy, chunk, 1, found, "auto", budget, tried)
@@ -229,6 +239,12 @@ def _least_needed(plan: dict | None, entry: dict) -> int:
     return int(float(found[1]) * 2**30) if found else 0
 
 
+def _skipped(none: dict, budget: int) -> str:
+    need = f"needs {_gib(none['needed'])}" if "needed" in none else f"was refused ({none['refused'][:120]})"
+    return (f"not compiled: remat none {need}, more than {MATMULS_OF_NONE:g}x of which is past the "
+            f"{_gib(budget)} budget, and matmuls saves less than that")
+
+
 def _needed(plan: dict) -> int:
     """Bytes a step needs on a device: its peak, and its code, which lies in the same memory."""
     return plan["peak"] + plan.get("code", 0)
@@ -242,4 +258,6 @@ def _gib(n: int | None) -> str:
 def _tried_text(entry: dict) -> str:
     what = f"remat {entry['remat']}" + (f" split {entry['split']}" if entry["split"] > 1 else "") + \
         f" chunk {entry['chunk_tokens']}"
+    if "skipped" in entry:
+        return f"{what} not compiled (none needs too much)"
     return f"{what} needs {_gib(entry['needed'])}" if "needed" in entry else f"{what} refused"
