@@ -80,6 +80,8 @@ def grpo_case(settings: Settings, cfg, model, case: tuple[int, int, int], result
                 results.add(event="grpo_plan", case=name, fit_seconds=time.perf_counter() - started,
                             compiling=compiled(), plan_peak_bytes=plan["peak"], plan_code_bytes=plan["code"],
                             **plan["fit"], message=record["message"])
+                log(f"jaxtune grpo {name}: remat {plan['fit']['remat']} chosen after {time.perf_counter() - started:.0f} s "
+                    f"({', '.join(f'{k} {v:.0f}' for k, v in compiled().items())})")
             elif "loss" in record:
                 results.add(event="grpo_step", case=name, **record)
                 log(f"jaxtune grpo {name} step {record['step']}: {record['step_seconds']:.2f} s "

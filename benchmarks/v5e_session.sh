@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# The benchmark's runs on one TPU v5e chip, in four parts of under ten minutes each, so that each
+# The benchmark's runs on one TPU v5e chip, in parts of under ten minutes each, so that each
 # fits one command on a machine lent for a short while. Run from a copy of the repository holding
 # .whl-tpu/ and .whl-tunix/ (benchmarks/tpu_wheels.sh and benchmarks/tunix_wheels.sh, run where
 # there is network); each part writes its reports under OUT (default /tmp/v5e) and the first
 # installs what the others reuse, on the same machine.
 #
 #   bash benchmarks/v5e_session.sh peers     # jaxtune beside Tunix, Gemma 3 1B LoRA at 8 x 512, jaxtune's step profiled
-#   bash benchmarks/v5e_session.sh llama     # jaxtune beside Tunix, Llama 3.2 1B LoRA at 8 x 512; a GRPO step at
-#                                            # 8 prompts x 8 answers x 256 tokens
-#   bash benchmarks/v5e_session.sh variants  # the Gemma LoRA step with model.scan_layers; decoding at 8, 32, 64 prompts
+#   bash benchmarks/v5e_session.sh llama     # jaxtune beside Tunix, Llama 3.2 1B LoRA at 8 x 512; decoding at 8,
+#                                            # 32 and 64 prompts
+#   bash benchmarks/v5e_session.sh grpo      # a GRPO step at 8 prompts x 8 answers x 256 tokens (its first step
+#                                            # compiles three train-step candidates, the sampler and the update)
+#   bash benchmarks/v5e_session.sh scan      # the Gemma LoRA step with model.scan_layers
 #   bash benchmarks/v5e_session.sh stages    # tpu_check.py: every stage of the offline pipeline on the chip (as
 #                                            # `make tpu-check`), called without Prefect: the machine has no socket
 #
 # A part's files come back from a lent machine only a few at a time, so the profile's traces travel as one archive.
 set -euo pipefail
-part=${1:?which part: peers, variants or stages}
+part=${1:?which part: peers, llama, grpo, scan or stages}
 out=${OUT:-/tmp/v5e}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,16 +33,17 @@ peers)
     tar czf "$out/peers-profile.tgz" -C "$out" peers-gemma3-profile && rm -rf "$out/peers-gemma3-profile" ;;
 llama)
     python3 benchmarks/accelerator.py --parts jaxtune --parts tunix --section lora --cases 8x512 \
-        --model llama-3.2-1b --minutes 4 --out "$out/peers-llama3"
-    python3 benchmarks/accelerator.py --parts jaxtune --section grpo --cases 8x8x256 --minutes 4.3 --out "$out/grpo" ;;
-variants)
-    python3 benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --set model.scan_layers=true \
-        --minutes 4 --out "$out/scan"
+        --model llama-3.2-1b --minutes 4.5 --out "$out/peers-llama3"
     python3 benchmarks/accelerator.py --parts jaxtune --section decode --minutes 3 --out "$out/decode" ;;
+grpo)
+    python3 benchmarks/accelerator.py --parts jaxtune --section grpo --cases 8x8x256 --minutes 8.8 --out "$out/grpo" ;;
+scan)
+    python3 benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --set model.scan_layers=true \
+        --minutes 4 --out "$out/scan" ;;
 stages)
     PYTHONHASHSEED=0 python3 benchmarks/tpu_check.py --no-prefect --out "$out/tpu-check" ;;
 *)
-    echo "v5e_session.sh: no part $part (peers, llama, variants or stages)" >&2
+    echo "v5e_session.sh: no part $part (peers, llama, grpo, scan or stages)" >&2
     exit 2 ;;
 esac
 ls -la "$out"
