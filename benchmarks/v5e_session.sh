@@ -6,7 +6,7 @@
 # installs what the others reuse, on the same machine.
 #
 #   bash benchmarks/v5e_session.sh peers     # jaxtune beside Tunix, Gemma 3 1B LoRA at 8 x 512, jaxtune's step profiled
-#   bash benchmarks/v5e_session.sh llama     # jaxtune beside Tunix, Llama 3.2 1B LoRA at 8 x 512; decoding at 8,
+#   bash benchmarks/v5e_session.sh llama     # jaxtune beside Tunix, Llama 3.2 1B LoRA at 8 x 512, profiled; decoding at 8,
 #                                            # 32 and 64 prompts
 #   bash benchmarks/v5e_session.sh grpo      # a GRPO step at 8 prompts x 8 answers x 256 tokens (its first step
 #                                            # compiles three train-step candidates, the sampler and the update)
@@ -32,8 +32,9 @@ peers)
         --minutes 7.3 --out "$out/peers-gemma3"
     tar czf "$out/peers-profile.tgz" -C "$out" peers-gemma3-profile && rm -rf "$out/peers-gemma3-profile" ;;
 llama)
-    python3 benchmarks/accelerator.py --parts jaxtune --parts tunix --section lora --cases 8x512 \
+    python3 benchmarks/accelerator.py --parts jaxtune --parts tunix --section lora --cases 8x512 --profile \
         --model llama-3.2-1b --minutes 4.5 --out "$out/peers-llama3"
+    tar czf "$out/llama-profile.tgz" -C "$out" peers-llama3-profile && rm -rf "$out/peers-llama3-profile"
     python3 benchmarks/accelerator.py --parts jaxtune --section decode --minutes 3 --out "$out/decode" ;;
 grpo)
     python3 benchmarks/accelerator.py --parts jaxtune --section grpo --cases 8x8x256 --minutes 8.8 --out "$out/grpo" ;;
