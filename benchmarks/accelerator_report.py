@@ -185,7 +185,7 @@ def size(n: int | None) -> str:
 
 
 def memory(fig: dict) -> str:
-    """A side's peak; jaxtune's is XLA's plan of the step, with the device's peak so far in its process."""
+    """A side's peak: XLA's plan of its step (jaxtune's and Tunix's), with the device's peak so far in its process."""
     measured = size(fig.get("peak_bytes"))
     if fig.get("plan_peak_bytes") is None:
         return measured
@@ -422,8 +422,9 @@ def markdown(report: dict) -> str:
     ]
     sources = {side: fig.get("memory_source") for result in report["train"].values() for side, fig in result["sides"].items()}
     measured = "; ".join(f"{side}: {source}" for side, source in sources.items() if source)
-    notes = ["Peak memory: jaxtune's is XLA's memory plan of the step (arguments + outputs + temporaries - donated), "
-             "then in parentheses the process's measured peak so far (its cases run one after another)"
+    notes = ["Peak memory: jaxtune's and Tunix's are XLA's memory plan of the step (arguments + outputs + temporaries - "
+             "donated), then in parentheses the process's measured peak so far (its cases run one after another, its "
+             "weights' loading included)"
              + (f"; {measured}." if measured else ".")]
     parts = ["", *notes, "", TORCH_XLA, "", "| part | status | seconds | limit |", "|---|---|---|---|"]
     parts += [f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |" for name, p in report["parts"].items()]

@@ -169,13 +169,16 @@ def run(settings: Settings, folder: Path, work: Path) -> None:
 
     def prepare(case):
         nnx.update(model, jax.device_put(initial))
-        return train_case(settings, cfg.train, model, raw["vocab_size"], case), lambda: jax_memory(device)
+        step, plan = train_case(settings, cfg.train, model, raw["vocab_size"], case)
+        return step, lambda: {**plan(), **jax_memory(device)}
 
     measure_cases(results, settings, "tunix", prepare)
 
 
 def train_case(settings: Settings, train, model, vocab: int, case: tuple[int, int]):
-    """step(i) -> loss at i = 0: Tunix's PEFT step (`PeftTrainer._train_step`, less its metrics) on batch i."""
+    """(step, plan): step(i) -> loss at i = 0, Tunix's PEFT step (`PeftTrainer._train_step`, less its metrics) on
+    batch i; plan() -> XLA's memory plan of that step, as jaxtune's side reports its own (arguments + outputs +
+    temporaries - donated), from the program the steps ran (JAX keeps it: lowering it again compiles nothing)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -196,4 +199,15 @@ def train_case(settings: Settings, train, model, vocab: int, case: tuple[int, in
         jax.block_until_ready((loss, nnx.state(model, nnx.LoRAParam)))
         return float(loss) if i == 0 else None
 
-    return step
+    def plan() -> dict:
+        started = time.perf_counter()
+        try:
+            stats = update.lower(model, optimizer, feed[0]).compile().memory_analysis()
+        except Exception as e:  # noqa: BLE001  (the case's figures stand without its plan)
+            return {"plan_error": f"{type(e).__name__}: {e}"[:300]}
+        peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+                - stats.alias_size_in_bytes)
+        return {"plan_peak_bytes": int(peak), "plan_code_bytes": int(stats.generated_code_size_in_bytes),
+                "plan_seconds": time.perf_counter() - started}
+
+    return step, plan
