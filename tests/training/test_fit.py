@@ -40,11 +40,11 @@ def shape(run: TrainConfig) -> tuple[int, int, int]:
 
 @pytest.fixture(scope="module")
 def needs():
-    """(model, {candidate: bytes its plan needs}) for none, matmuls and layer at 4 rows, and layer at 2 and 1."""
+    """(model, {candidate: bytes its plan needs}) for none, matmuls and layer at 4 rows, layer at 2 and 1, none at 2."""
     model = fresh_model()
     optimizer = steps.make_optimizer(CFG)
     found = {}
-    for remat, rows in (("none", 4), ("matmuls", 4), ("layer", 4), ("layer", 2), ("layer", 1)):
+    for remat, rows in (("none", 4), ("matmuls", 4), ("layer", 4), ("layer", 2), ("layer", 1), ("none", 2)):
         run = CFG.model_copy(update={"remat": remat, "batch_size": rows, "grad_accumulation": 4 // rows})
         found[(remat, rows)] = fit._needed(memory.memory_plan(model, optimizer, run, LENGTH, rows=rows))
     print({f"{r} x{n}": f"{b / 2**20:.2f} MiB" for (r, n), b in found.items()})
@@ -71,8 +71,9 @@ def test_needs_fall_with_each_policy_and_with_smaller_micro_batches(needs):
     ((("layer", 2), ("layer", 4)), "layer", 2),
     ((("layer", 1), ("layer", 2)), "layer", 4),
 ])
-def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, split):
+def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, split, monkeypatch):
     model, found = needs
+    monkeypatch.setattr(fit, "MAX_NONE_SPLIT", 1)  # the policies' order alone (none on fewer rows: the next tests)
     low, high = between
     limit = device_between(found[low], found[high] if high else 2 * found[low])
     chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
@@ -89,8 +90,45 @@ def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, spl
     assert (run.remat, run.batch_size, run.grad_accumulation) == (remat, 4 // split, split)
 
 
+def compiling(monkeypatch) -> list[tuple[str, int]]:
+    """(policy, rows) of every plan `fit.choose` compiles from now on."""
+    compiled, compile_plan = [], memory.memory_plan
+    monkeypatch.setattr(memory, "memory_plan", lambda model, optimizer, cfg, *a, **k:
+                        compiled.append((cfg.remat, k["rows"])) or compile_plan(model, optimizer, cfg, *a, **k))
+    return compiled
+
+
+def test_where_none_does_not_fit_it_runs_on_fewer_rows_before_any_recomputation(needs, monkeypatch):
+    model, found = needs
+    compiled = compiling(monkeypatch)
+    # Room for none at 2 rows, not at 4 (nor for matmuls at 4): two micro-batches of 2 rows, no recomputation,
+    # the update of the whole batch.
+    limit = device_between(found[("none", 2)], found[("matmuls", 4)])
+    assert found[("none", 2)] < limit * (1 - fit.HEADROOM) < found[("matmuls", 4)] < found[("none", 4)]
+    chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
+    assert (chosen.remat, chosen.split, fit._needed(chosen.plan)) == ("none", 2, found[("none", 2)])
+    assert compiled == [("none", 4), ("none", 2)]
+    run = chosen.train_config(CFG)
+    assert (run.remat, run.batch_size, run.grad_accumulation) == ("none", 2, 2)
+    assert "batch_size 4 split into 2 micro-batches" in chosen.describe(CFG)
+
+
+def test_none_on_fewer_rows_is_not_compiled_where_no_split_would_fit_by_estimate(needs, monkeypatch):
+    model, found = needs
+    compiled = compiling(monkeypatch)
+    # Room for layer at 1 row, and not, with the margin, for none at 1 row (about half its need at 2): the estimate
+    # (the unsplit plan's state and a quarter of its activations: 6.38 MiB here, 6.43 compiled) says no split of
+    # none fits, so none is compiled once, then the recomputing policies as before.
+    limit = int(1.1 * found[("layer", 1)] / (1 - fit.HEADROOM))
+    assert found[("none", 2)] / 2 > fit.NONE_SPLIT_MARGIN * limit * (1 - fit.HEADROOM)
+    chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
+    assert (chosen.remat, chosen.split) == ("layer", 4)
+    assert [c for c in compiled if c[0] == "none"] == [("none", 4)]
+
+
 def test_matmuls_is_not_compiled_where_none_needs_far_more_than_there_is(needs, monkeypatch):
     model, found = needs
+    monkeypatch.setattr(fit, "MAX_NONE_SPLIT", 1)  # none on fewer rows would fit here: not what this test is about
     compiled = []
     compile_plan = memory.memory_plan
     monkeypatch.setattr(memory, "memory_plan", lambda model, optimizer, cfg, *a, **k:

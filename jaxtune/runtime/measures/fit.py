@@ -11,9 +11,11 @@ is the devices' own compiler's, not an estimate. In order:
    an accelerator, and a chunk is grown (`loss.grown_chunk_tokens`) from the platform's smallest
    (`loss.chunk_tokens_on`) while its backward pass's logits take at most 1/`CHUNK_SHARE` of the
    memory; then with the smallest chunk, unless the first plan needed more than the larger chunk
-   explains. The first plan that fits wins. `matmuls` is not compiled where `none` needs more than
-   the budget by more than `matmuls` could save (`MATMULS_OF_NONE`): on a TPU each refusal is a
-   whole compile, a minute or two for a 1B model;
+   explains. The first plan that fits wins. Where `none` does not fit, it is tried once more on
+   fewer rows at a time (`MAX_NONE_SPLIT`) if its plan or refusal says that would fit: no
+   recomputation, the same update. `matmuls` is not compiled where `none` needs more than the
+   budget by more than `matmuls` could save (`MATMULS_OF_NONE`): on a TPU each refusal is a whole
+   compile, a minute or two for a 1B model;
 2. where even `layer` does not fit, the micro-batch split: `batch_size` rows run as s micro-batches
    of batch_size / s rows, s times as many per step (the gradients of a step's micro-batches are
    summed inside it, so the update is the one the whole batch gives), the smallest s that fits,
@@ -51,6 +53,10 @@ WITHOUT_LIMIT = "matmuls"  # auto where the devices report no memory
 # keeps more under the policy than it chose to without). Where `none` needs more than the budget by more
 # than that could save, `matmuls` is not compiled: on a TPU a refused candidate costs a whole compile.
 MATMULS_OF_NONE = 0.75
+# Before any recomputation, `none` is tried on fewer rows at a time (up to this many micro-batches per configured
+# one) where its first plan or refusal says that would fit with this margin: the step's flops are the same, and
+# the update the whole batch gives, where `layer` would run each layer's forward twice (about 1.3x the time).
+MAX_NONE_SPLIT, NONE_SPLIT_MARGIN = 4, 0.9
 CHUNK_SHARE = 8  # the loss's chunk is first tried as large as 1/8 of the budget allows (`loss.grown_chunk_tokens`)
 
 REFUSED_BYTES = re.compile(r"\(([\d.]+)G\) exceeds")  # libtpu's "... temporaries (21.49G) exceeds available HBM"
@@ -148,10 +154,10 @@ def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True,
         return Fit(remat, chunk, 1, found, chosen_by, budget, tried)
 
     extra = (chunk - base) * vocab_size(model) * loss.CHUNK_BYTES_PER_LOGIT  # beyond the smallest chunk's need
-    found = None
+    found, none_entry, none_need = None, None, 0
     for policy in POLICIES:
-        if policy == "matmuls" and _least_needed(found, tried[-1]) * MATMULS_OF_NONE > budget:
-            tried.append({"remat": policy, "split": 1, "chunk_tokens": chunk, "skipped": _skipped(tried[-1], budget)})
+        if policy == "matmuls" and none_need * MATMULS_OF_NONE > budget:
+            tried.append({"remat": policy, "split": 1, "chunk_tokens": chunk, "skipped": _skipped(none_entry, budget)})
             continue
         found = plan(policy, 1, chunk)
         if fits(found):
@@ -160,11 +166,42 @@ def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True,
             found = plan(policy, 1)
             if fits(found):
                 return Fit(policy, base, 1, found, "auto", budget, tried)
+        if policy == "none":  # fewer rows at a time before any recomputation, where that would fit by estimate
+            none_entry, none_need = tried[-1], _least_needed(found, tried[-1])
+            split = _none_split(cfg, model, optimizer, found, none_need, budget)
+            if split:
+                split_plan = plan("none", split)
+                if fits(split_plan):
+                    return Fit("none", base, split, split_plan, "auto", budget, tried)
     split, found = _split(cfg, model, found, budget, lambda s: plan("layer", s), fits)
     if not fits(found):
         raise NothingFits(_nothing_fits(cfg, shape, tried, budget),
                           Fit("layer", base, split, found, "auto", budget, tried) if found else None)
     return Fit("layer", base, split, found, "auto", budget, tried)
+
+
+def _none_split(cfg: TrainConfig, model, optimizer, found: dict | None, need: int, budget: int) -> int | None:
+    """The fewest micro-batches (at most `MAX_NONE_SPLIT`) per configured one at which `none` would fit by
+    estimate, from its unsplit plan or refusal: the activations shrink with the rows, the state does not
+    (weights, buffers, optimizer state, and the gradients and their accumulator among the temporaries)."""
+    if not need:
+        return None
+    if found is not None:
+        activations = found["activations_per_micro_batch"]
+        state = _needed(found) - activations
+    else:  # refused: its figure is the temporaries alone, and the arguments are the weights and optimizer state
+        from jaxtune.runtime.compiled import steps
+
+        gradients = memory.device_bytes(model.weights)
+        opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
+        state = gradients + memory.device_bytes(model.buffers) + memory.device_bytes(opt_state) + 2 * gradients
+        activations = max(need - 2 * gradients, 0)
+    shards = model.placement.batch_shards
+    for split in range(2, MAX_NONE_SPLIT + 1):
+        if (cfg.batch_size % split == 0 and cfg.batch_size // split >= shards
+                and state + activations / split <= budget * NONE_SPLIT_MARGIN):
+            return split
+    return None
 
 
 def _split(cfg: TrainConfig, model, layer_plan: dict | None, budget: int, plan, fits) -> tuple[int, dict | None]:
