@@ -14,8 +14,8 @@ is the devices' own compiler's, not an estimate. In order:
    explains. The first plan that fits wins. Where `none` does not fit, it is tried once more on
    fewer rows at a time (`MAX_NONE_SPLIT`) if its plan or refusal says that would fit: no
    recomputation, the same update. `matmuls` is not compiled where `none` needs more than the
-   budget by more than `matmuls` could save (`MATMULS_OF_NONE`): on a TPU each refusal is a whole
-   compile, a minute or two for a 1B model;
+   budget by more than `matmuls` could save (`MATMULS_OF_NONE`): each candidate costs a trace and
+   a compile, refused or not;
 2. where even `layer` does not fit, the micro-batch split: `batch_size` rows run as s micro-batches
    of batch_size / s rows, s times as many per step (the gradients of a step's micro-batches are
    summed inside it, so the update is the one the whole batch gives), the smallest s that fits,
@@ -51,7 +51,7 @@ WITHOUT_LIMIT = "matmuls"  # auto where the devices report no memory
 # `matmuls` recomputes only what lies between a layer's matmuls, so it needs most of what `none` needs:
 # 0.95x of it on this CPU's tiny Llama, 1.49x on a TPU v5e (GRPO's 64 x 384 rows of Gemma 3 1B, where XLA
 # keeps more under the policy than it chose to without). Where `none` needs more than the budget by more
-# than that could save, `matmuls` is not compiled: on a TPU a refused candidate costs a whole compile.
+# than that could save, `matmuls` is not compiled: a refused candidate costs a trace and a compile all the same.
 MATMULS_OF_NONE = 0.75
 # Before any recomputation, `none` is tried on fewer rows at a time (up to this many micro-batches per configured
 # one) where its first plan or refusal says that would fit with this margin: the step's flops are the same, and
