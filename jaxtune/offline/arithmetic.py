@@ -77,5 +77,6 @@ def main(argv: Sequence[str] | None = None) -> Path:
     return generator_main("jaxtune.offline.arithmetic", __doc__.splitlines()[0], generate_rows, DEFAULT_PATH,
                           DEFAULT_ROWS, DEFAULT_SEED, argv)
 
+
 if __name__ == "__main__":
     main()

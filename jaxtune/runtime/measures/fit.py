@@ -182,46 +182,54 @@ def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True,
 
 def _none_split(cfg: TrainConfig, model, optimizer, found: dict | None, need: int, budget: int) -> int | None:
     """The fewest micro-batches (at most `MAX_NONE_SPLIT`) per configured one at which `none` would fit by
-    estimate, from its unsplit plan or refusal: the activations shrink with the rows, the state does not
-    (weights, buffers, optimizer state, and the gradients and their accumulator among the temporaries)."""
+    estimate (`_least_split`), from its unsplit plan or, where the compiler refused it, its refusal."""
     if not need:
         return None
     if found is not None:
-        activations = found["activations_per_micro_batch"]
-        state = _needed(found) - activations
-    else:  # refused: its figure is the temporaries alone, and the arguments are the weights and optimizer state
+        state, activations = _state_and_activations(found)
+    else:  # the refusal's figure is the temporaries alone: the arguments are the weights and optimizer state
         from jaxtune.runtime.compiled import steps
 
-        gradients = memory.device_bytes(model.weights)
+        trained = memory.device_bytes(model.weights)  # the temporaries hold their gradients and accumulator too
         opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
-        state = gradients + memory.device_bytes(model.buffers) + memory.device_bytes(opt_state) + 2 * gradients
-        activations = max(need - 2 * gradients, 0)
-    shards = model.placement.batch_shards
-    for split in range(2, MAX_NONE_SPLIT + 1):
-        if (cfg.batch_size % split == 0 and cfg.batch_size // split >= shards
-                and state + activations / split <= budget * NONE_SPLIT_MARGIN):
-            return split
-    return None
+        state = 3 * trained + memory.device_bytes(model.buffers) + memory.device_bytes(opt_state)
+        activations = max(need - 2 * trained, 0)
+    least = _least_split(state, activations, budget * NONE_SPLIT_MARGIN)
+    return next((s for s in _splits(cfg, model) if least and least <= s <= MAX_NONE_SPLIT), None)
 
 
 def _split(cfg: TrainConfig, model, layer_plan: dict | None, budget: int, plan, fits) -> tuple[int, dict | None]:
     """(split, plan): the fewest micro-batches per configured one (a divisor of `batch_size` leaving
     each device a row) whose `layer` plan fits, starting from the split the unsplit plan's
     activations suggest; (the last split tried, its plan or None where refused) when none does."""
-    shards = model.placement.batch_shards
-    splits = [s for s in range(2, cfg.batch_size + 1) if cfg.batch_size % s == 0 and cfg.batch_size // s >= shards]
-    if layer_plan is not None:  # activations shrink with the rows; the state (weights, optimizer) does not
-        activations = layer_plan["activations_per_micro_batch"]
-        state = _needed(layer_plan) - activations
-        if budget > state and activations:
-            guess = math.ceil(activations / (budget - state))
-            splits = [s for s in splits if s >= guess] or splits[-1:]
+    splits = _splits(cfg, model)
+    least = _least_split(*_state_and_activations(layer_plan), budget) if layer_plan is not None else None
+    if least:
+        splits = [s for s in splits if s >= least] or splits[-1:]
     last, found = 1, layer_plan
     for split in splits:
         last, found = split, plan(split)
         if fits(found):
             break
     return last, found
+
+
+def _splits(cfg: TrainConfig, model) -> list[int]:
+    """The micro-batch splits of `batch_size` there are: its divisors from 2 that leave each device a row."""
+    shards = model.placement.batch_shards
+    return [s for s in range(2, cfg.batch_size + 1) if cfg.batch_size % s == 0 and cfg.batch_size // s >= shards]
+
+
+def _state_and_activations(plan: dict) -> tuple[int, int]:
+    """A plan's bytes that stay with fewer rows (weights, optimizer state) and those that shrink with them."""
+    activations = plan["activations_per_micro_batch"]
+    return _needed(plan) - activations, activations
+
+
+def _least_split(state: int, activations: int, room: int) -> int | None:
+    """The fewest micro-batches that would bring state + activations / s within `room`, by estimate;
+    None where the state alone does not fit or nothing shrinks."""
+    return math.ceil(activations / (room - state)) if room > state and activations else None
 
 
 def _nothing_fits(cfg: TrainConfig, shape: Shape, tried: list[dict], budget: int) -> str:
