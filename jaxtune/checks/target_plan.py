@@ -15,6 +15,8 @@ bytes as XLA:TPU counts them, over the chip's published peak FLOP/s and HBM band
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 from jaxtune.config import JaxtuneConfig
@@ -170,7 +172,7 @@ def meta_model(name: str, revision: str | None, trust_remote_code: bool, dtype: 
     if name.lower().endswith(".gguf"):
         if not path.is_file():
             raise DoctorError(f"{name}: no such GGUF file")
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = copy.deepcopy(_gguf_config(path.resolve(), path.stat().st_mtime_ns, path.stat().st_size))
     else:
         try:
             config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
@@ -179,4 +181,14 @@ def meta_model(name: str, revision: str | None, trust_remote_code: bool, dtype: 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="eager",
                                                 trust_remote_code=trust_remote_code)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config(path: Path, mtime_ns: int, size: int):
+    """A GGUF file's model config, read once a process per version of the file: transformers parses
+    the whole header, tokenizer included, for it (7.5 s for SmolLM2-135M's on 2 cores), and a plan
+    over several chips or recipes asks for the same file each time."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
 

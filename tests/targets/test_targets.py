@@ -275,3 +275,12 @@ def test_a_gguf_files_header_gives_the_meta_model_without_reading_its_tensors(tm
     assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576, 49152)
     assert all(p.is_meta and p.dtype.is_floating_point for p in module.parameters())
     assert sum(p.numel() for p in module.parameters()) == 134_515_008
+    # The header is read once a process: a second model from it is built from the config read then,
+    # a copy, so that a change to one model's config reaches neither the cache nor the next.
+    from jaxtune.checks.target_plan import _gguf_config
+
+    module.config.num_hidden_layers = 2
+    hits = _gguf_config.cache_info().hits
+    again = meta_model(str(place_smollm2(tmp_path)), None, False, "bfloat16")
+    assert _gguf_config.cache_info().hits == hits + 1
+    assert again.config.num_hidden_layers == 30 and len(again.model.layers) == 30
