@@ -6,8 +6,9 @@
 # installs what the others reuse, on the same machine.
 #
 #   bash benchmarks/v5e_session.sh peers     # jaxtune beside Tunix, Gemma 3 1B LoRA at 8 x 512, jaxtune's step profiled
-#   bash benchmarks/v5e_session.sh llama     # jaxtune beside Tunix, Llama 3.2 1B LoRA at 8 x 512, profiled; decoding at 8,
-#                                            # 32 and 64 prompts
+#   bash benchmarks/v5e_session.sh llama     # jaxtune beside Tunix, Llama 3.2 1B LoRA at 8 x 512, profiled
+#   bash benchmarks/v5e_session.sh decode    # greedy decoding at 8, 32 and 64 prompts (each batch's first call
+#                                            # compiles for about 45 s on the chip)
 #   bash benchmarks/v5e_session.sh grpo      # a GRPO step at 8 prompts x 8 answers x 256 tokens (its first step
 #                                            # compiles three train-step candidates, the sampler and the update)
 #   bash benchmarks/v5e_session.sh scan      # the Gemma LoRA step with model.scan_layers
@@ -16,7 +17,7 @@
 #
 # A part's files come back from a lent machine only a few at a time, so the profile's traces travel as one archive.
 set -euo pipefail
-part=${1:?which part: peers, llama, grpo, scan or stages}
+part=${1:?which part: peers, llama, decode, grpo, scan or stages}
 out=${OUT:-/tmp/v5e}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -34,8 +35,9 @@ peers)
 llama)
     python3 benchmarks/accelerator.py --parts jaxtune --parts tunix --section lora --cases 8x512 --profile \
         --model llama-3.2-1b --minutes 4.5 --out "$out/peers-llama3"
-    tar czf "$out/llama-profile.tgz" -C "$out" peers-llama3-profile && rm -rf "$out/peers-llama3-profile"
-    python3 benchmarks/accelerator.py --parts jaxtune --section decode --minutes 3 --out "$out/decode" ;;
+    tar czf "$out/llama-profile.tgz" -C "$out" peers-llama3-profile && rm -rf "$out/peers-llama3-profile" ;;
+decode)
+    python3 benchmarks/accelerator.py --parts jaxtune --section decode --minutes 6 --out "$out/decode" ;;
 grpo)
     python3 benchmarks/accelerator.py --parts jaxtune --section grpo --cases 8x8x256 --minutes 8.8 --out "$out/grpo" ;;
 scan)
@@ -44,7 +46,7 @@ scan)
 stages)
     PYTHONHASHSEED=0 python3 benchmarks/tpu_check.py --no-prefect --out "$out/tpu-check" ;;
 *)
-    echo "v5e_session.sh: no part $part (peers, llama, grpo, scan or stages)" >&2
+    echo "v5e_session.sh: no part $part (peers, llama, decode, grpo, scan or stages)" >&2
     exit 2 ;;
 esac
 ls -la "$out"
