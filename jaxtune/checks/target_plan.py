@@ -172,7 +172,8 @@ def meta_model(name: str, revision: str | None, trust_remote_code: bool, dtype: 
     if name.lower().endswith(".gguf"):
         if not path.is_file():
             raise DoctorError(f"{name}: no such GGUF file")
-        config = copy.deepcopy(_gguf_config(path.resolve(), path.stat().st_mtime_ns, path.stat().st_size))
+        stat = path.stat()
+        config = copy.deepcopy(_gguf_config(path.resolve(), stat.st_mtime_ns, stat.st_size))
     else:
         try:
             config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)

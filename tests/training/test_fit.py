@@ -129,15 +129,13 @@ def test_none_on_fewer_rows_is_not_compiled_where_no_split_would_fit_by_estimate
 def test_matmuls_is_not_compiled_where_none_needs_far_more_than_there_is(needs, monkeypatch):
     model, found = needs
     monkeypatch.setattr(fit, "MAX_NONE_SPLIT", 1)  # none on fewer rows would fit here: not what this test is about
-    compiled = []
-    compile_plan = memory.memory_plan
-    monkeypatch.setattr(memory, "memory_plan", lambda model, optimizer, cfg, *a, **k:
-                        compiled.append(cfg.remat) or compile_plan(model, optimizer, cfg, *a, **k))
+    compiled = compiling(monkeypatch)
+    policies = lambda: [remat for remat, _ in compiled]  # noqa: E731
     # A budget that holds layer and is less than 3/4 of what none needs: matmuls is skipped, as on a TPU,
     # where a refused candidate is a whole compile lost.
     limit = int(found[("none", 4)] * fit.MATMULS_OF_NONE * 0.99 / (1 - fit.HEADROOM))
     chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
-    assert chosen.remat == "layer" and "matmuls" not in compiled and compiled[0] == "none"
+    assert chosen.remat == "layer" and "matmuls" not in policies() and policies()[0] == "none"
     assert [t["remat"] for t in chosen.tried][:3] == ["none", "matmuls", "layer"]
     assert "not compiled" in chosen.tried[1]["skipped"]
     assert "matmuls chunk" in chosen.describe(CFG) and "not compiled" in chosen.describe(CFG)
@@ -146,7 +144,7 @@ def test_matmuls_is_not_compiled_where_none_needs_far_more_than_there_is(needs, 
     limit = device_between(found[("matmuls", 4)], found[("none", 4)])
     assert found[("none", 4)] * fit.MATMULS_OF_NONE <= limit * (1 - fit.HEADROOM)
     assert fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit).remat == "matmuls"
-    assert compiled[:2] == ["none", "matmuls"]
+    assert policies()[:2] == ["none", "matmuls"]
 
 
 def test_nothing_fits_says_so_in_one_line_with_what_would(needs):
