@@ -12,20 +12,24 @@
 #   bash benchmarks/v5e_session.sh grpo      # a GRPO step at 8 prompts x 8 answers x 256 tokens (its first step
 #                                            # compiles three train-step candidates, the sampler and the update)
 #   bash benchmarks/v5e_session.sh scan      # the Gemma LoRA step with model.scan_layers
+#   bash benchmarks/v5e_session.sh rerun     # the Gemma LoRA step's first step cold (no cache), then again with another
+#                                            # learning rate and seed: the kept plan and executable, no trace or compile
 #   bash benchmarks/v5e_session.sh stages    # tpu_check.py: every stage of the offline pipeline on the chip (as
 #                                            # `make tpu-check`), called without Prefect: the machine has no socket
 #
 # A part's files come back from a lent machine only a few at a time, so the profile's traces travel as one archive.
 set -euo pipefail
-part=${1:?which part: peers, llama, decode, grpo, scan or stages}
+part=${1:?which part: peers, llama, decode, grpo, scan, rerun or stages}
 out=${OUT:-/tmp/v5e}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=/dev/null
 source benchmarks/tpu_install.sh
 export PYTHONUNBUFFERED=1 JAXTUNE_COMPILE_CACHE=/tmp/xla-cache
-[ -f /tmp/tunix-site/.done ] || { benchmarks/tunix_wheels.sh install /tmp/tunix-site && touch /tmp/tunix-site/.done; }
-export TUNIX_SITE=/tmp/tunix-site
+if [ "$part" = peers ] || [ "$part" = llama ]; then  # only these run Tunix's side
+    [ -f /tmp/tunix-site/.done ] || { benchmarks/tunix_wheels.sh install /tmp/tunix-site && touch /tmp/tunix-site/.done; }
+    export TUNIX_SITE=/tmp/tunix-site
+fi
 
 case "$part" in
 peers)
@@ -43,10 +47,15 @@ grpo)
 scan)
     python3 benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --set model.scan_layers=true \
         --minutes 4 --out "$out/scan" ;;
+rerun)
+    rm -rf "$JAXTUNE_COMPILE_CACHE"
+    python3 benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --minutes 4 --out "$out/rerun-cold"
+    python3 benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --minutes 3 \
+        --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/rerun-warm" ;;
 stages)
     PYTHONHASHSEED=0 python3 benchmarks/tpu_check.py --no-prefect --out "$out/tpu-check" ;;
 *)
-    echo "v5e_session.sh: no part $part (peers, llama, decode, grpo, scan or stages)" >&2
+    echo "v5e_session.sh: no part $part (peers, llama, decode, grpo, scan, rerun or stages)" >&2
     exit 2 ;;
 esac
 ls -la "$out"

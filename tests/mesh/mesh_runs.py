@@ -106,7 +106,7 @@ class Recorder:
                 self.moments.append(_moments(opt_state))  # copied now: the next step donates opt_state
                 return loss, weights, opt_state
 
-            run.jitted = step.jitted
+            run.program = step.program
             return run
 
         steps.train_step_memory, steps.make_train_step = train_step_memory, make_train_step

@@ -14,7 +14,7 @@ import pytest
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.runtime.train import training
 from jaxtune.runtime.compiled import programs, steps
-from jaxtune.runtime.devices import compile_cache
+from jaxtune.runtime.devices import compile_cache, executables
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
@@ -135,11 +135,13 @@ def test_the_learning_rate_is_an_input_of_the_step_not_a_constant():
         optimizer = steps.make_optimizer(cfg)
         step = steps.make_train_step(model, optimizer)
         with model.env:
-            return step.jitted.lower(model.weights, model.buffers, optimizer.init(model.weights), batch, labels,
-                                     steps.step_key(0, 1), np.float32(cfg.learning_rate)).as_text()
+            return step.program.lower(model, model.weights, model.buffers, optimizer.init(model.weights), batch, labels,
+                                      steps.step_key(0, 1), np.float32(cfg.learning_rate)).as_text()
 
     first = lowered(TrainConfig(learning_rate=1e-4, warmup_steps=10, lr_schedule="warmup_cosine"))
     assert first == lowered(TrainConfig(learning_rate=3e-3, warmup_steps=0, lr_schedule="linear"))
+    # the very same optimizer, so the very same program in this process too
+    assert steps.make_optimizer(TrainConfig(learning_rate=1e-4)) is steps.make_optimizer(TrainConfig(learning_rate=3e-3))
 
     optimizer = steps.make_optimizer(TrainConfig())
     step = steps.make_train_step(model, optimizer)
@@ -147,7 +149,7 @@ def test_the_learning_rate_is_an_input_of_the_step_not_a_constant():
     for i, lr in enumerate((0.0, 1e-3, 2e-3), start=1):
         _, weights, state = step(weights, model.buffers, state, batch, labels, steps.step_key(0, i), lr)
         assert float(state.hyperparams["learning_rate"]) == pytest.approx(lr)
-    assert step.jitted._cache_size() == 1
+    assert len(step.program.compiled) == 1
 
 
 @pytest.fixture
@@ -155,7 +157,9 @@ def restored_cache_settings():
     """The process's cache folder and threshold put back after the test (the suite's own)."""
     previous = jax.config.jax_compilation_cache_dir
     threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    kept = executables.folder()
     yield
+    executables.enable(kept.parent) if kept else executables.disable()
     jax.config.update("jax_compilation_cache_dir", previous)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
     jax.experimental.compilation_cache.compilation_cache.reset_cache()
@@ -179,7 +183,9 @@ def test_the_persistent_cache_serves_a_step_compiled_before(tmp_path):
 
     first = run()
     assert any((tmp_path / "xla-cache").iterdir()), "the compiled step was written to the cache"
-    jax.clear_caches()  # what a new process starts with
+    jax.clear_caches()  # what a new process starts with, asking JAX's cache alone (not the kept executables)
+    programs.clear()
+    executables.disable()
     hits.clear()
     assert run() == first
     assert "/jax/compilation_cache/cache_hits" in hits

@@ -19,7 +19,6 @@ import torch
 
 from jaxtune.config import TrainConfig
 from jaxtune.runtime.compiled import programs
-from jaxtune.runtime.devices import compile_cache
 from jaxtune.runtime.modeling.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
@@ -75,14 +74,23 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
     The train step writes each step's rate into the state (`with_learning_rate`), so the
     schedule is evaluated on the host and a new rate or schedule never recompiles the step.
-    Equal settings give the very same optimizer, so that runs with them share one train step
-    (`programs.shared` keys it by the optimizer's identity).
+    Settings equal but for the rate give the very same optimizer, so that runs with them share
+    one train step (`programs.shared` keys it by `optimizer_settings`).
     """
-    return _optimizer(cfg.optimizer, cfg.learning_rate, cfg.weight_decay, cfg.max_grad_norm)
+    return _optimizer(cfg.optimizer, cfg.weight_decay, cfg.max_grad_norm)
 
 
-@functools.lru_cache(maxsize=16)
-def _optimizer(name: str, learning_rate: float, weight_decay: float, max_grad_norm: float) -> optax.GradientTransformation:
+_SETTINGS: dict[int, tuple] = {}  # id of each optimizer `_optimizer` made (and keeps): its settings
+
+
+def optimizer_settings(optimizer: optax.GradientTransformation) -> tuple | None:
+    """(rule, weight decay, clipping norm) of an optimizer `make_optimizer` made: all its update compiles
+    in besides the rate; None for any other optimizer."""
+    return _SETTINGS.get(id(optimizer))
+
+
+@functools.cache
+def _optimizer(name: str, weight_decay: float, max_grad_norm: float) -> optax.GradientTransformation:
     def chain(learning_rate):
         if name == "adafactor":
             # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting.
@@ -96,7 +104,10 @@ def _optimizer(name: str, learning_rate: float, weight_decay: float, max_grad_no
 
     # A strongly typed float32: a weak-typed Python float here would make the state the step
     # returns (strong float32) differ in type from the one it was first called with: a recompile.
-    return optax.inject_hyperparams(chain)(learning_rate=jnp.asarray(learning_rate, jnp.float32))
+    # Its value is a placeholder: every step writes its own rate (`with_learning_rate`).
+    optimizer = optax.inject_hyperparams(chain)(learning_rate=jnp.asarray(0.0, jnp.float32))
+    _SETTINGS[id(optimizer)] = (name, weight_decay, max_grad_norm)
+    return optimizer
 
 
 def with_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
@@ -209,8 +220,10 @@ def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation,
 def shared_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
                       fused: bool = True, objective: Objective = SFT, chunk_tokens: int | None = None) -> programs.Program:
     """The jitted train step (`_jitted_train_step`) every model of this structure shares (see `programs`)."""
-    return programs.shared("train_step", model, (id(optimizer), remat, fused, objective, chunk_tokens),
-                           lambda ref: _jitted_train_step(ref, optimizer, remat, fused, objective, chunk_tokens))
+    described = optimizer_settings(optimizer)
+    return programs.shared("train_step", model, (described or id(optimizer), remat, fused, objective, chunk_tokens),
+                           lambda ref: _jitted_train_step(ref, optimizer, remat, fused, objective, chunk_tokens),
+                           keep=described is not None)
 
 
 def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
@@ -229,7 +242,7 @@ def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, re
         with model.env:
             return program(model, weights, buffers, opt_state, batch, labels, put(key), put(np.asarray(lr, np.float32)))
 
-    run.jitted = program.jitted  # for counting compilations
+    run.program = program  # for counting compilations (`program.compiled`)
     return run
 
 
@@ -291,8 +304,8 @@ def compiled_train_step(model: JaxModel, optimizer: optax.GradientTransformation
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
     with model.env:
-        lowered = program.lower(model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr)
-    return compile_cache.compile_remembering_refusals(lowered, model.placement.mesh.devices.flat)
+        return program.compiled_for(model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr,
+                                    planning=True)
 
 
 def shapes_of(tree) -> Any:
@@ -360,7 +373,7 @@ def make_eval_step(model: JaxModel, fused: bool = True) -> Callable:
         with model.env:
             return program(model, weights, buffers, batch, labels)
 
-    run.jitted = program.jitted
+    run.program = program
     return run
 
 
@@ -401,7 +414,7 @@ def make_token_logp_step(model: JaxModel, fused: bool = True, temperature: float
         with model.env:
             return program(model, weights, buffers, batch, labels)
 
-    run.jitted = program.jitted
+    run.program = program
     return run
 
 
@@ -411,6 +424,6 @@ def eval_step_memory(model: JaxModel, rows: int, length: int, fused: bool = True
     batch = {name: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding) for name in BATCH_KEYS}
     labels = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
     with model.env:
-        compiled = shared_eval_step(model, fused).lower(model, shapes_of(model.weights), shapes_of(model.buffers),
-                                                        batch, labels).compile()
+        compiled = shared_eval_step(model, fused).compiled_for(model, shapes_of(model.weights), shapes_of(model.buffers),
+                                                               batch, labels)
     return compiled_memory(compiled)

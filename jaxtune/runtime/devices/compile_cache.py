@@ -21,6 +21,8 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from jaxtune.runtime.devices import executables
+
 MIN_COMPILE_SECONDS = 0.5  # programs that compile faster than this are not worth a file
 # JAX's own setting of that threshold, which wins when it is set.
 MIN_COMPILE_SECONDS_VARIABLE = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
@@ -29,9 +31,11 @@ SHARED_FOLDER_VARIABLE = "JAXTUNE_COMPILE_CACHE"
 
 
 def enable(folder: str | Path) -> Path:
-    """Use `folder` (created if missing) as the process's compilation cache from now on."""
+    """Use `folder` (created if missing) as the process's compilation cache from now on, and keep
+    whole executables below it (`executables`)."""
     folder = Path(folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)
+    executables.enable(folder)
     if jax.config.jax_compilation_cache_dir != str(folder):
         compilation_cache.set_cache_dir(str(folder))
         compilation_cache.reset_cache()  # a cache opened on another folder would otherwise stay in use

@@ -41,7 +41,7 @@ import re
 from collections.abc import Callable
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime.devices import compile_cache
+from jaxtune.runtime.devices import compile_cache, executables
 from jaxtune.runtime.measures import memory
 from jaxtune.runtime.modeling import loss
 
@@ -113,6 +113,36 @@ def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True,
     """The `Fit` of `cfg` on the model's devices (memory `limit`, else what they report); MemoryError,
     in one line with what would fit, when nothing does (or a fixed policy does not)."""
     limit = limit or memory.device_limit()
+    recalled, kept = _recalled(model, optimizer, cfg, shape, fused, objective, limit)
+    if recalled is not None:
+        return recalled
+    found = _choose(model, optimizer, cfg, shape, fused, objective, limit)
+    if kept is not None:
+        executables.remember(kept, dataclasses.asdict(found))
+    return found
+
+
+def _recalled(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objective, limit: int | None):
+    """(the `Fit` chosen before for the same model, optimizer, objective, batch, shapes, device memory and
+    code, or None; the key it is kept under, or None where nothing is kept). A recalled fit costs no
+    trace or compile; its executable loads at the first step (`executables`)."""
+    from jaxtune.runtime.compiled import programs, steps
+
+    optimizer_settings = steps.optimizer_settings(optimizer)
+    if executables.folder() is None or optimizer_settings is None:
+        return None, None
+    settings = repr((optimizer_settings, objective, fused, limit, HEADROOM, cfg.remat, cfg.batch_size,
+                     cfg.grad_accumulation, shape(cfg)))
+    kept = executables.key("fit", programs.structure(model), settings, "")
+    record = executables.recall(kept)
+    if record is None:
+        return None, kept
+    found = Fit(**record)
+    executables.logger.info("%s (the plan chosen before, recalled with no compile)", found.describe(cfg))
+    return found, kept
+
+
+def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objective, limit: int | None) -> Fit:
     platform = model.placement.mesh.devices.flat[0].platform
     base = loss.chunk_tokens_on(platform, vocab_size(model))
     tried: list[dict] = []

@@ -99,6 +99,7 @@ def train(
         chosen = fit.choose(model, optimizer, cfg, shape, fused=fused, objective=objective)
         plan = {**chosen.plan, "fit": chosen.record()}
         cfg, chunk = chosen.train_config(cfg), chosen.chunk_tokens
+        shape(cfg)  # a recalled fit compiled nothing, and asked for no feed of its rows
         feed = feeds[cfg.batch_size]
     elif cfg.remat == "auto":
         cfg = cfg.model_copy(update={"remat": fit.fixed(cfg.remat)})
