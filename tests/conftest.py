@@ -47,6 +47,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The CPU alone, in this process and every process it starts: with libtpu installed (the tpu-plan
 # extra the target tests use) JAX would first look for a TPU and print libtpu's warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No executables kept whole, nor plans recalled, across the suite's tests: a test that fakes a plan or a
+# refusal must not find another test's. tests/training/test_kept_executables.py turns them on in a
+# folder of its own.
+os.environ["JAXTUNE_KEEP_EXECUTABLES"] = "0"
 
 # Prefect configures logging when it is first imported, closing the handlers there are. Imported
 # after JAX, that closes absl's handler and with it the stream absl took as stderr, which under

@@ -27,8 +27,9 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace", "/jax/core/compile/
 
 
 @pytest.fixture
-def kept(tmp_path):
+def kept(tmp_path, monkeypatch):
     """A fresh cache folder for this test (JAX's cache and the kept executables), the suite's put back after."""
+    monkeypatch.delenv(executables.OFF_VARIABLE, raising=False)
     previous = jax.config.jax_compilation_cache_dir
     threshold = jax.config.jax_persistent_cache_min_compile_time_secs
     before = executables.folder()

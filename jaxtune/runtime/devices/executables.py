@@ -59,10 +59,14 @@ _folder: Path | None = None
 _lock = threading.Lock()
 
 
-def enable(folder: str | Path) -> Path:
-    """Keep executables under `folder`/executables from now on (the compilation cache's folder)."""
+OFF_VARIABLE = "JAXTUNE_KEEP_EXECUTABLES"  # "0": keep none (JAX's cache alone, asked after a trace and lowering)
+
+
+def enable(folder: str | Path) -> Path | None:
+    """Keep executables under `folder`/executables from now on (the compilation cache's folder), unless
+    $JAXTUNE_KEEP_EXECUTABLES is 0."""
     global _folder
-    _folder = Path(folder) / FOLDER
+    _folder = None if os.environ.get(OFF_VARIABLE) == "0" else Path(folder) / FOLDER
     return _folder
 
 
