@@ -27,7 +27,11 @@ pytestmark = pytest.mark.safety
 
 PACKAGE = Path(__file__).resolve().parents[2] / "jaxtune"
 PICKLING_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "joblib", "shelve", "marshal"}
-PICKLE_CALLS = {"torch.load", "torch.serialization.load", "pandas.read_pickle", "pandas.io.pickle.read_pickle"}
+PICKLE_CALLS = {"torch.load", "torch.serialization.load", "pandas.read_pickle", "pandas.io.pickle.read_pickle",
+                "jax.experimental.serialize_executable.deserialize_and_load"}
+# The one module that reads a pickle: JAX's own format for a compiled executable, through an
+# unpickler that builds only JAX's classes (tested below). Nothing else may import pickle.
+RESTRICTED_READER = "runtime/devices/executable_files.py"
 NUMPY_LOADS = {"numpy.load"}
 
 
@@ -178,6 +182,8 @@ def _is_task_module(path: Path) -> bool:
     ("import numpy\nflag = True\nnumpy.load(f, allow_pickle=flag)", "allow_pickle=flag"),
     ("import pandas as pd\npd.read_pickle(f)", "calls pandas.read_pickle"),
     ("model.save_pretrained(out, safe_serialization=False)", "safe_serialization=False"),
+    ("from jax.experimental import serialize_executable as s\ns.deserialize_and_load(b, i, o)",
+     "calls jax.experimental.serialize_executable.deserialize_and_load"),
 ])
 def test_the_scanner_flags_a_pickle_hazard(snippet, expected):
     findings = scan_source(snippet)
@@ -218,8 +224,55 @@ def test_the_scan_covers_the_package():
 
 def test_no_module_of_jaxtune_pickles():
     findings = [f for path in _sources()
-                for f in scan_source(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))]
+                for f in scan_source(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))
+                if not (path.relative_to(PACKAGE).as_posix() == RESTRICTED_READER and f.what == "imports pickle")]
     assert not findings, "pickle hazards:\n" + "\n".join(map(str, findings))
+
+
+def test_the_one_pickle_reader_restricts_what_it_builds():
+    """executable_files imports pickle only to subclass JAX's executable unpickler with a find_class
+    that refuses all but JAX's classes: a planted file naming os.system, a dotted path into a jax
+    module, a builtin or a numpy function is refused before anything is called."""
+    import io
+    import pickle
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtune.runtime.devices import executable_files
+
+    tree = ast.parse((PACKAGE / RESTRICTED_READER).read_text(encoding="utf-8"))
+    unpicklers = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and "Unpickler" in node.name]
+    assert unpicklers and all(any(isinstance(item, ast.FunctionDef) and item.name == "find_class" for item in node.body)
+                              for node in unpicklers)
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("loads", "load")
+                and isinstance(n.value, ast.Name) and n.value.id == "pickle"]
+
+    backend = jax.devices()[0].client
+
+    class Planted:
+        def __init__(self, call, *args):
+            self.call, self.args = call, args
+
+        def __reduce__(self):
+            return self.call, self.args
+
+    import os
+    for planted in (Planted(os.system, "echo planted"), Planted(eval, "1"), Planted(jax._src.config.os.getcwd),
+                    Planted(jnp.zeros, 3)):
+        data = pickle.dumps(planted, protocol=4)
+        with pytest.raises(pickle.UnpicklingError, match="may not name"):
+            executable_files.RestrictedUnpickler(io.BytesIO(data), backend).load()
+    dotted = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x0fjax._src.config\x94\x8c\tos.getcwd\x94\x93\x94)R\x94."
+    with pytest.raises(pickle.UnpicklingError, match="may not name"):
+        executable_files.RestrictedUnpickler(io.BytesIO(dotted), backend).load()
+
+    # What JAX itself writes reads back and runs.
+    compiled = jax.jit(lambda x, d: ({"a": x * 2}, d["w"] @ x)).lower(jnp.ones(4), {"w": jnp.ones((3, 4))}).compile()
+    data, trees = executable_files.dump(compiled)
+    loaded = executable_files.load(data, trees)
+    out, product = loaded(jnp.arange(4.0), {"w": jnp.ones((3, 4))})
+    assert out["a"].tolist() == [0.0, 2.0, 4.0, 6.0] and product.tolist() == [6.0, 6.0, 6.0]
 
 
 def test_every_prefect_task_serializes_its_result_as_json():

@@ -17,13 +17,14 @@ Values a program takes as arguments (learning rate, step key, data, step count) 
 it, so a run changing only those loads the program. A changed input gives a new key; nothing is
 ever looked up by a key it was not saved under.
 
-An entry is a folder `<key>/` of `executable.bin` (JAX's serialisation of the compiled executable,
-with the argument and result trees) and `entry.json` (its key, what it is, its bytes' sha256).
+An entry is a folder `<key>/` of `executable.bin` (JAX's serialisation of the compiled executable)
+and `entry.json` (its key, what it is, its bytes' sha256, its argument and result trees).
 It is written under a temporary name and renamed into place whole. An entry whose record names
 another key, whose bytes do not match their digest, or that the backend will not load is refused
-with a warning naming it, removed, and the program compiled again. JAX's serialisation is a
-pickle: like JAX's own caches, the folder is trusted as the user's own files (`deserialize_and_load`
-warns never to load executables from elsewhere); the digest guards against damage, not an attacker.
+with a warning naming it, removed, and the program compiled again. JAX's serialisation wraps
+XLA's bytes in a pickle; `executable_files` reads it building JAX's own classes and nothing else.
+An executable is machine code all the same: like JAX's own cache, the folder is the user's own
+files, and the digest guards against damage, not an attacker.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import pickle
 import shutil
 import threading
 import time
@@ -43,10 +43,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxtune.runtime.devices import executable_files
+
 logger = logging.getLogger("jaxtune.compile")
 
 FOLDER = "executables"  # below the compilation cache's folder
-FORMAT = 1  # of an entry's files; a new format gives every program a new key
+FORMAT = 2  # of an entry's files; a new format gives every program a new key
 EXECUTABLE, ENTRY = "executable.bin", "entry.json"
 # What traces and compiles a program besides jaxtune's own code.
 LIBRARIES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda13-plugin", "torch", "torchax", "transformers",
@@ -148,10 +150,7 @@ def load(entry_key: str, what: str):
         data = (entry / EXECUTABLE).read_bytes()
         if hashlib.sha256(data).hexdigest() != record.get("sha256"):
             return _refuse(entry, what, f"its {EXECUTABLE} does not match the sha256 its record gives (damaged)")
-        from jax.experimental import serialize_executable
-
-        serialized, in_tree, out_tree = pickle.loads(data)
-        compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+        compiled = executable_files.load(data, record["trees"])
     except Exception as error:  # noqa: BLE001 - a bad entry costs a compile, never the run
         return _refuse(entry, what, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
     logger.info("loaded the kept %s (%.0f MiB) in %.1f s, with no trace or compile", what, len(data) / 2**20,
@@ -175,9 +174,7 @@ def save(entry_key: str, what: str, compiled, from_jax_cache: bool = False) -> P
         logger.debug("%s is not kept: XLA:CPU loaded it from JAX's cache", what)
         return None
     try:
-        from jax.experimental import serialize_executable
-
-        data = pickle.dumps(serialize_executable.serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
+        data, trees = executable_files.dump(compiled)
     except Exception as error:  # noqa: BLE001 - e.g. a program with constants JAX cannot serialise yet
         logger.debug("%s is not kept: %s", what, error)
         return None
@@ -186,7 +183,7 @@ def save(entry_key: str, what: str, compiled, from_jax_cache: bool = False) -> P
     try:
         temporary.mkdir(parents=True, exist_ok=True)
         (temporary / EXECUTABLE).write_bytes(data)
-        record = {"key": entry_key, "what": what, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+        record = {"key": entry_key, "what": what, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trees": trees,
                   "libraries": library_versions(), "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (temporary / ENTRY).write_text(json.dumps(record, indent=1))
         with _lock:
