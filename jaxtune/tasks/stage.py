@@ -1,7 +1,10 @@
-"""What every stage shares: its cache key and writing its artifact exactly once."""
+"""What every stage shares: its cache key, writing its artifact exactly once, and the runtime's
+progress lines in the run's log."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
 import threading
@@ -46,6 +49,7 @@ def build_artifact(
     into a temporary folder outside the store that is deleted when `build` returns. They return
     a ref to where process 0 publishes the artifact, which the flow reads after a barrier.
     """
+    build = _logging_progress(build)
     store = ArtifactStore(store_root)
     keys = input_keys(inputs)
     key = stage_key(stage, module, section, keys)
@@ -57,6 +61,53 @@ def build_artifact(
         with store.writing(stage, key, inputs=keys, config=section, code=code_identity(module)) as folder:
             build(folder)
     return store.ref(stage, key)
+
+
+RUNTIME_LOGGER = "jaxtune"  # the runtime's loggers: jaxtune.compile (what compiles, loads, is refused), ...
+
+
+class _ToRunLog(logging.Handler):
+    """The runtime's records, as the Prefect run's own: in its log in the UI, and on the console."""
+
+    def __init__(self, run_logger: logging.LoggerAdapter):
+        super().__init__(logging.INFO)
+        self.run_logger = run_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.run_logger.log(record.levelno, "%s", record.getMessage())
+
+
+@contextlib.contextmanager
+def progress_in_run_log():
+    """While a stage builds, the runtime's INFO lines and above (`compiling train_step (...)`, `still
+    compiling ...: 40 s so far`, `loaded the kept ...`, a refused plan or executable and why) go to the
+    Prefect run's log, which the console shows too; outside a run (doctor, chat) nothing changes."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        run_logger = get_run_logger()
+    except MissingContextError:
+        yield
+        return
+    source, handler = logging.getLogger(RUNTIME_LOGGER), _ToRunLog(run_logger)
+    level, propagate = source.level, source.propagate
+    source.addHandler(handler)
+    source.setLevel(logging.INFO if level in (logging.NOTSET, 0) or level > logging.INFO else level)
+    source.propagate = False  # the root's console handler would print a warning a second time
+    try:
+        yield
+    finally:
+        source.removeHandler(handler)
+        source.setLevel(level)
+        source.propagate = propagate
+
+
+def _logging_progress(build: Callable[[Path], None]) -> Callable[[Path], None]:
+    def logged(folder: Path) -> None:
+        with progress_in_run_log():
+            build(folder)
+    return logged
 
 
 def built_outside_flow(store_root: str | Path, stage: str, module: str, section: BaseModel | Mapping[str, Any],

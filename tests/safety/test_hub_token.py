@@ -122,6 +122,10 @@ def test_a_run_with_a_hub_token_in_its_environment_keeps_it_out_of_logs_and_arti
     assert not leaks(repr(run.parameters)) and not leaks(run.model_dump_json())
     # Its logs, its task runs' logs with them.
     assert len(logs) >= 5 and any("stages:" in log.message for log in logs)
+    # The runtime's compile progress is in the run's log and on the console, not only in Python's logging.
+    assert any(log.message.startswith("compiling train_step (") and log.task_run_id for log in logs)
+    assert any(log.message.startswith("compiled train_step (") for log in logs)
+    assert "compiling train_step (" in done.stdout + done.stderr
     assert [log.message for log in logs if leaks(log.message) or leaks(log.model_dump_json())] == []
     # Its task runs.
     assert len(task_runs) >= 9
