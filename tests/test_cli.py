@@ -1,5 +1,6 @@
 """The command line: help, and config errors that exit 2 naming the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,11 @@ def test_help_lists_run_and_doctor(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "run" in out and "doctor" in out and "exit 1 when parity fails" in out
+    # Each command on a line of its own with its own help ("run" alone would match launch's example).
+    commands = dict(re.findall(r"^ {4}(\w+) +(\S.*)$", out, flags=re.MULTILINE))
+    assert commands["run"].startswith("run the finetune flow")
+    assert commands["doctor"].startswith("check a model's JAX numerics") and "exit 1 when parity fails" in out
+    assert set(commands) >= {"run", "serve", "doctor", "chat", "generate", "launch"}
 
 
 def test_run_help_names_every_stage(capsys):
