@@ -267,12 +267,14 @@ def test_the_one_pickle_reader_restricts_what_it_builds():
     with pytest.raises(pickle.UnpicklingError, match="may not name"):
         executable_files.RestrictedUnpickler(io.BytesIO(dotted), backend).load()
 
-    # What JAX itself writes reads back and runs.
-    compiled = jax.jit(lambda x, d: ({"a": x * 2}, d["w"] @ x)).lower(jnp.ones(4), {"w": jnp.ones((3, 4))}).compile()
+    # What JAX itself writes reads back and runs, bfloat16 (an ml_dtypes type in its description) included.
+    weights = {"w": jnp.ones((3, 4), jnp.bfloat16)}
+    compiled = jax.jit(lambda x, d: ({"a": x * 2}, d["w"] @ x)).lower(jnp.ones(4, jnp.bfloat16), weights).compile()
     data, trees = executable_files.dump(compiled)
     loaded = executable_files.load(data, trees)
-    out, product = loaded(jnp.arange(4.0), {"w": jnp.ones((3, 4))})
+    out, product = loaded(jnp.arange(4.0, dtype=jnp.bfloat16), weights)
     assert out["a"].tolist() == [0.0, 2.0, 4.0, 6.0] and product.tolist() == [6.0, 6.0, 6.0]
+    assert product.dtype == jnp.bfloat16
 
 
 def test_every_prefect_task_serializes_its_result_as_json():

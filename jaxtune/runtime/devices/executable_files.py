@@ -3,10 +3,10 @@
 JAX serialises a compiled executable (`jax.experimental.serialize_executable`) as XLA's own bytes
 for the machine code, wrapped in a pickle of JAX's description of it (shardings, avals, layouts).
 Its `deserialize_and_load` unpickles with no restriction, so a planted file could run any Python.
-This module reads the same bytes with an unpickler that builds only classes of jax, jaxlib and
-NumPy, and JAX's own `_unpickle_*` helpers: no other module, no dotted path through a module's
-attributes (`jax._src.config.os.system`), no builtins. The argument and result trees are written
-as JSON of their node types and keys, never pickled.
+This module reads the same bytes with an unpickler that builds only classes of jax, jaxlib, NumPy
+and ml_dtypes (bfloat16), and JAX's own `_unpickle_*` helpers: no other module, no dotted path
+through a module's attributes (`jax._src.config.os.system`), no builtins. The argument and result
+trees are written as JSON of their node types and keys, never pickled.
 
 Loading an executable still runs its machine code when it is called: like JAX's persistent cache,
 the folder it comes from is the user's own (`executables` keeps it beside that cache).
@@ -23,7 +23,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.tree_util import default_registry
 
-ROOTS = ("jax", "jaxlib", "numpy")  # the only packages a kept executable's description may name
+ROOTS = ("jax", "jaxlib", "numpy", "ml_dtypes")  # all a kept executable's description may name
 NUMPY_BUILDERS = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.multiarray", "_reconstruct"),
                   ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
                   ("numpy.core.multiarray", "scalar"),
