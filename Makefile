@@ -10,7 +10,7 @@
 # `make gguf-check`: build llama-cpp-python if missing, check llama.cpp runs fine-tuned SmolLM2's and Gemma 3's
 # GGUF export as jaxtune does (prints the agreement and both decoders' tokens/s).
 # `make tpu-check`: every stage of the offline pipeline and a few LoRA steps of every model family on this machine's
-# chip, checked (benchmarks/tpu_check.py: results/tpu-check.{json,md}; ARGS='--families gemma3' and the like). With
+# chip, checked (benchmarks/tpu/tpu_check.py: results/tpu-check.{json,md}; ARGS='--families gemma3' and the like). With
 # .venv's python where there is one, else $(PYTHON) (a TPU machine with the packages on its PYTHONPATH); it installs nothing.
 # `make docs`: the documentation site (mkdocs.yml, docs/) built into site/ with --strict, so a broken link or anchor,
 # a page missing from the nav or a config reference that fails to render fails it; in .venv-docs, with pyproject.toml's
@@ -116,7 +116,7 @@ bench-accelerator: $(VENV)/.installed
 	$(ON_CPU) $(BIN)/python benchmarks/accelerator.py $(if $(ACCELERATOR),,--tiny) $(ARGS)
 
 tpu-check:
-	$(ON_CPU) PYTHONHASHSEED=0 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) benchmarks/tpu_check.py $(ARGS)
+	$(ON_CPU) PYTHONHASHSEED=0 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m benchmarks.tpu.tpu_check $(ARGS)
 
 docs: $(VENV_DOCS)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs build --strict

@@ -4,7 +4,7 @@
 # declared ones (safetensors<0.8 against jaxtune's >=0.8, TensorFlow Datasets, grain, kagglehub, orbax...)
 # stay out. Everything else its step imports (jax, optax, numpy, ml_dtypes, opt_einsum, safetensors, absl-py,
 # PyYAML, rich, typing_extensions, fsspec, huggingface_hub) is jaxtune's own environment's: on the TPU
-# machine, /tmp/site (benchmarks/tpu_install.sh).
+# machine, /tmp/site (benchmarks/tpu/tpu_install.sh).
 #
 #   benchmarks/tunix_wheels.sh                 # here, with network: the wheels the TPU machine's index
 #                                              # lacks (google-tunix, qwix) into .whl-tunix/ (git-ignored)

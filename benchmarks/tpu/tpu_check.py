@@ -1,9 +1,12 @@
 """`make tpu-check`: every stage of the offline pipeline, and a few LoRA steps of every model family, on
 this machine's default device (a TPU chip where there is one), with the results checked.
 
-    python benchmarks/tpu_check.py                          # both parts: results/tpu-check.{json,md}
-    python benchmarks/tpu_check.py --parts families --families gemma3 --families llama
-    python benchmarks/tpu_check.py --no-prefect --out /tmp/tpucheck   # the stages without Prefect, here too
+    python -m benchmarks.tpu.tpu_check                      # both parts: results/tpu-check.{json,md}
+    python -m benchmarks.tpu.tpu_check --parts families --families gemma3 --families llama
+    python -m benchmarks.tpu.tpu_check --no-prefect --out /tmp/tpucheck   # the stages without Prefect, here too
+
+From the repository's root, which `-m` puts first on the import path: jaxtune is then this checkout's
+where it is not installed (a TPU machine's PYTHONPATH, or a system Python before .venv exists).
 
 1. pipeline: the bundled offline default (what `jaxtune run` runs with no config), with its export also
    merged (and written as GGUF where the writer takes the offline model's family), in a fresh store.
@@ -37,14 +40,11 @@ import traceback
 from pathlib import Path
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # jaxtune from this checkout where it is not installed (a TPU machine's PYTHONPATH)
+from benchmarks.tpu import tpu_check_families as families
+from jaxtune.config import OFFLINE
+from jaxtune.flows import finetune
 
-import tpu_check_families as families  # noqa: E402
-
-from jaxtune.config import OFFLINE  # noqa: E402
-from jaxtune.flows import finetune  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("pipeline", "families")
 RESULTS = ROOT / "benchmarks" / "results"
 GGUF_TYPES = ("q8_0",)
@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parts = args.parts or list(PARTS)
     results = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "command": " ".join(["python", "benchmarks/tpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+               "command": " ".join(["python", "-m", "benchmarks.tpu.tpu_check",
+                                    *(argv if argv is not None else sys.argv[1:])]),
                "parts": {}}
     # The store lives until the end: the pipeline keeps XLA's compile cache in it for the rest of the process.
     with tempfile.TemporaryDirectory(prefix="jaxtune-tpu-check-store-") as temporary:

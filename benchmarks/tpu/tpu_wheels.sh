@@ -20,10 +20,10 @@
 # Writes .whl-tpu/requirements.txt, every name==version to install there, and prints what was
 # carried, what was taken at another version than .venv's, and the total size.
 #
-#   benchmarks/tpu_wheels.sh          # here; then, there, from the repository's root (with .whl-tpu/):
-#   source benchmarks/tpu_install.sh  # installs into /tmp/site, puts it and the repository on PYTHONPATH
+#   benchmarks/tpu/tpu_wheels.sh          # here; then, there, from the repository's root (with .whl-tpu/):
+#   source benchmarks/tpu/tpu_install.sh  # installs into /tmp/site, puts it and the repository on PYTHONPATH
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV_PYTHON=${VENV_PYTHON:-.venv/bin/python}   # the environment whose versions are taken
 EXACT=${EXACT:-direct}                         # names carried at .venv's version; "direct": jaxtune's dependencies
 RELAX=${RELAX:-pyarrow}                        # names on which jaxtune's own bound is not held

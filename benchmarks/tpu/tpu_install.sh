@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
-# On the TPU machine without network (see benchmarks/tpu_wheels.sh, run beforehand where there is
+# On the TPU machine without network (see benchmarks/tpu/tpu_wheels.sh, run beforehand where there is
 # network): installs the packages of .whl-tpu/requirements.txt into /tmp/site from the machine's
 # own index (/opt/pypi/files, /opt/pypi-more/files, /opt/wheels for torch) and the carried wheels
 # in .whl-tpu/, without dependencies and without touching the machine's JAX, numpy and scipy.
 # jaxtune itself is not installed (pip cannot install it editable with --target): the repository's
 # root goes on PYTHONPATH after /tmp/site.
 #
-#   source benchmarks/tpu_install.sh      # from the repository's root: installs, then exports PYTHONPATH
-#   bash benchmarks/tpu_install.sh        # installs, then prints the export line to run
+#   source benchmarks/tpu/tpu_install.sh  # from the repository's root: installs, then exports PYTHONPATH
+#   bash benchmarks/tpu/tpu_install.sh    # installs, then prints the export line to run
 #
 # A second run finds /tmp/site/.done (written with the requirements it installed) and skips the
 # install. SITE=DIR installs elsewhere; PYTHON=... names another interpreter (default python3).
 _tpu_install() {
     local root site python started reqs
-    root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
     site=${SITE:-/tmp/site}
     python=${PYTHON:-python3}
     reqs="$root/.whl-tpu/requirements.txt"
     if [ ! -f "$reqs" ]; then
-        echo "tpu_install.sh: $reqs is missing: run benchmarks/tpu_wheels.sh where there is network" >&2
+        echo "tpu_install.sh: $reqs is missing: run benchmarks/tpu/tpu_wheels.sh where there is network" >&2
         return 1
     fi
     if [ -f "$site/.done" ] && cmp -s "$reqs" "$site/.done"; then
