@@ -4,7 +4,7 @@
 # test module per worker in the order tests/conftest.py sorts them, longest kinds first: the suite
 # is mostly single-threaded compiling), listing its 25 slowest steps.
 # `make bench-accelerator`: jaxtune's train step and decoder against PyTorch eager and torch.compile on this
-# machine's accelerator (benchmarks/accelerator.py, 7 minutes; ARGS='--model qwen2.5-0.5b' and the like); with
+# machine's accelerator (benchmarks/accelerator/bench.py, 7 minutes; ARGS='--model qwen2.5-0.5b' and the like); with
 # no accelerator, its --tiny mode on the CPU.
 # `make ui-check`: install Chromium if missing, check the Prefect UI renders a real run's report in it.
 # `make gguf-check`: build llama-cpp-python if missing, check llama.cpp runs fine-tuned SmolLM2's and Gemma 3's
@@ -110,10 +110,10 @@ gguf-check: $(VENV)/.installed
 	$(BIN)/python -m pytest -m llamacpp -p no:cacheprovider -q -s tests/llamacpp
 
 bench: $(VENV)/.installed
-	$(ON_CPU) $(BIN)/python benchmarks/bench.py
+	$(ON_CPU) $(BIN)/python -m benchmarks.cpu.bench
 
 bench-accelerator: $(VENV)/.installed
-	$(ON_CPU) $(BIN)/python benchmarks/accelerator.py $(if $(ACCELERATOR),,--tiny) $(ARGS)
+	$(ON_CPU) $(BIN)/python -m benchmarks.accelerator.bench $(if $(ACCELERATOR),,--tiny) $(ARGS)
 
 tpu-check:
 	$(ON_CPU) PYTHONHASHSEED=0 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m benchmarks.tpu.tpu_check $(ARGS)

@@ -1,4 +1,4 @@
-"""benchmarks/profile_breakdown.py: a jax.profiler trace's ops by category, per step. A real trace taken
+"""benchmarks/analysis/profile_breakdown.py: a jax.profiler trace's ops by category, per step. A real trace taken
 here (XLA:CPU's layout), and a TPU trace written as TSL's converter writes one (the layout this CPU
 cannot make), with the program's HLO as XLA:TPU prints it."""
 
@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import profile_breakdown as pb  # noqa: E402
+from benchmarks.analysis import profile_breakdown as pb
 
 M, K, N = 512, 256, 384
 

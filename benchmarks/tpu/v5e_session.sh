@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark's runs on one TPU v5e chip, in parts of under ten minutes each, so that each
 # fits one command on a machine lent for a short while. Run from a copy of the repository holding
-# .whl-tpu/ and .whl-tunix/ (benchmarks/tpu/tpu_wheels.sh and benchmarks/tunix_wheels.sh, run where
+# .whl-tpu/ and .whl-tunix/ (benchmarks/tpu/tpu_wheels.sh and benchmarks/accelerator/tunix_wheels.sh, run where
 # there is network); each part writes its reports under OUT (default /tmp/v5e) and the first
 # installs what the others reuse, on the same machine.
 #
@@ -27,30 +27,30 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source benchmarks/tpu/tpu_install.sh
 export PYTHONUNBUFFERED=1 JAXTUNE_COMPILE_CACHE=/tmp/xla-cache
 if [ "$part" = peers ] || [ "$part" = llama ]; then  # only these run Tunix's side
-    [ -f /tmp/tunix-site/.done ] || { benchmarks/tunix_wheels.sh install /tmp/tunix-site && touch /tmp/tunix-site/.done; }
+    [ -f /tmp/tunix-site/.done ] || { benchmarks/accelerator/tunix_wheels.sh install /tmp/tunix-site && touch /tmp/tunix-site/.done; }
     export TUNIX_SITE=/tmp/tunix-site
 fi
 
 case "$part" in
 peers)
-    python3 benchmarks/accelerator.py --parts jaxtune --parts tunix --section lora --cases 8x512 --profile \
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --parts tunix --section lora --cases 8x512 --profile \
         --minutes 7.8 --out "$out/peers-gemma3"
     tar czf "$out/peers-profile.tgz" -C "$out" peers-gemma3-profile && rm -rf "$out/peers-gemma3-profile" ;;
 llama)
-    python3 benchmarks/accelerator.py --parts jaxtune --parts tunix --section lora --cases 8x512 --profile \
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --parts tunix --section lora --cases 8x512 --profile \
         --model llama-3.2-1b --minutes 4.5 --out "$out/peers-llama3"
     tar czf "$out/llama-profile.tgz" -C "$out" peers-llama3-profile && rm -rf "$out/peers-llama3-profile" ;;
 decode)
-    python3 benchmarks/accelerator.py --parts jaxtune --section decode --minutes 6 --out "$out/decode" ;;
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section decode --minutes 6 --out "$out/decode" ;;
 grpo)
-    python3 benchmarks/accelerator.py --parts jaxtune --section grpo --cases 8x8x256 --minutes 8.8 --out "$out/grpo" ;;
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section grpo --cases 8x8x256 --minutes 8.8 --out "$out/grpo" ;;
 scan)
-    python3 benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --set model.scan_layers=true \
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --set model.scan_layers=true \
         --minutes 4 --out "$out/scan" ;;
 rerun)
     rm -rf "$JAXTUNE_COMPILE_CACHE"
-    python3 benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --minutes 4 --out "$out/rerun-cold"
-    python3 benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --minutes 3 \
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 4 --out "$out/rerun-cold"
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 3 \
         --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/rerun-warm" ;;
 stages)
     PYTHONHASHSEED=0 python3 -m benchmarks.tpu.tpu_check --no-prefect --out "$out/tpu-check" ;;

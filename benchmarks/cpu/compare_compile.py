@@ -12,9 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import BENCH, ROOT, Context, entry, log, skipped
-from models import demo_torch_model, dolly_rows, right_pad
-from train_step import JaxtuneTrainer, api_state, micro_batch, step_takes_lr, with_segments
+from benchmarks.common.harness import BENCH, ROOT, Context, entry, log, skipped
+from benchmarks.common.train_step import JaxtuneTrainer, api_state, micro_batch, step_takes_lr, with_segments
+from benchmarks.cpu.models import demo_torch_model, dolly_rows, right_pad
 
 
 def bench_warm_vs_cold_compile(ctx: Context) -> dict:
@@ -34,7 +34,7 @@ def bench_warm_vs_cold_compile(ctx: Context) -> dict:
                 pair = {}
                 for which in ("cold", "warm"):
                     log(f"warm_vs_cold_compile ({variant}): {which} child {rep + 1}/{ctx.compile_reps}")
-                    child = subprocess.run([sys.executable, BENCH, "--child", "compile", "--child-dir", cache],
+                    child = subprocess.run([sys.executable, "-m", BENCH, "--child", "compile", "--child-dir", cache],
                                            env=env, cwd=ROOT, capture_output=True, text=True)
                     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
                     if child.returncode != 0 or not lines:

@@ -1,7 +1,7 @@
 """Where a profiled train step's device time goes: the XLA ops of a `jax.profiler` trace of a few
 steps, by category, per step, with each category's share of the step.
 
-    python benchmarks/profile_breakdown.py TRACE_DIR     # a folder jax.profiler.trace wrote (accelerator.py --profile)
+    python -m benchmarks.analysis.profile_breakdown TRACE_DIR   # a folder jax.profiler.trace wrote (the accelerator bench's --profile)
 
 What is read: the `*.trace.json.gz` that `jax.profiler.trace(TRACE_DIR)` writes under
 TRACE_DIR/plugins/profile/RUN/ beside the `.xplane.pb` (TSL's xplane_to_trace_events: a process per
@@ -115,7 +115,7 @@ def classify(op: Op) -> str:
 def _step_hlo():
     # Imported here, not at the top: importing it defaults JAX_PLATFORMS to cpu, which the accelerator
     # benchmark's driver (which imports this module for its report) must not pass on to its children.
-    import step_hlo
+    from benchmarks.analysis import step_hlo
 
     return step_hlo
 

@@ -1,8 +1,8 @@
 """The tokenize stage at scale: N generated Dolly-style rows read, tokenised and written as Arrow,
 each implementation in a fresh process, reporting rows/s and peak memory.
 
-    .venv/bin/python benchmarks/tokenize_scale.py --rows 1000000
-    .venv/bin/python benchmarks/tokenize_scale.py --rows 10000 --rows 100000 --impl now
+    .venv/bin/python -m benchmarks.cpu.tokenize_scale --rows 1000000
+    .venv/bin/python -m benchmarks.cpu.tokenize_scale --rows 10000 --rows 100000 --impl now
 
 Implementations:
 - `before`: the stage as it was at commit BASELINE (every row read into Python lists, encoded one
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "tokenize_scale.json"
 IMPLEMENTATIONS = ("before", "now")
 BASELINE = "56ae187"  # the last commit whose tokenize stage read every row into Python lists
@@ -179,8 +179,10 @@ def main() -> None:
             write_rows(rows, n)
             for impl in impls:
                 print(f"tokenize_scale: {impl} on {n:,} rows ({rows.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
-                env = {**os.environ, "PYTHONPATH": paths[impl]}
-                done = subprocess.run([sys.executable, __file__, "--child", impl, str(rows), str(work / "tokenizer")],
+                # the implementation's jaxtune first, then this checkout for the benchmarks package
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys((paths[impl], str(ROOT))))}
+                done = subprocess.run([sys.executable, "-m", "benchmarks.cpu.tokenize_scale", "--child", impl, str(rows),
+                                       str(work / "tokenizer")],
                                       cwd=work, env=env, stdout=subprocess.PIPE, text=True, check=True)
                 figures = json.loads(done.stdout.strip().splitlines()[-1])
                 results.append({"impl": impl, "rows": n, "file_mb": rows.stat().st_size / 1e6, **figures,

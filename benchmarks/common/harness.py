@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 from rich.console import Console
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 CONSOLE = Console(stderr=True, highlight=False)  # progress: stderr
-BENCH = Path(__file__).resolve().parent / "bench.py"  # the entry point: child processes run it with --child
+BENCH = "benchmarks.cpu.bench"  # the entry point: child processes run it (python -m, from ROOT) with --child
 
 
 def log(message: str) -> None:
@@ -78,6 +78,19 @@ def median_time(run: Callable[[], Any], reps: int, warmup: int = 1) -> tuple[flo
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times), times
+
+
+def matmul_run(n: int, dtype=None) -> Callable[[], None]:
+    """One (n, n) @ (n, n) jnp.dot (float32 unless `dtype`), compiled and warmed up: the measured peak of the MFU."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = dtype or jnp.float32
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+    dot = jax.jit(jnp.dot)
+    jax.block_until_ready(dot(a, b))
+    return lambda: jax.block_until_ready(dot(a, b))
 
 
 def rounds(runs: dict[str, Callable[[], Any]], reps: int, what: str) -> dict[str, list[float]]:

@@ -10,10 +10,10 @@ from typing import Callable
 
 import numpy as np
 
-from harness import Context, free_memory, log, rounds, torch_threads
-from models import (dolly_rows, jaxtune_model, pad_id_of, real_model_folder, recipe_lora, right_pad, torch_batch,
-                    torch_lora_model, vocab_of)
-from train_step import JaxtuneTrainer, TorchTrainer, api_state, micro_batch
+from benchmarks.common.harness import Context, free_memory, log, matmul_run, rounds, torch_threads
+from benchmarks.common.train_step import JaxtuneTrainer, TorchTrainer, api_state, micro_batch
+from benchmarks.cpu.models import (dolly_rows, jaxtune_model, pad_id_of, real_model_folder, recipe_lora, right_pad,
+                                   torch_batch, torch_lora_model, vocab_of)
 
 
 def training_rows(ctx: Context):
@@ -33,19 +33,6 @@ def packed_epoch(ids, labels, pad_id: int, batch_size: int = 8, max_length: int 
     plan = packing.packed_micro_batches(lengths, shape, seed=0)
     batches = [packing.pack(ids, labels, next(plan), pad_id, shape) for _ in range(count)]
     return shape, batches
-
-
-def matmul_run(n: int, dtype=None) -> Callable[[], None]:
-    """One (n, n) @ (n, n) jnp.dot (float32 unless `dtype`), compiled and warmed up: the measured peak of the MFU."""
-    import jax
-    import jax.numpy as jnp
-
-    dtype = dtype or jnp.float32
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
-    dot = jax.jit(jnp.dot)
-    jax.block_until_ready(dot(a, b))
-    return lambda: jax.block_until_ready(dot(a, b))
 
 
 def matmul_n(ctx: Context) -> int:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import profile_breakdown
-from accelerator_grpo import grpo_results
-from accelerator_setup import Results, Settings, case_name, jaxtune_side
-from harness import fmt, machine_info
+from benchmarks.accelerator.grpo import grpo_results
+from benchmarks.accelerator.shared import Results, Settings, case_name, jaxtune_side
+from benchmarks.analysis import profile_breakdown
+from benchmarks.common.harness import fmt, machine_info
 
 SIDES = {"jaxtune-lora": "lora", "jaxtune-full": "full", "torch-eager": "lora", "torch-compile": "lora", "tunix": "lora"}
 PART_OF = {"jaxtune-lora": "jaxtune", "jaxtune-full": "jaxtune", "torch-eager": "torch-eager", "torch-compile": "torch-compile",
@@ -21,7 +21,7 @@ COLUMNS = ("jaxtune", "PyTorch eager", "torch.compile", "Tunix")
 TORCH_XLA = ("PyTorch/XLA: not measured. torch_xla cannot be installed on the TPU machine: it has no network, and its "
              "package index holds no torch_xla wheel (none for its Python 3.11 with its torch and libtpu).")
 GiB = 2**30
-# What Tunix's LoRA step does otherwise than jaxtune's (accelerator_tunix.py's docstring says why).
+# What Tunix's LoRA step does otherwise than jaxtune's (tunix_side.py's docstring says why).
 TUNIX_DIFFERS = ("what differs: no rematerialisation (Tunix's default), its einsum attention over a (rows, length, length) "
                  "mask, the loss over all logits at once (jaxtune's is chunked), one qwix LoRA A shared by Gemma's fused "
                  "k and v projections, LoRA weights and AdamW state in the weights' dtype (jaxtune's: float32), and no llama3 RoPE scaling in its Llama 3.")
@@ -312,7 +312,7 @@ def profile_sections(report: dict) -> list[str]:
     rows = ["", "## Step breakdown: where a step's device time goes (jax.profiler, after the timed steps)", "",
             f"Each case's trace (jax.profiler's .xplane.pb, which XProf reads, and .trace.json.gz, the events read here) "
             f"and its program's optimized HLO are in SIDE-CASE/ under {report['settings'].get('profile')}; "
-            "`python benchmarks/profile_breakdown.py FOLDER` breaks one down again."]
+            "`python -m benchmarks.analysis.profile_breakdown FOLDER` breaks one down again."]
     for case, side, fig in profiled:
         found = fig["profile"]
         timed = f": the timed steps' median {fig['step_seconds'] * 1e3:,.3f} ms" if fig.get("step_seconds") else ""

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from accelerator_setup import RECIPES, Results, Settings, measure_cases, process_rss, prompts, train_batch
-from harness import log
+from benchmarks.accelerator.shared import RECIPES, Results, Settings, measure_cases, process_rss, prompts, train_batch
+from benchmarks.common.harness import log
 
 
 def device():
@@ -74,7 +74,7 @@ def train_case(settings: Settings, train, module, case: tuple[int, int]):
     """step(i) -> loss at i = 0 (every step ends synchronised: the loss is read back after the update)."""
     import torch
 
-    from train_step import TorchTrainer
+    from benchmarks.common.train_step import TorchTrainer
 
     rows, length = case
     on = device()
@@ -106,8 +106,9 @@ def run_generate(settings: Settings, folder: Path, results: Results) -> None:
     import statistics
 
     import torch
-    from compare_decode import torch_generate
     from transformers import AutoModelForCausalLM
+
+    from benchmarks.common.generate import torch_generate
 
     module = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, settings.dtype),
                                                   attn_implementation="sdpa").to(device()).eval()

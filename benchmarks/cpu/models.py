@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import Context, log
+from benchmarks.common.harness import Context, log
 
 IGNORE_INDEX = -100
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The wheels benchmarks/accelerator.py needs on a GPU image that has torch, jax with its CUDA plugin,
-# transformers, peft, optax, safetensors and numpy but not jaxtune's other imports: torchax, pydantic
-# (jaxtune.config) and rich (benchmarks/harness.py), with their own dependencies the image lacks.
+# The wheels the accelerator benchmark (benchmarks/accelerator/bench.py) needs on a GPU image that has torch,
+# jax with its CUDA plugin, transformers, peft, optax, safetensors and numpy but not jaxtune's other imports:
+# torchax, pydantic (jaxtune.config) and rich (benchmarks/common/harness.py), with their own dependencies the
+# image lacks.
 # Versions: those `make test` runs with (pyproject.toml's bounds). Into .wheels/ (git-ignored), for
 # Python 3.12 on x86-64 Linux, whatever this machine runs; prints the total size.
 #
-#   benchmarks/accelerator_wheels.sh                 # then, on the GPU machine (see benchmarks/README.md):
+#   benchmarks/accelerator/gpu_wheels.sh             # then, on the GPU machine (see benchmarks/README.md):
 #   pip install --no-index --no-deps --target /tmp/site .wheels/*.whl
-#   PYTHONPATH=/tmp/site:. python benchmarks/accelerator.py
+#   PYTHONPATH=/tmp/site:. python -m benchmarks.accelerator.bench
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 WHEELS=(
     torchax==0.0.13

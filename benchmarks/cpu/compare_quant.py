@@ -12,10 +12,10 @@ operand read.
 
 from __future__ import annotations
 
-from harness import Context, entry, free_memory, log, rounds, skipped
-from models import SKIP_SMOLLM2, jaxtune_model, model_label, pad_id_of, recipe_lora
-from train_step import JaxtuneTrainer, micro_batch
-from training import packed_epoch, training_rows
+from benchmarks.common.harness import Context, entry, free_memory, log, rounds, skipped
+from benchmarks.common.train_step import JaxtuneTrainer, micro_batch
+from benchmarks.cpu.models import SKIP_SMOLLM2, jaxtune_model, model_label, pad_id_of, recipe_lora
+from benchmarks.cpu.training import packed_epoch, training_rows
 
 
 def bench_quantized_base(ctx: Context) -> dict:

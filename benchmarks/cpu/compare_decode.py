@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import Context, entry, fastest, free_memory, log, rounds, skipped, torch_thread_counts, torch_threads
-from models import SKIP_SMOLLM2, model_label, pad_id_of, real_model_folder, vocab_of
+from benchmarks.common.generate import torch_generate
+from benchmarks.common.harness import (Context, entry, fastest, free_memory, log, rounds, skipped, torch_thread_counts,
+                                       torch_threads)
+from benchmarks.cpu.models import SKIP_SMOLLM2, model_label, pad_id_of, real_model_folder, vocab_of
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 PROMPTS = [  # batch-8 decoding: different lengths, so the batch is left-padded
@@ -37,24 +39,6 @@ def chat_prompts(folder: str, texts: list[str]) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
                                           return_dict=False) for t in texts]
-
-
-def torch_generate(module, prompts: list[list[int]], n: int, pad: int) -> list[list[int]]:
-    """model.generate(do_sample=False) on left-padded prompts (padded to the longest, as a tokenizer would), no eos stop."""
-    import torch
-    from transformers import GenerationConfig
-
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, longest - len(p) :] = torch.tensor(p)
-        mask[r, longest - len(p) :] = 1
-    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=[], pad_token_id=pad)
-    with torch.no_grad():
-        out = module.generate(input_ids=ids.to(module.device), attention_mask=mask.to(module.device),
-                              generation_config=config)
-    return out[:, longest:].tolist()
 
 
 def bench_decode_vs_torch(ctx: Context) -> dict:

@@ -2,9 +2,9 @@
 without the chip: the optimized HLO's kernels, grouped by what they do, with their count, the
 bytes they move, the flops of their matmuls, and a roofline estimate of each group's time.
 
-    JAX_PLATFORMS=cpu python benchmarks/step_hlo.py                       # Gemma 3 1B LoRA recipe, h200, 8 x 512
-    JAX_PLATFORMS=cpu python benchmarks/step_hlo.py --rows 8 --length 2048 --attention xla
-    JAX_PLATFORMS=cpu python benchmarks/step_hlo.py --recipe configs/gemma3-1b-dolly-full.yaml
+    JAX_PLATFORMS=cpu python -m benchmarks.analysis.step_hlo                  # Gemma 3 1B LoRA recipe, h200, 8 x 512
+    JAX_PLATFORMS=cpu python -m benchmarks.analysis.step_hlo --rows 8 --length 2048 --attention xla
+    JAX_PLATFORMS=cpu python -m benchmarks.analysis.step_hlo --recipe configs/gemma3-1b-dolly-full.yaml
 
 The step is the recipe's (method, optimizer, remat), on a meta model of its checkpoint
 (tests/targets/recipes.py: nothing is downloaded), compiled by the target's compiler for a
@@ -27,15 +27,13 @@ import argparse
 import math
 import os
 import re
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_SECONDS = 4e-6  # a kernel launch and its tail on a Hopper GPU, roughly
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
          "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1}

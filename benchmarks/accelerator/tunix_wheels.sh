@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Tunix's side of the accelerator benchmark (benchmarks/accelerator_tunix.py) in a site folder of its own:
-# the pins of benchmarks/tunix_requirements.txt, installed without dependencies, so google-tunix's
+# Tunix's side of the accelerator benchmark (benchmarks/accelerator/tunix_side.py) in a site folder of its own:
+# the pins of benchmarks/accelerator/tunix_requirements.txt, installed without dependencies, so google-tunix's
 # declared ones (safetensors<0.8 against jaxtune's >=0.8, TensorFlow Datasets, grain, kagglehub, orbax...)
 # stay out. Everything else its step imports (jax, optax, numpy, ml_dtypes, opt_einsum, safetensors, absl-py,
 # PyYAML, rich, typing_extensions, fsspec, huggingface_hub) is jaxtune's own environment's: on the TPU
 # machine, /tmp/site (benchmarks/tpu/tpu_install.sh).
 #
-#   benchmarks/tunix_wheels.sh                 # here, with network: the wheels the TPU machine's index
-#                                              # lacks (google-tunix, qwix) into .whl-tunix/ (git-ignored)
-#   benchmarks/tunix_wheels.sh install [DIR]   # there (or here): installs into DIR (default .tunix-site,
-#                                              # which the benchmark reads; TUNIX_SITE=DIR names another)
+#   benchmarks/accelerator/tunix_wheels.sh                 # here, with network: the wheels the TPU machine's index
+#                                                          # lacks (google-tunix, qwix) into .whl-tunix/ (git-ignored)
+#   benchmarks/accelerator/tunix_wheels.sh install [DIR]   # there (or here): installs into DIR (default .tunix-site,
+#                                                          # which the benchmark reads; TUNIX_SITE=DIR names another)
 #
 # Where .whl-tunix/ holds wheels, the install reads nothing but them and the local index's folders
 # (/opt/pypi/files, /opt/pypi-more/files: no network, as tpu_install.sh); otherwise pip's own index.
 # It prints the folder's size: 8.8 MiB, without bytecode (--no-compile).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
-REQUIREMENTS=benchmarks/tunix_requirements.txt
+REQUIREMENTS=benchmarks/accelerator/tunix_requirements.txt
 OUT=.whl-tunix
 INDEX_DIRS=(/opt/pypi/files /opt/pypi-more/files)
 

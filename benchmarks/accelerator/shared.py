@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import ROOT
+from benchmarks.common.harness import ROOT
 
 CONFIGS = ROOT / "benchmarks" / "configs"  # config.json of each published shape; no weights, no tokenizer
 RECIPES = {"lora": ROOT / "configs" / "gemma3-1b-dolly-lora.yaml", "full": ROOT / "configs" / "gemma3-1b-dolly-full-adafactor.yaml"}
@@ -168,7 +168,7 @@ def measure_cases(results: Results, settings: Settings, side: str, prepare, dead
     import gc
     import traceback
 
-    from harness import log
+    from benchmarks.common.harness import log
 
     for case in settings.cases:
         if deadline is not None and time.perf_counter() > deadline:
@@ -192,7 +192,7 @@ def measure_case(results: Results, settings: Settings, side: str, case: tuple[in
     import itertools
     import traceback
 
-    from harness import log, median_time
+    from benchmarks.common.harness import log, median_time
 
     rows, length = case
     name = case_name(rows, length)

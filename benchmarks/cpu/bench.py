@@ -1,9 +1,9 @@
 """`make bench`: jaxtune against PyTorch eager and against the published torchax recipe, side by side.
 
-    python benchmarks/bench.py                 # everything; writes benchmarks/results/latest.{json,md}
-    python benchmarks/bench.py --quick         # fewer rows and repetitions (development)
-    python benchmarks/bench.py --only decode_vs_torch --only mfu
-    python benchmarks/bench.py --model demo    # the SmolLM2 comparisons on the demo model (development)
+    python -m benchmarks.cpu.bench                 # everything; writes benchmarks/results/latest.{json,md}
+    python -m benchmarks.cpu.bench --quick         # fewer rows and repetitions (development)
+    python -m benchmarks.cpu.bench --only decode_vs_torch --only mfu
+    python -m benchmarks.cpu.bench --model demo    # the SmolLM2 comparisons on the demo model (development)
 
 Each comparison is one function `bench_<name>(ctx) -> {ratio key: entry}`; an entry holds the
 two absolute figures, their ratio and what was measured. Both sides of a comparison run in this
@@ -16,13 +16,13 @@ machine every side sees the same load; PyTorch's figure is its faster thread cou
 to stderr, the figures and the table to stdout.
 
 The jaxtune train step's calling convention lives in ONE place: see `STEP_TAKES_LR` and
-`call_train_step` in train_step.py.
+`call_train_step` in benchmarks/common/train_step.py.
 
 This file holds the list of comparisons, the table and the command line; the comparisons live in
-their neighbours in benchmarks/ (imported as top-level modules, this folder being on sys.path):
-compare_train.py, compare_memory.py, compare_decode.py, compare_rerun.py, compare_compile.py and compare_quant.py,
-on the harness (harness.py), the shared models and rows (models.py), the train-step adapter
-(train_step.py) and the shared training sides (training.py).
+its neighbours in benchmarks/cpu/: compare_train.py, compare_memory.py, compare_decode.py, compare_rerun.py,
+compare_compile.py and compare_quant.py, on the shared models and rows (models.py) and training sides
+(training.py), and on what the accelerator benchmark shares with them in benchmarks/common/: the harness
+(harness.py), the train-step adapter (train_step.py) and PyTorch's greedy decoding (generate.py).
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ from typing import Callable
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from compare_compile import bench_warm_vs_cold_compile, child_compile  # noqa: E402
-from compare_decode import bench_decode_vs_recipe, bench_decode_vs_torch  # noqa: E402
-from compare_memory import bench_activation_memory_vs_eager  # noqa: E402
-from compare_quant import bench_quantized_base  # noqa: E402
-from compare_rerun import bench_rerun_vs_first, child_rerun  # noqa: E402
-from compare_train import (  # noqa: E402
+from benchmarks.common.harness import RESULTS, Context, fmt, log, machine_info, say, show, skipped  # noqa: E402
+from benchmarks.common.train_step import api_state  # noqa: E402
+from benchmarks.cpu.compare_compile import bench_warm_vs_cold_compile, child_compile  # noqa: E402
+from benchmarks.cpu.compare_decode import bench_decode_vs_recipe, bench_decode_vs_torch  # noqa: E402
+from benchmarks.cpu.compare_memory import bench_activation_memory_vs_eager  # noqa: E402
+from benchmarks.cpu.compare_quant import bench_quantized_base  # noqa: E402
+from benchmarks.cpu.compare_rerun import bench_rerun_vs_first, child_rerun  # noqa: E402
+from benchmarks.cpu.compare_train import (  # noqa: E402
     bench_mfu, bench_train_vs_recipe, bench_train_vs_torch_fp32, bench_train_vs_torch_fp32_same_shape)
-from harness import RESULTS, Context, fmt, log, machine_info, say, show, skipped  # noqa: E402
-from models import SKIP_SMOLLM2, model_label, smollm2_gguf  # noqa: E402
-from train_step import api_state  # noqa: E402
+from benchmarks.cpu.models import SKIP_SMOLLM2, model_label, smollm2_gguf  # noqa: E402
 
 COMPARISONS: dict[str, Callable[[Context], dict]] = {
     "train_vs_torch_fp32": bench_train_vs_torch_fp32,
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "load_average": {"before": load_before, "after": os.getloadavg(), "after_each": loads},
         "api": api_state(),
-        "train_step_adapter": "benchmarks/train_step.py: STEP_TAKES_LR / call_train_step",
+        "train_step_adapter": "benchmarks/common/train_step.py: STEP_TAKES_LR / call_train_step",
         "ratios": ratios,
         "skipped": {k: e["skipped"] for k, e in results.items() if e.get("skipped")},
         "mfu_derivation": results.get("mfu", {}).get("mfu_derivation"),

@@ -5,7 +5,7 @@ recipe's optimizer in optax, combined as Tunix's PEFT trainer combines them (`nn
 `nnx.LoRAParam`, `nnx.value_and_grad` with `nnx.DiffState`, `nnx.jit`).
 
 Its packages come from a site folder of their own, first on sys.path (TUNIX_SITE; see
-benchmarks/tunix_wheels.sh): only what the step imports, not google-tunix's declared requirements.
+benchmarks/accelerator/tunix_wheels.sh): only what the step imports, not google-tunix's declared requirements.
 
 What differs from jaxtune's LoRA step, by Tunix's design: no rematerialisation (its default,
 RematConfig.NONE; jaxtune's train.remat auto picks one per case), its plain einsum attention over a
@@ -22,11 +22,11 @@ import time
 import types
 from pathlib import Path
 
-from accelerator_setup import RECIPES, Results, Settings, jax_memory, measure_cases, train_batch
-from harness import ROOT, log
+from benchmarks.accelerator.shared import RECIPES, Results, Settings, jax_memory, measure_cases, train_batch
+from benchmarks.common.harness import ROOT, log
 
 SITE_VARIABLE = "TUNIX_SITE"
-DEFAULT_SITE = ROOT / ".tunix-site"  # benchmarks/tunix_wheels.sh install's default
+DEFAULT_SITE = ROOT / ".tunix-site"  # benchmarks/accelerator/tunix_wheels.sh install's default
 # jaxtune's (and PEFT's) LoRA target names -> the modules of Tunix's models they correspond to.
 TARGETS = {
     "gemma3_text": {"q_proj": ("q_einsum", "qkv_einsum"), "k_proj": ("kv_einsum", "qkv_einsum"),
@@ -44,7 +44,7 @@ def import_tunix() -> None:
     every trainer and RL learner, and with them grain, TensorFlow Datasets and orbax; its model modules do not."""
     folder = site()
     if not (folder / "tunix").is_dir():
-        raise ModuleNotFoundError(f"no tunix in {folder} (set {SITE_VARIABLE}, or run benchmarks/tunix_wheels.sh install)")
+        raise ModuleNotFoundError(f"no tunix in {folder} (set {SITE_VARIABLE}, or run benchmarks/accelerator/tunix_wheels.sh install)")
     sys.path.insert(0, str(folder))
     package = types.ModuleType("tunix")
     package.__path__ = [str(folder / "tunix")]

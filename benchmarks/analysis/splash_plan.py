@@ -1,7 +1,7 @@
 """XLA:TPU's plan of the Gemma 3 1B LoRA recipe's train step at 8 x 2048 on one v5e chip, with
 splash attention (what jaxtune runs on TPU) and with XLA's attention, compiled here without the chip:
 
-    JAX_PLATFORMS=cpu python benchmarks/splash_plan.py [--target v5e-1] [--length 2048] [--remat layer]
+    JAX_PLATFORMS=cpu python -m benchmarks.analysis.splash_plan [--target v5e-1] [--length 2048] [--remat layer]
 
 At the recipe's remat (matmuls) neither fits one v5e chip at this length (21.5 GiB of
 temporaries either way: what the layers keep for the backward pass dominates); with

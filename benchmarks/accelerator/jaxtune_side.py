@@ -1,7 +1,7 @@
 """jaxtune's side of the accelerator benchmark, one child process (`jaxtune`): the recipes' train steps
 (LoRA, then full), then greedy decoding, built as the pipeline's stages build them: the recipe's
 config, `open_model`, `make_optimizer`, `make_train_step`, `greedy_generate`; then, where asked for,
-a GRPO step (accelerator_grpo.py). Each section gets its share of the process's time (`SECTIONS`); a
+a GRPO step (grpo.py). Each section gets its share of the process's time (`SECTIONS`); a
 case is not started past its section's share."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from accelerator_setup import (RECIPES, Results, Settings, case_name, jax_memory, jaxtune_side, measure_cases, prompts,
-                               train_batch)
-from harness import log
+from benchmarks.accelerator.shared import (RECIPES, Results, Settings, case_name, jax_memory, jaxtune_side, measure_cases,
+                                           prompts, train_batch)
+from benchmarks.common.harness import log
 
 
 def recipe(settings: Settings, method: str):
@@ -87,9 +87,9 @@ def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
         if section == "decode":
             run_decode(settings, folder, results)
         elif section == "grpo":
-            import accelerator_grpo
+            from benchmarks.accelerator import grpo
 
-            accelerator_grpo.run_grpo(settings, folder, results, deadline)
+            grpo.run_grpo(settings, folder, results, deadline)
         else:
             run_train(settings, folder, results, section, deadline)
 
@@ -184,9 +184,10 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
 def profile_steps(step, first: int, folder: Path, hlo: str) -> dict:
     """Steps first, first + 1, ... (`PROFILE_STEPS`) inside `jax.profiler.trace(folder)`, each in a
     StepTraceAnnotation, with the program's optimized HLO beside the trace: their breakdown
-    (`profile_breakdown.breakdown`, which reads the folder again later: `python benchmarks/profile_breakdown.py FOLDER`)."""
+    (`profile_breakdown.breakdown`, which reads the folder again later: `python -m benchmarks.analysis.profile_breakdown FOLDER`)."""
     import jax
-    import profile_breakdown
+
+    from benchmarks.analysis import profile_breakdown
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "train_step.hlo").write_text(hlo)
@@ -225,7 +226,8 @@ def measured_matmul(settings: Settings) -> dict:
     import statistics
 
     import jax.numpy as jnp
-    from training import matmul_run
+
+    from benchmarks.common.harness import matmul_run
 
     n = settings.matmul_n
     run = matmul_run(n, jnp.dtype(settings.dtype))

@@ -1,18 +1,20 @@
 """`make bench-accelerator`: jaxtune's train step and decoder against PyTorch eager and torch.compile, on
 whatever accelerator JAX and torch see, with the same weights and batches on each side.
 
-    python benchmarks/accelerator.py                        # Gemma 3 1B's shape: results/accelerator-latest.{json,md}
-    python benchmarks/accelerator.py --model qwen2.5-0.5b   # another shape of benchmarks/configs
-    python benchmarks/accelerator.py --minutes 15 --parts jaxtune --parts torch-compile
-    python benchmarks/accelerator.py --tiny --out /tmp/acc  # every part on the CPU with a toy model (make test runs it)
-    python benchmarks/accelerator.py --parts jaxtune --section lora --cases 8x512 --profile --out /tmp/acc  # + /tmp/acc-profile/
-    python benchmarks/accelerator.py --parts jaxtune --section grpo --cases 8x8x256 --minutes 9   # a GRPO step
-    TUNIX_SITE=/tmp/tunix-site python benchmarks/accelerator.py   # with Tunix's side (benchmarks/tunix_wheels.sh install)
+    python -m benchmarks.accelerator.bench                        # Gemma 3 1B's shape: results/accelerator-latest.{json,md}
+    python -m benchmarks.accelerator.bench --model qwen2.5-0.5b   # another shape of benchmarks/configs
+    python -m benchmarks.accelerator.bench --minutes 15 --parts jaxtune --parts torch-compile
+    python -m benchmarks.accelerator.bench --tiny --out /tmp/acc  # every part on the CPU with a toy model (make test runs it)
+    python -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --profile --out /tmp/acc
+                                                                  # + /tmp/acc-profile/
+    python -m benchmarks.accelerator.bench --parts jaxtune --section grpo --cases 8x8x256 --minutes 9   # a GRPO step
+    TUNIX_SITE=/tmp/tunix-site python -m benchmarks.accelerator.bench   # with Tunix's side
+                                                                  # (benchmarks/accelerator/tunix_wheels.sh install)
 
 The driver builds the model's random weights once (one seed) from a config-only folder and saves
 them; then each part runs in a child process of its own (`--child PART`), one after another, each
 within its share of the run's time: a child past its limit is killed, and keeps every result line
-it wrote. The report is computed from those lines (accelerator_report.py).
+it wrote. The report is computed from those lines (report.py).
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ import threading
 import time
 from pathlib import Path
 
-from accelerator_setup import CONFIGS, DEFAULT_MODEL, Settings, build_weights
-from harness import RESULTS, ROOT, log, say
+from benchmarks.accelerator.shared import CONFIGS, DEFAULT_MODEL, Settings, build_weights
+from benchmarks.common.harness import RESULTS, ROOT, log, say
 
 # Parts (child processes) in the order they run, each with the seconds it needs on one H200 for the
 # Gemma 3 1B shape's first cases (from the issue's run: jaxtune's first LoRA step 54 s at 8 x 512,
 # torch.compile's 107 s, PyTorch eager's 6 s, plus each process's imports and loading; jaxtune's is the
-# sum of its sections, accelerator_jaxtune.SECTIONS). A part's limit is the time left shared in these
+# sum of its sections, jaxtune_side.SECTIONS). A part's limit is the time left shared in these
 # proportions among the parts still to run: one that ends early leaves its time to the rest.
 # Tunix's (not measured on an H200: its LoRA step compiles as one XLA program, as jaxtune's does) is taken
 # as torch.compile's.
@@ -50,22 +52,22 @@ def run_child(part: str, work: Path, until: float) -> None:
 
     settings, folder = Settings.load(work), work / "model"
     if part == "jaxtune":
-        import accelerator_jaxtune
+        from benchmarks.accelerator import jaxtune_side
 
-        accelerator_jaxtune.run(settings, folder, work, until)
+        jaxtune_side.run(settings, folder, work, until)
     elif part == "tunix":
-        import accelerator_tunix
+        from benchmarks.accelerator import tunix_side
 
-        accelerator_tunix.run(settings, folder, work)
+        tunix_side.run(settings, folder, work)
     else:
-        import accelerator_torch
+        from benchmarks.accelerator import torch_side
 
-        accelerator_torch.run_train(settings, folder, work, compiled=part == "torch-compile")
+        torch_side.run_train(settings, folder, work, compiled=part == "torch-compile")
 
 
 def default_parts() -> list[str]:
     """Every part, less Tunix's where its site folder holds no Tunix (it is not among jaxtune's dependencies)."""
-    from accelerator_tunix import site
+    from benchmarks.accelerator.tunix_side import site
 
     return [p for p in PARTS if p != "tunix" or (site() / "tunix").is_dir()]
 
@@ -75,7 +77,7 @@ def run_part(part: str, work: Path, limit: float) -> dict:
     limit = round(limit)
     start = time.perf_counter()
     tail: collections.deque[str] = collections.deque(maxlen=15)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", part, "--work", str(work),
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.accelerator.bench", "--child", part, "--work", str(work),
                              "--until", f"{time.time() + limit:.1f}"],
                             # PYTHONHASHSEED=0 as the `jaxtune` command runs (jaxtune.cli.entry): transformers iterates a
                             # set of strings while tracing Gemma 3 (its layer types), so under random string hashing a
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         run_child(args.child, Path(args.work), args.until)
         return 0
 
-    from accelerator_report import write_report
+    from benchmarks.accelerator.report import write_report
 
     began = time.perf_counter()
     minutes = args.minutes or (TINY_MINUTES if args.tiny else DEVICE_MINUTES)

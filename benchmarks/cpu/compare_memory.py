@@ -6,9 +6,9 @@ import inspect
 
 import numpy as np
 
-from harness import Context, entry, free_memory, log, skipped
-from models import SKIP_SMOLLM2, jaxtune_model, model_label, real_model_folder, recipe_lora
-from train_step import make_optimizer
+from benchmarks.common.harness import Context, entry, free_memory, log, skipped
+from benchmarks.common.train_step import make_optimizer
+from benchmarks.cpu.models import SKIP_SMOLLM2, jaxtune_model, model_label, real_model_folder, recipe_lora
 
 
 def bench_activation_memory_vs_eager(ctx: Context) -> dict:

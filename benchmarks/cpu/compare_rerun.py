@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import BENCH, ROOT, Context, entry, log, skipped
+from benchmarks.common.harness import BENCH, ROOT, Context, entry, log, skipped
 
 
 def bench_rerun_vs_first(ctx: Context) -> dict:
@@ -25,7 +25,7 @@ def bench_rerun_vs_first(ctx: Context) -> dict:
                    "PYTHONPATH": str(ROOT)}
             env.pop("PREFECT_API_URL", None)
             log(f"rerun_vs_first: repetition {rep + 1}/{ctx.rerun_reps} (child process, train.max_steps={ctx.rerun_steps})")
-            child = subprocess.run([sys.executable, BENCH, "--child", "rerun", "--child-dir", tmp,
+            child = subprocess.run([sys.executable, "-m", BENCH, "--child", "rerun", "--child-dir", tmp,
                                     "--rerun-steps", str(ctx.rerun_steps)], env=env, cwd=ROOT, capture_output=True, text=True)
             if child.returncode != 0 or not result.exists():
                 return {key: skipped(f"child failed (exit {child.returncode}): {child.stderr[-2000:]}")}

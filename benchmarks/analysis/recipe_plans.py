@@ -1,7 +1,7 @@
 """Every shipped recipe's train step planned for the chips people rent, compiled here without them:
 docs/planning.md's table of recipes and chips.
 
-    JAX_PLATFORMS=cpu python benchmarks/recipe_plans.py [--targets v5e-1,h100] [--recipes gemma3-1b-dolly-lora]
+    JAX_PLATFORMS=cpu python -m benchmarks.analysis.recipe_plans [--targets v5e-1,h100] [--recipes gemma3-1b-dolly-lora]
 
 Each row is `jaxtune doctor CHECKPOINT --config RECIPE --target TARGET`'s train step (the plan's
 largest), on a meta model of the recipe's checkpoint (tests/targets/recipes.py: nothing is
@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("v5e-1", "v5e-8", "v6e-1", "v5p-8", "h100", "h200")
 
 

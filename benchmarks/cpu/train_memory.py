@@ -1,8 +1,8 @@
 """The train stage's memory against the size of its data: the same few LoRA steps of the offline
 tiny model on token tables of 10k and 1M rows, each run in a fresh process, reporting peak RSS.
 
-    .venv/bin/python benchmarks/train_memory.py
-    .venv/bin/python benchmarks/train_memory.py --rows 10000 --rows 1000000 --steps 20
+    .venv/bin/python -m benchmarks.cpu.train_memory
+    .venv/bin/python -m benchmarks.cpu.train_memory --rows 10000 --rows 1000000 --steps 20
 
 The tables are written directly in the tokenize stage's Arrow schema (random token ids, lengths
 24 to 255, the first third of each row a prompt masked from the loss): what the stage reads, at
@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenize_scale import peak_rss_mb, status_mb, write_tokenizer  # its neighbour in benchmarks/, on sys.path
+from benchmarks.cpu.tokenize_scale import peak_rss_mb, status_mb, write_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "train_memory.json"
 TARGET_MB = 200
 CHUNK = 100_000  # rows per Arrow record batch written
@@ -118,7 +118,8 @@ def main() -> None:
             data = work / f"data-{n}"
             write_tables(data, n, vocab)
             print(f"train_memory: {n:,} rows ({(data / 'train.arrow').stat().st_size / 1e6:,.0f} MB of Arrow)", file=sys.stderr)
-            done = subprocess.run([sys.executable, __file__, "--child", str(data), str(work / "model"), str(args.steps)],
+            done = subprocess.run([sys.executable, "-m", "benchmarks.cpu.train_memory", "--child", str(data),
+                                   str(work / "model"), str(args.steps)],
                                   cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True,
                                   env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
