@@ -287,7 +287,7 @@ def test_a_report_shows_only_what_the_run_asked_for_and_what_a_cut_case_did_run(
 
 def test_a_runs_recipe_overrides_reach_jaxtunes_side_through_its_children():
     """`--set model.scan_layers=true`: saved with the settings a child reads, applied to the recipe it runs."""
-    from benchmarks.accelerator.jaxtune_side import recipe
+    from benchmarks.accelerator.jaxtune_model import recipe
     from benchmarks.accelerator.shared import Settings
 
     made = Settings.make("gemma-3-1b", tiny=True, overrides=("model.scan_layers=true", "train.remat=layer"))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.accelerator.jaxtune_model import COMPILING, open_benchmark_model
 from benchmarks.accelerator.shared import Results, Settings, case_name, jax_memory, prompts
 from benchmarks.common.harness import log
 
@@ -32,8 +33,6 @@ def run_grpo(settings: Settings, folder: Path, results: Results, deadline: float
     import traceback
 
     import jax
-
-    from benchmarks.accelerator.jaxtune_side import open_benchmark_model
 
     cfg, model = open_benchmark_model(settings, folder, "lora")
     # What one decoding step reads at least: every weight, as the decode section counts it.
@@ -57,8 +56,6 @@ def run_grpo(settings: Settings, folder: Path, results: Results, deadline: float
 def grpo_case(settings: Settings, cfg, model, case: tuple[int, int, int], results: Results, weight_bytes: int) -> None:
     """1 + warmups + steps GRPO steps of one case; the memory plan and each step's record are result lines as
     they come (a child cut at its limit keeps the steps it finished)."""
-    from benchmarks.accelerator.jaxtune_side import COMPILING
-
     from jaxtune.config import RLConfig
     from jaxtune.runtime.train import rollouts
 
