@@ -19,7 +19,7 @@ M, K, N = 512, 256, 384
 
 @pytest.fixture(scope="module")
 def cpu_trace(tmp_path_factory) -> Path:
-    """3 steps of a jitted matmul, elementwise ops and a transpose, profiled as accelerator.py --profile does."""
+    """3 steps of a jitted matmul, elementwise ops and a transpose, profiled as the accelerator benchmark's --profile does."""
     @jax.jit
     def f(a, b, c):
         d = jnp.tanh(a @ b) * c + 1.0  # (M, N)
