@@ -4,13 +4,13 @@
 # test module per worker in the order tests/conftest.py sorts them, longest kinds first: the suite
 # is mostly single-threaded compiling), listing its 25 slowest steps.
 # `make bench-accelerator`: jaxtune's train step and decoder against PyTorch eager and torch.compile on this
-# machine's accelerator (benchmarks/accelerator.py, 7 minutes; ARGS='--model qwen2.5-0.5b' and the like); with
+# machine's accelerator (benchmarks/accelerator/bench.py, 7 minutes; ARGS='--model qwen2.5-0.5b' and the like); with
 # no accelerator, its --tiny mode on the CPU.
 # `make ui-check`: install Chromium if missing, check the Prefect UI renders a real run's report in it.
 # `make gguf-check`: build llama-cpp-python if missing, check llama.cpp runs fine-tuned SmolLM2's and Gemma 3's
 # GGUF export as jaxtune does (prints the agreement and both decoders' tokens/s).
 # `make tpu-check`: every stage of the offline pipeline and a few LoRA steps of every model family on this machine's
-# chip, checked (benchmarks/tpu_check.py: results/tpu-check.{json,md}; ARGS='--families gemma3' and the like). With
+# chip, checked (benchmarks/tpu/tpu_check.py: results/tpu-check.{json,md}; ARGS='--families gemma3' and the like). With
 # .venv's python where there is one, else $(PYTHON) (a TPU machine with the packages on its PYTHONPATH); it installs nothing.
 # `make docs`: the documentation site (mkdocs.yml, docs/) built into site/ with --strict, so a broken link or anchor,
 # a page missing from the nav or a config reference that fails to render fails it; in .venv-docs, with pyproject.toml's
@@ -110,13 +110,13 @@ gguf-check: $(VENV)/.installed
 	$(BIN)/python -m pytest -m llamacpp -p no:cacheprovider -q -s tests/llamacpp
 
 bench: $(VENV)/.installed
-	$(ON_CPU) $(BIN)/python benchmarks/bench.py
+	$(ON_CPU) $(BIN)/python -m benchmarks.cpu.bench
 
 bench-accelerator: $(VENV)/.installed
-	$(ON_CPU) $(BIN)/python benchmarks/accelerator.py $(if $(ACCELERATOR),,--tiny) $(ARGS)
+	$(ON_CPU) $(BIN)/python -m benchmarks.accelerator.bench $(if $(ACCELERATOR),,--tiny) $(ARGS)
 
 tpu-check:
-	$(ON_CPU) PYTHONHASHSEED=0 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) benchmarks/tpu_check.py $(ARGS)
+	$(ON_CPU) PYTHONHASHSEED=0 $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m benchmarks.tpu.tpu_check $(ARGS)
 
 docs: $(VENV_DOCS)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs build --strict

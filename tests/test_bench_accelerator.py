@@ -1,4 +1,4 @@
-"""benchmarks/accelerator.py --tiny: every part of the accelerator benchmark runs on this CPU and its
+"""python -m benchmarks.accelerator.bench --tiny: every part of the accelerator benchmark runs on this CPU and its
 figures hold together, so the benchmark cannot rot between the runs on a real accelerator."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
+ACCELERATOR = BENCHMARKS / "accelerator"
 SIDES = ("jaxtune-lora", "jaxtune-full", "torch-eager", "torch-compile")
 # Both sides compute the step-0 loss in float32 on the same weights and batch, summing in different orders
 # (jaxtune's chunked loss and fused attention): about sqrt(terms) x float32's 6e-8, 1e-6 over the tiny model's
@@ -30,13 +31,13 @@ PARTS = ("jaxtune", "torch-eager", "torch-compile")
 def tunix_site(tmp_path_factory) -> tuple[Path | None, str]:
     """(site folder, "") holding Tunix's side (TUNIX_SITE where it holds it), or (None, why not). Not in the test
     extra: google-tunix asks for safetensors<0.8 (jaxtune >=0.8) and datasets stacks its step never imports; so
-    benchmarks/tunix_requirements.txt's 9 pins, without dependencies, from the package index (8.8 MiB, 2 s)."""
+    benchmarks/accelerator/tunix_requirements.txt's 9 pins, without dependencies, from the package index (8.8 MiB, 2 s)."""
     given = os.environ.get("TUNIX_SITE")
     if given and (Path(given) / "tunix").is_dir():
         return Path(given), ""
     site = tmp_path_factory.mktemp("tunix-site")
     run = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-                          "--no-compile", "--target", str(site), "-r", str(BENCHMARKS / "tunix_requirements.txt")],
+                          "--no-compile", "--target", str(site), "-r", str(ACCELERATOR / "tunix_requirements.txt")],
                          capture_output=True, text=True, timeout=300)
     if run.returncode != 0:
         return None, f"Tunix's packages did not install: {run.stderr.strip().splitlines()[-1:]}"
@@ -48,7 +49,7 @@ def tiny(tmp_path_factory, tunix_site) -> tuple[dict, str]:
     stem = tmp_path_factory.mktemp("accelerator") / "tiny"
     site, _ = tunix_site
     env = {**os.environ, "TUNIX_SITE": str(site)} if site else {k: v for k, v in os.environ.items() if k != "TUNIX_SITE"}
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "accelerator.py"), "--tiny", "--profile", "--out", str(stem)],
+    run = subprocess.run([sys.executable, "-m", "benchmarks.accelerator.bench", "--tiny", "--profile", "--out", str(stem)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(Path(f"{stem}.json").read_text()), Path(f"{stem}.md").read_text()
@@ -190,8 +191,7 @@ def test_a_grpo_step_splits_into_sampling_the_update_and_the_rest(tiny):
 def test_grpo_figures_sum_the_timed_steps_and_say_what_is_missing():
     """The figures of hand-made result lines: the first step and the warm-ups left out, seconds and tokens
     summed over the rest, the weight-read bound where the device's bandwidth is known; a cut case says why."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from accelerator_grpo import case_figures
+    from benchmarks.accelerator.grpo import case_figures
 
     def step(i: int, sample: float, update: float, rest: float) -> dict:
         return {"event": "grpo_step", "case": "2x4x8", "step": i, "sample_seconds": sample, "update_seconds": update,
@@ -224,10 +224,10 @@ def test_tunix_side_builds_tunix_own_configs_of_the_published_shapes(tunix_site,
     if site is None:
         pytest.skip(why)
     monkeypatch.setenv("TUNIX_SITE", str(site))
-    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # import_tunix puts the site folder first: gone after the test
     monkeypatch.setitem(sys.modules, "tunix", None)  # import_tunix's bare package, gone after the test
-    from accelerator_setup import Settings, model_config
-    from accelerator_tunix import import_tunix, tunix_config
+    from benchmarks.accelerator.shared import Settings, model_config
+    from benchmarks.accelerator.tunix_side import import_tunix, tunix_config
 
     import_tunix()
     from tunix.models.gemma3 import model as gemma3
@@ -247,8 +247,7 @@ def tiny_shape(report: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(BENCHMARKS))
-    from accelerator_setup import Settings, model_config
+    from benchmarks.accelerator.shared import Settings, model_config
 
     config = model_config(Settings.make(report["model"], tiny=True))
     with torch.device("meta"):
@@ -274,8 +273,7 @@ def test_shipped_shapes_are_the_published_models():
 def test_a_report_shows_only_what_the_run_asked_for_and_what_a_cut_case_did_run():
     """The committed v5e reports: a run of fixed policies alone has no auto column and no rows of sections
     it did not run; a case cut during its timed steps still shows its first step and the choice."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from accelerator_report import markdown
+    from benchmarks.accelerator.report import markdown
 
     results = BENCHMARKS / "results"
     fixed = markdown(json.loads((results / "accelerator-v5e-layer-2048.json").read_text()))
@@ -289,9 +287,8 @@ def test_a_report_shows_only_what_the_run_asked_for_and_what_a_cut_case_did_run(
 
 def test_a_runs_recipe_overrides_reach_jaxtunes_side_through_its_children():
     """`--set model.scan_layers=true`: saved with the settings a child reads, applied to the recipe it runs."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from accelerator_jaxtune import recipe
-    from accelerator_setup import Settings
+    from benchmarks.accelerator.jaxtune_model import recipe
+    from benchmarks.accelerator.shared import Settings
 
     made = Settings.make("gemma-3-1b", tiny=True, overrides=("model.scan_layers=true", "train.remat=layer"))
     folder = Path(__import__("tempfile").mkdtemp())

@@ -1,4 +1,4 @@
-"""benchmarks/profile_breakdown.py: a jax.profiler trace's ops by category, per step. A real trace taken
+"""benchmarks/analysis/profile_breakdown.py: a jax.profiler trace's ops by category, per step. A real trace taken
 here (XLA:CPU's layout), and a TPU trace written as TSL's converter writes one (the layout this CPU
 cannot make), with the program's HLO as XLA:TPU prints it."""
 
@@ -6,22 +6,20 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import profile_breakdown as pb  # noqa: E402
+from benchmarks.analysis import profile_breakdown as pb
 
 M, K, N = 512, 256, 384
 
 
 @pytest.fixture(scope="module")
 def cpu_trace(tmp_path_factory) -> Path:
-    """3 steps of a jitted matmul, elementwise ops and a transpose, profiled as accelerator.py --profile does."""
+    """3 steps of a jitted matmul, elementwise ops and a transpose, profiled as the accelerator benchmark's --profile does."""
     @jax.jit
     def f(a, b, c):
         d = jnp.tanh(a @ b) * c + 1.0  # (M, N)

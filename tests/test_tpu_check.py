@@ -1,4 +1,4 @@
-"""benchmarks/tpu_check.py's own logic, on this CPU: which way the pipeline runs (the socket probe), that
+"""benchmarks/tpu/tpu_check.py's own logic, on this CPU: which way the pipeline runs (the socket probe), that
 the stages run without Prefect are the flow's own list in its order, that a failing family fails the
 report and the exit status, and that the family comparison flags a loss outside its bound, with one
 family's real numbers. The whole check runs on a TPU alone (marker `tpu`; skipped elsewhere)."""
@@ -24,10 +24,10 @@ from jaxtune.artifacts import ArtifactStore
 from jaxtune.config import OFFLINE
 from jaxtune.flows import finetune
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-import tpu_check  # noqa: E402
-import tpu_check_families as families  # noqa: E402
+from benchmarks.tpu import tpu_check
+from benchmarks.tpu import tpu_check_families as families
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MACHINE = {"platform": "cpu", "device_kind": "cpu", "devices": 1, "jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": None,
            "torch": "2.13.0", "python": "3.11"}
@@ -162,7 +162,7 @@ def test_the_whole_check_passes_on_a_tpu(tmp_path):
     if not accelerators.present() or _default_platform() != "tpu":
         pytest.skip("no TPU here: jax.devices()[0].platform is not tpu")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "tpu_check.py"), "--out", str(tmp_path)], env=env,
+    run = subprocess.run([sys.executable, "-m", "benchmarks.tpu.tpu_check", "--out", str(tmp_path)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=3600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     results = json.loads((tmp_path / "tpu-check.json").read_text())

@@ -2,7 +2,7 @@
 
 The hub recipes' models are their `config.json` as published (kept in tests/targets/checkpoints/),
 the offline recipes' the GGUF files their pip packages install (a plan reads only the header).
-Nothing is downloaded. Used by test_recipes_fit and benchmarks/recipe_plans.py."""
+Nothing is downloaded. Used by test_recipes_fit and benchmarks/analysis/recipe_plans.py."""
 
 from __future__ import annotations
 

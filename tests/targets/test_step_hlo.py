@@ -1,19 +1,15 @@
-"""benchmarks/step_hlo.py, the breakdown of a train step's optimized HLO by kernel, checked on a
+"""benchmarks/analysis/step_hlo.py, the breakdown of a train step's optimized HLO by kernel, checked on a
 tiny model compiled for a compile-only H100: its matmul flops are the count the MFU formula
 makes (`flops.train_flops_per_token`), and the loss takes the accelerator's larger chunks."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
 from jaxtune.config import load_config
 from jaxtune.runtime.devices import targets
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-import step_hlo  # noqa: E402
+from benchmarks.analysis import step_hlo
 
 pytestmark = pytest.mark.target
 

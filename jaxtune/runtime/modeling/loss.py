@@ -28,7 +28,7 @@ ACCELERATOR_CHUNK_TOKENS = 512  # the fewest tokens per chunk on a TPU or GPU
 # float32 logits, their float32 softmax gradient and that gradient cast to the weights' 16 bits.
 CHUNK_BYTES_PER_LOGIT = 4 + 4 + 2
 # The name scope of the loss's ops (forward and backward) in the compiled program's op names, so a
-# profile of the step can tell its time apart (benchmarks/profile_breakdown.py).
+# profile of the step can tell its time apart (benchmarks/analysis/profile_breakdown.py).
 SCOPE = "chunked_loss"
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The benchmark's runs on one TPU v5e chip, in parts of under ten minutes each, so that each
+# fits one command on a machine lent for a short while. Run from a copy of the repository holding
+# .whl-tpu/ and .whl-tunix/ (benchmarks/tpu/tpu_wheels.sh and benchmarks/accelerator/tunix_wheels.sh, run where
+# there is network); each part writes its reports under OUT (default /tmp/v5e) and the first
+# installs what the others reuse, on the same machine.
+#
+#   bash benchmarks/tpu/v5e_session.sh peers     # jaxtune beside Tunix, Gemma 3 1B LoRA at 8 x 512, jaxtune's step profiled
+#   bash benchmarks/tpu/v5e_session.sh llama     # jaxtune beside Tunix, Llama 3.2 1B LoRA at 8 x 512, profiled
+#   bash benchmarks/tpu/v5e_session.sh decode    # greedy decoding at 8, 32 and 64 prompts (each batch's first call
+#                                                # compiles for about 45 s on the chip)
+#   bash benchmarks/tpu/v5e_session.sh grpo      # a GRPO step at 8 prompts x 8 answers x 256 tokens (its first step
+#                                                # compiles three train-step candidates, the sampler and the update)
+#   bash benchmarks/tpu/v5e_session.sh scan      # the Gemma LoRA step with model.scan_layers
+#   bash benchmarks/tpu/v5e_session.sh rerun     # the Gemma LoRA step's first step cold (no cache), then again with another
+#                                                # learning rate and seed: the kept plan and executable, no trace or compile
+#   bash benchmarks/tpu/v5e_session.sh stages    # tpu_check.py: every stage of the offline pipeline on the chip (as
+#                                                # `make tpu-check`), called without Prefect: the machine has no socket
+#
+# A part's files come back from a lent machine only a few at a time, so the profile's traces travel as one archive.
+set -euo pipefail
+part=${1:?which part: peers, llama, decode, grpo, scan, rerun or stages}
+out=${OUT:-/tmp/v5e}
+mkdir -p "$out"
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=/dev/null
+source benchmarks/tpu/tpu_install.sh
+export PYTHONUNBUFFERED=1 JAXTUNE_COMPILE_CACHE=/tmp/xla-cache
+if [ "$part" = peers ] || [ "$part" = llama ]; then  # only these run Tunix's side
+    [ -f /tmp/tunix-site/.done ] || { benchmarks/accelerator/tunix_wheels.sh install /tmp/tunix-site && touch /tmp/tunix-site/.done; }
+    export TUNIX_SITE=/tmp/tunix-site
+fi
+
+case "$part" in
+peers)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --parts tunix --section lora --cases 8x512 --profile \
+        --minutes 7.8 --out "$out/peers-gemma3"
+    tar czf "$out/peers-profile.tgz" -C "$out" peers-gemma3-profile && rm -rf "$out/peers-gemma3-profile" ;;
+llama)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --parts tunix --section lora --cases 8x512 --profile \
+        --model llama-3.2-1b --minutes 4.5 --out "$out/peers-llama3"
+    tar czf "$out/llama-profile.tgz" -C "$out" peers-llama3-profile && rm -rf "$out/peers-llama3-profile" ;;
+decode)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section decode --minutes 6 --out "$out/decode" ;;
+grpo)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section grpo --cases 8x8x256 --minutes 8.8 --out "$out/grpo" ;;
+scan)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --set model.scan_layers=true \
+        --minutes 4 --out "$out/scan" ;;
+rerun)
+    rm -rf "$JAXTUNE_COMPILE_CACHE"
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 4 --out "$out/rerun-cold"
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 3 \
+        --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/rerun-warm" ;;
+stages)
+    PYTHONHASHSEED=0 python3 -m benchmarks.tpu.tpu_check --no-prefect --out "$out/tpu-check" ;;
+*)
+    echo "v5e_session.sh: no part $part (peers, llama, decode, grpo, scan, rerun or stages)" >&2
+    exit 2 ;;
+esac
+ls -la "$out"
