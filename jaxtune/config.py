@@ -213,7 +213,8 @@ class LoraConfig(Section):
 
 
 OBJECTIVES = ("sft", "dpo", "simpo", "grpo")
-REMAT_POLICIES = ("auto", "none", "matmuls", "layer")
+REMAT_POLICIES = ("none", "matmuls", "layer")  # what a step is compiled with, least recomputation first
+REMAT_SETTINGS = ("auto", *REMAT_POLICIES)  # train.remat: a policy, or auto (the runtime chooses one)
 
 
 class TrainConfig(Section):
@@ -239,7 +240,7 @@ class TrainConfig(Section):
     epochs: int | None = Field(None, gt=0, description="passes over the training rows (needs max_steps: null)")
     batch_size: int = Field(8, gt=0, description="rows per micro-batch; a multiple of mesh.data x mesh.fsdp")
     grad_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step, summed inside one compiled step")
-    remat: Literal[REMAT_POLICIES] = Field(
+    remat: Literal[REMAT_SETTINGS] = Field(
         "auto",
         description="what each decoder layer keeps for the backward pass: none (keep every activation); matmuls "
         "(keep the matmul outputs, recompute the elementwise ops between them: a fraction of the memory for little "

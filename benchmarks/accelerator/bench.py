@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from jaxtune.config import REMAT_SETTINGS
+
 from benchmarks.accelerator.shared import CONFIGS, DEFAULT_MODEL, Settings, build_weights
 from benchmarks.common.harness import RESULTS, ROOT, log, say
 
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", action="append", choices=list(PARTS), help="run only these parts (repeatable; default all, Tunix's where TUNIX_SITE holds it)")
     parser.add_argument("--cases", action="append", type=parse_case,
                         help="train cases ROWSxLENGTH and GRPO cases PROMPTSxGENERATIONSxNEW_TOKENS, in order (repeatable)")
-    parser.add_argument("--remat", action="append", choices=["auto", "none", "matmuls", "layer"],
+    parser.add_argument("--remat", action="append", choices=REMAT_SETTINGS,
                         help="train.remat of jaxtune's train cases (repeatable: each runs every case; default auto)")
     parser.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE",
                         help="a setting of the recipes jaxtune's side runs, as `jaxtune run --set` (repeatable)")

@@ -40,13 +40,13 @@ import math
 import re
 from collections.abc import Callable
 
-from jaxtune.config import TrainConfig
+from jaxtune.config import REMAT_POLICIES, TrainConfig
 from jaxtune.runtime.devices import compile_cache, executables
 from jaxtune.runtime.measures import memory
 from jaxtune.runtime.modeling import loss
 
 HEADROOM = 0.03  # of the device's memory, kept free beyond XLA's plan
-POLICIES = ("none", "matmuls", "layer")  # least recomputation first
+POLICIES = REMAT_POLICIES  # least recomputation first
 WITHOUT_LIMIT = "matmuls"  # auto where the devices report no memory
 # `matmuls` recomputes only what lies between a layer's matmuls, so it needs most of what `none` needs:
 # 0.95x of it on this CPU's tiny Llama, 1.49x on a TPU v5e (GRPO's 64 x 384 rows of Gemma 3 1B, where XLA

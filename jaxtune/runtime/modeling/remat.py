@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from jaxtune.config import REMAT_POLICIES
+
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks, found by the class names transformers lists in `_no_split_modules`."""
@@ -92,8 +94,9 @@ def _keyed(forward: Callable, remat: str) -> Callable:
 
     from jaxtune.runtime.compat import torchax_env
 
-    if remat not in ("none", "matmuls", "layer"):
-        raise ValueError(f"remat {remat!r} is not a policy (none, matmuls, layer): resolve train.remat=auto with fit.choose")
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat {remat!r} is not a policy ({', '.join(REMAT_POLICIES)}): resolve train.remat=auto "
+                         "with fit.choose")
     env = torchax_env()
 
     def plain(*args, **kwargs):
