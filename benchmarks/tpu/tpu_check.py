@@ -128,7 +128,7 @@ def run_directly(config) -> dict[str, float]:
                 export.check_gguf_export(inputs["model"], config.model)  # as the flow does, before training
             start = time.perf_counter()
             done[step.stage] = built_outside_flow(root, step.stage, step.module, step.section, inputs,
-                                                  lambda: step.task.fn(step.section, inputs, str(root), *step.extra))
+                                                  lambda: step.task.fn(step.section, inputs, str(root), **step.options))
             seconds[step.stage] = round(time.perf_counter() - start, 2)
             say(f"stage {step.stage}: {seconds[step.stage]:.1f} s")
     return seconds

@@ -15,7 +15,7 @@ A multi-process job (`jaxtune launch`, or mesh.coordinator / num_processes / pro
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) runs this same flow in every
 process, joined through `jax.distributed` before the first stage. Process 0 alone writes the
 store and creates Prefect artifacts; for each stage it decides cached-or-not and the others
-follow. A stage that computes on the mesh (its `Step.extra` holds the MeshConfig) is run by
+follow. A stage that computes on the mesh (its `Step.options` name the mesh) is run by
 every process, as its collectives need them all: process 0 as above, the others by calling
 the task's function, building into a temporary folder they discard (`build_artifact`). A
 stage that does not use the mesh runs on process 0 alone. After each stage every process
@@ -28,7 +28,7 @@ PREFECT_API_URL they are recorded in a throw-away database (see `jaxtune.cli`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,7 +41,7 @@ from jaxtune.tracking import ui
 from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks
-from jaxtune.config import OFFLINE, JaxtuneConfig, MeshConfig, load_config, names_recipe
+from jaxtune.config import OFFLINE, JaxtuneConfig, load_config, names_recipe
 from jaxtune.errors import ConfigError, TrainingStopped
 from jaxtune.flows import browse
 from jaxtune.tasks import (BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf,
@@ -70,7 +70,7 @@ class Step:
     task: Task
     section: Any
     inputs: dict[str, str | ArtifactRef]
-    extra: tuple = ()  # further task arguments that do not change what it computes (the mesh, data.num_proc)
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments outside the key (mesh, num_proc, ...)
 
     @property
     def module(self) -> str:
@@ -79,13 +79,13 @@ class Step:
     @property
     def on_mesh(self) -> bool:
         """Whether the stage computes on the device mesh (in a multi-process job: in every process)."""
-        return any(isinstance(argument, MeshConfig) for argument in self.extra)
+        return "mesh" in self.options
 
 
 def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
     """Every stage `config` asks for, each after the stages it reads (`restart`: the run is an
     automatic restart of a crashed one, which `train` may give up)."""
-    data, mesh = dataset_refs(config.data), (config.mesh,)
+    data, mesh = dataset_refs(config.data), {"mesh": config.mesh}
     steps = []
     if config.model.name == OFFLINE:
         tokenizer_section = build_tokenizer.section_for(config.model.tiny.vocab_size, config.data)
@@ -100,7 +100,7 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
         elif model.stage == ADAPTER:
             base = model_ref(adapter_base(Path(model.path)))
             steps.append(Step(merge_adapter.STAGE, merge_adapter.merge_adapter, merge_adapter.SECTION,
-                              {"adapter": model, "base": base}, (config.model.trust_remote_code,)))
+                              {"adapter": model, "base": base}, {"trust_remote_code": config.model.trust_remote_code}))
             model = merge_adapter.STAGE
     # A quantized base: its frozen layers' codes, made once and read by every stage that opens the model.
     base = {}
@@ -124,14 +124,15 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
     scored = {"model": model, "data": "tokenize", **base, **({"reference": "reference"} if objective == "dpo" else {})}
     trained = {**scored, "train": "train"}
     steps.append(Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model),
-                      {**data, "model": model}, (config.data.num_proc,)))
+                      {**data, "model": model}, {"num_proc": config.data.num_proc}))
     if objective == "dpo":
         steps.append(Step(reference.STAGE, reference.reference,
                           reference.ReferenceSection(model=model_section, eval=config.eval),
                           {"model": model, "data": "tokenize", **base}, mesh))
     return steps + [
         Step("baseline_eval", evaluate.baseline_eval, evaluation, scored, mesh),
-        Step("train", train.train, _train_section(config), scored, (config.mesh, restart, config.tracking)),
+        Step("train", train.train, _train_section(config), scored,
+             {"mesh": config.mesh, "restart": restart, "tracking": config.tracking}),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
         Step("export", export.export, export.ExportSection(model=model_section, export=config.export),
              {"model": model, "train": "train", **base}),
@@ -194,7 +195,7 @@ class StageRunner:
             **({"refresh_cache": True} if overwrite else {}),
             **retry_options(step.stage, inputs),
         )
-        state = configured(step.section, inputs, str(self.store.root), *step.extra, return_state=True)
+        state = configured(step.section, inputs, str(self.store.root), **step.options, return_state=True)
         try:
             ref = state.result()  # re-raises the stage's error
         except Exception as error:
@@ -224,7 +225,7 @@ class StageRunner:
             ref = self._run_task(step, inputs, record, overwrite=not cached)
         elif step.on_mesh and not cached:
             try:  # without Prefect's task run, caching or locks; build_artifact discards what this process builds
-                step.task.fn(step.section, inputs, str(self.store.root), *step.extra)
+                step.task.fn(step.section, inputs, str(self.store.root), **step.options)
             except Exception as error:
                 _note_stage(error, step.stage)
                 raise

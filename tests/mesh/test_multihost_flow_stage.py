@@ -75,8 +75,8 @@ class FakeTask:
     def __init__(self):
         self.calls = []
 
-        def fn(section, inputs, store_root, *extra):
-            self.calls.append((section, store_root, extra))
+        def fn(section, inputs, store_root, **options):
+            self.calls.append((section, store_root, options))
             return build_artifact(store_root, "stage_x", MODULE, section, inputs, write)
 
         fn.__module__ = MODULE
@@ -94,12 +94,12 @@ def test_another_process_follows_process_0_and_reads_its_artifact(tmp_path, job,
     job.decision = cached
     task = FakeTask()
     mesh = MeshConfig()
-    step = Step("stage_x", task, SECTION, {}, (mesh,) if on_mesh else (4,))
+    step = Step("stage_x", task, SECTION, {}, {"mesh": mesh} if on_mesh else {"num_proc": 4})
     runner = StageRunner(tmp_path, set(), load_config(None, [f"store.root={tmp_path}"]))
     ref = runner(step, {})
     assert ref == published
     # A mesh stage that is not cached runs here too (its collectives need every process), as the task's function.
-    assert task.calls == ([(SECTION, str(tmp_path), (mesh,))] if on_mesh and not cached else [])
+    assert task.calls == ([(SECTION, str(tmp_path), {"mesh": mesh})] if on_mesh and not cached else [])
     assert job.barriers == [f"stage_x/{published.key}"]
     assert runner.states == {"stage_x": "Cached" if cached else "Completed"}
     assert sorted(p.name for p in (tmp_path / "stage_x").iterdir()) == [published.key], "the store is process 0's"
