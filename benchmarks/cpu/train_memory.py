@@ -94,7 +94,7 @@ def child(data: Path, model_folder: Path, steps: int) -> None:
     result = training.train(model, rows.input_ids, rows.labels, config.train, 0, rows.longest,
                             eval_data=(evals.input_ids, evals.labels), feed=feed)
     print(json.dumps({"rows": len(rows), "steps": steps, "packed": feed.packed, "micro_batches_per_epoch": feed.micro_batches_per_epoch,
-                      "seconds": time.perf_counter() - started, "final_loss": result.summary.get("final_loss"),
+                      "seconds": time.perf_counter() - started, "final_loss": result.summary.final_loss,
                       "peak_rss_before_data_mb": before_data, "peak_rss_mb": peak_rss_mb(),
                       "anonymous_rss_mb": status_mb("RssAnon"), "file_rss_mb": status_mb("RssFile"),
                       "file_mb": (data / "train.arrow").stat().st_size / 1e6}))

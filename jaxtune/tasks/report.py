@@ -11,6 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from jaxtune.tracking import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
+from jaxtune.records import TrainSummary
 from jaxtune.tasks.hardest import HARDEST, hardest_examples, hardest_lines
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks import rl_report
@@ -24,7 +25,7 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
     """The numbers a reader checks first, gathered from every upstream artifact (`count`: hardest examples)."""
     baseline = inputs["baseline_eval"].read_json("metrics.json")
     final = inputs["final_eval"].read_json("metrics.json")
-    train = inputs["train"].read_json("summary.json")
+    train = TrainSummary.read(inputs["train"].file("summary.json")).model_dump()
     export = inputs["export"].read_json("export.json")
     return {
         "baseline": {"loss": baseline["loss"], "perplexity": baseline["perplexity"]},
@@ -32,7 +33,7 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
         "per_category": {c: {"baseline": baseline["per_category"][c]["loss"], "final": m["loss"]}
                          for c, m in final["per_category"].items()},
         "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
-        "train": {k: train.get(k) for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "mfu",
+        "train": {k: train[k] for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "mfu",
                                              "mfu_derivation", "nonpad_fraction", "packed", "batch_shape",
                                              "trainable_parameters", "rows_per_step", "resumed_from", "interruptions", "mesh")},
         "eval_during_training": [r for r in _log(inputs["train"]) if "eval_loss" in r],
@@ -76,7 +77,7 @@ def _preference(baseline: dict, final: dict, train: dict) -> dict:
         return {}
     before, after = baseline["preference"], final["preference"]
     return {"preference": {
-        "objective": train.get("objective"),
+        "objective": train["objective"],
         "pairs": after["pairs"],
         **{name: {"before": before[name], "after": after[name]} for name in PAIR_METRICS},
         "per_category": {c: {"pairs": m["pairs"], "accuracy": {"before": before["per_category"][c]["accuracy"],

@@ -7,6 +7,7 @@ scores, in eval.arrow's order."""
 from __future__ import annotations
 
 from jaxtune.artifacts import ArtifactRef
+from jaxtune.records import TrainSummary
 
 MOVED = 5  # prompts listed among those that gained most, and among those that lost most
 
@@ -20,7 +21,7 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = MOVED) -> dict:
 
     baseline = inputs["baseline_eval"].read_json("metrics.json")
     final = inputs["final_eval"].read_json("metrics.json")
-    train = inputs["train"].read_json("summary.json")
+    train = TrainSummary.read(inputs["train"].file("summary.json")).model_dump()
     export = inputs["export"].read_json("export.json")
     before, after = inputs["baseline_eval"].read_json("answers.json"), inputs["final_eval"].read_json("answers.json")
     table = TokenTable(inputs["tokenize"].file("eval.arrow"))
@@ -37,7 +38,7 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = MOVED) -> dict:
         "prompts": final["prompts"],
         "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
         "gained_most": rows[::-1][:count], "lost_most": rows[:count],
-        "train": {k: train.get(k) for k in ("steps", "seconds", "sample_seconds", "update_seconds", "answers_per_step",
+        "train": {k: train[k] for k in ("steps", "seconds", "sample_seconds", "update_seconds", "answers_per_step",
                                              "prompts_per_rollout", "row_length", "trainable_parameters", "resumed_from",
                                              "reward_first_quarter", "reward_last_quarter", "mesh")},
         "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},

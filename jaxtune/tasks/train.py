@@ -17,6 +17,7 @@ from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, RLConfig, Section, TrackingConfig,
                             TrainConfig, without_credentials)
 from jaxtune.errors import first_line
+from jaxtune.records import TrainSummary
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
 
@@ -100,7 +101,7 @@ def _write(folder: Path, result, section: TrainSection, base_model: str) -> None
 
     rt_model.save_weights(result.weights, folder / "params.safetensors")
     save_file(tree_to_arrays(result.opt_state), str(folder / "optimizer.safetensors"))
-    (folder / "summary.json").write_text(json.dumps(result.summary, indent=2))
+    result.summary.write(folder / "summary.json")
     (folder / "memory.json").write_text(json.dumps(result.memory, indent=2))
     method = {"method": section.train.method, "objective": section.train.objective,
               "lora": section.lora.model_dump(mode="json") if section.lora else None,
@@ -210,9 +211,9 @@ class TrainLog:
         except Exception as error:  # noqa: BLE001 - the UI's copy must not stop the run
             self.logger.warning("the live training curve could not be published: %s", first_line(error))
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, summary: TrainSummary) -> None:
         if self.tensorboard is not None:
-            self.tensorboard.finish(summary, self.total)
+            self.tensorboard.finish(summary.model_dump(exclude_unset=True), self.total)
 
     def close(self) -> None:
         self.file.close()

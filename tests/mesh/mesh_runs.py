@@ -197,8 +197,8 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
         "adapter": str(folder) if method == "lora" else None,
         "weights": str(_save_weights(result.weights, out, method, sizes, initial,
                                      moments if sizes in HISTORY_MESHES else [])),
-        "summary_mesh": result.summary["mesh"],
-        "batch_shape": result.summary["batch_shape"],
+        "summary_mesh": result.summary.mesh,
+        "batch_shape": result.summary.batch_shape,
         "batches": batches,
         "memory": plan, "xla_memory": xla,
     }

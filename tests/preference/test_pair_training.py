@@ -58,7 +58,7 @@ def test_a_resumed_dpo_run_ends_where_an_uninterrupted_one_does(uninterrupted, t
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002"]
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed = run(checkpoint_dir=tmp_path)
-    assert resumed.summary["resumed_from"] == 2 and losses(resumed) == first
+    assert resumed.summary.resumed_from == 2 and losses(resumed) == first
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
 

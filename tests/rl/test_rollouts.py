@@ -67,7 +67,7 @@ def test_the_reward_rises_and_every_figure_is_logged():
     records = [r for r in log if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 17))
     assert 0.3 < records[0]["reward"] < 0.7  # a random model: about half its tokens are even
-    assert result.summary["reward_last_quarter"] > 0.8, [r["reward"] for r in records]
+    assert result.summary.reward_last_quarter > 0.8, [r["reward"] for r in records]
     for r in records:
         assert r["reward"] == r["reward/even"]
         assert 0 < r["completion_length"] <= 8 and 0 <= r["truncated"] <= 1
@@ -75,7 +75,7 @@ def test_the_reward_rises_and_every_figure_is_logged():
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the adapters start at B = 0: the policy is the reference
     assert records[-1]["kl"] > 1e-4  # and moves away from it
     assert all(r["clip_fraction"] == 0.0 for r in records[0::2])  # a rollout's first step is on-policy
-    assert result.summary["answers_per_step"] == 16 and result.summary["prompts_per_rollout"] == 4
+    assert result.summary.answers_per_step == 16 and result.summary.prompts_per_rollout == 4
 
 
 def test_a_full_fine_tunes_reference_is_its_starting_weights():
@@ -113,7 +113,7 @@ def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
     again: list[dict] = []
     resumed = rollouts.train_grpo(lora_model(), PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS],
                                   on_log=again.extend, checkpoint_dir=tmp_path, check_memory=False)
-    assert resumed.summary["resumed_from"] == 2
+    assert resumed.summary.resumed_from == 2
     steps_of = lambda log: [(r["step"], r["reward"], r["loss"]) for r in log if "loss" in r]  # noqa: E731
     assert steps_of(again) == steps_of(whole)
     for name, value in uninterrupted.weights.items():

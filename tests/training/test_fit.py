@@ -237,10 +237,10 @@ def test_a_split_batch_trains_as_the_whole_batch_does(needs, monkeypatch):
 
     whole = trained(CFG.model_copy(update={"remat": "layer"}), None)
     split = trained(CFG, device_between(found[("layer", 2)], found[("layer", 4)]))
-    assert split.memory["fit"]["split"] == 2 and split.summary["batch_shape"][:2] == [2, 2]
+    assert split.memory["fit"]["split"] == 2 and split.summary.batch_shape[:2] == [2, 2]
     told = records[0]  # the log hears the choice, and the steps the split run takes, before any step
     assert "batch_size 4 split into 2 micro-batches" in told["message"] and told["total_steps"] == 1
-    assert whole.summary["batch_shape"][:2] == [1, 4] and split.summary["rows_per_step"] == 4
+    assert whole.summary.batch_shape[:2] == [1, 4] and split.summary.rows_per_step == 4
     assert split.log[0]["loss"] == pytest.approx(whole.log[0]["loss"], rel=1e-6)
     moved = 0
     for name, before in initial.items():

@@ -66,7 +66,7 @@ def test_log_has_every_step_and_the_periodic_eval(reference):
     assert all({"loss", "lr", "grad_norm", "tokens", "tokens_per_second"} <= set(r) for r in records if "loss" in r)
     assert [r["step"] for r in records if "eval_loss" in r] == [4, 8]
     assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(5e-3)  # warmup of 2 steps
-    assert result.summary["rows_per_step"] == 8 and result.summary["resumed_from"] == 0
+    assert result.summary.rows_per_step == 8 and result.summary.resumed_from == 0
 
 
 class Killed(BaseException):
@@ -103,9 +103,9 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(reference, tmp_pat
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002", "step-00000004"]
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
-    assert resumed.summary["resumed_from"] == 4
+    assert resumed.summary.resumed_from == 4
     # Step 4 was the last logged (a checkpoint step, so synced); step 5's loss never was.
-    assert resumed.summary["interruptions"] == [{"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed",
+    assert resumed.summary.model_dump()["interruptions"] == [{"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed",
                                                   "restart": False}]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():
@@ -136,7 +136,7 @@ def test_automatic_restarts_stuck_at_one_checkpoint_give_up_and_a_run_by_hand_go
     # Each entry is one attempt's end, and whether the attempt after it was an automatic restart.
     stuck = {"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed", "restart": True}
     by_hand = {**stuck, "stopped_by": "gave up", "restart": False}
-    assert resumed.summary["interruptions"] == [stuck] * 4 + [by_hand]
+    assert resumed.summary.model_dump()["interruptions"] == [stuck] * 4 + [by_hand]
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
 
@@ -273,8 +273,8 @@ def test_a_stop_signal_checkpoints_the_step_it_reached_and_the_rerun_resumes_the
 
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
-    assert resumed.summary["resumed_from"] == 5
-    assert resumed.summary["interruptions"] == [{"reached": 5, "resumed_from": 5, "lost_steps": 0, "stopped_by": name,
+    assert resumed.summary.resumed_from == 5
+    assert resumed.summary.model_dump()["interruptions"] == [{"reached": 5, "resumed_from": 5, "lost_steps": 0, "stopped_by": name,
                                                   "restart": False}]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():

@@ -41,6 +41,7 @@ from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling.model import JaxModel, adapters_off
 from jaxtune.runtime.train import checkpoint
+from jaxtune.records import TrainSummary
 from jaxtune.runtime.train.training import TrainResult, resume, save_checkpoint
 
 # score(prompt indices (n,), answers (n lists of token ids, each cut after its end token)) -> (n, rewards)
@@ -204,18 +205,18 @@ def train_grpo(
 
     records = [r for r in log if "loss" in r]
     first, last = records[:max(len(records) // 4, 1)], records[-max(len(records) // 4, 1):]
-    summary = {
-        "steps": cfg.max_steps, "objective": "grpo", "resumed_from": start,
-        "seconds": round(time.perf_counter() - started, 3),
-        "reward_first_quarter": float(np.mean([r["reward"] for r in first])) if records else None,
-        "reward_last_quarter": float(np.mean([r["reward"] for r in last])) if records else None,
-        "sample_seconds": round(sum(r["sample_seconds"] for r in records), 3),
-        "update_seconds": round(sum(r["update_seconds"] for r in records), 3),
-        "final_loss": float(np.mean([r["loss"] for r in last])) if records else None,
-        "trainable_parameters": int(sum(np.prod(v.shape) for v in weights.values())),
-        "answers_per_step": answers_per_step, "prompts_per_rollout": per_rollout, "row_length": length,
-        "mesh": model.placement.describe(), "remat": cfg.remat, "loss_chunk_tokens": chunk,
-    }
+    summary = TrainSummary(
+        steps=cfg.max_steps, objective="grpo", resumed_from=start,
+        seconds=round(time.perf_counter() - started, 3),
+        reward_first_quarter=float(np.mean([r["reward"] for r in first])) if records else None,
+        reward_last_quarter=float(np.mean([r["reward"] for r in last])) if records else None,
+        sample_seconds=round(sum(r["sample_seconds"] for r in records), 3),
+        update_seconds=round(sum(r["update_seconds"] for r in records), 3),
+        final_loss=float(np.mean([r["loss"] for r in last])) if records else None,
+        trainable_parameters=int(sum(np.prod(v.shape) for v in weights.values())),
+        answers_per_step=answers_per_step, prompts_per_rollout=per_rollout, row_length=length,
+        mesh=model.placement.describe(), remat=cfg.remat, loss_chunk_tokens=chunk,
+    )
     weights, opt_state = fetch((weights, opt_state))
     return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
 

@@ -27,6 +27,7 @@ from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.compiled.batches import row_lengths, stack_micro_batches
 from jaxtune.runtime.train.feed import Feed, make_feed
+from jaxtune.records import TrainSummary
 from jaxtune.runtime.devices.mesh import fetch
 from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.compiled.preference import SFT, Objective
@@ -37,7 +38,7 @@ class TrainResult:
     weights: dict[str, np.ndarray]
     opt_state: Any
     log: list[dict] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
+    summary: TrainSummary | None = None
     memory: dict = field(default_factory=dict)
 
 
@@ -173,28 +174,28 @@ def train(
     window = [r for r in train_records if r["step"] > total - cfg.log_every] or train_records[-1:]
     steady = [r for r in train_records if r["step"] > start + 1 and r["tokens_per_second"]]
     tokens_per_second = float(np.mean([r["tokens_per_second"] for r in steady])) if steady else 0.0
-    summary = {
-        "steps": total,
-        "objective": objective.name,
-        "resumed_from": start,
-        "interruptions": interruptions,
-        "seconds": round(time.perf_counter() - started, 3),
-        "compile_seconds": round(compile_seconds, 3),
-        "tokens_per_second": round(tokens_per_second, 1),
-        "mfu": round(tokens_per_second * flops["per_token"] / flops["peak"], 4) if flops["peak"] else None,
-        "mfu_derivation": flops["derivation"],
-        "packed": feed.packed,
-        "fused_attention": fused,
-        "batch_shape": [k, feed.rows, feed.length],
-        "nonpad_fraction": round(slots[0] / slots[1], 4) if slots[1] else None,
-        "final_loss": float(np.mean([r["loss"] for r in window])),
-        "trainable_parameters": int(sum(np.prod(v.shape) for v in weights.values())),
-        "rows_per_step": cfg.batch_size * k,
-        "mesh": model.placement.describe(),
-        "remat": cfg.remat,
-        "loss_chunk_tokens": chunk,
-        "fit": chosen.record() if chosen else None,
-    }
+    summary = TrainSummary(
+        steps=total,
+        objective=objective.name,
+        resumed_from=start,
+        interruptions=interruptions,
+        seconds=round(time.perf_counter() - started, 3),
+        compile_seconds=round(compile_seconds, 3),
+        tokens_per_second=round(tokens_per_second, 1),
+        mfu=round(tokens_per_second * flops["per_token"] / flops["peak"], 4) if flops["peak"] else None,
+        mfu_derivation=flops["derivation"],
+        packed=feed.packed,
+        fused_attention=fused,
+        batch_shape=[k, feed.rows, feed.length],
+        nonpad_fraction=round(slots[0] / slots[1], 4) if slots[1] else None,
+        final_loss=float(np.mean([r["loss"] for r in window])),
+        trainable_parameters=int(sum(np.prod(v.shape) for v in weights.values())),
+        rows_per_step=cfg.batch_size * k,
+        mesh=model.placement.describe(),
+        remat=cfg.remat,
+        loss_chunk_tokens=chunk,
+        fit=chosen.record() if chosen else None,
+    )
     weights, opt_state = fetch((weights, opt_state))
     return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
 
