@@ -66,7 +66,7 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         _require_space(model, section, checkpoints, folder)
         rows = TokenTable(inputs["data"].file("train.arrow"))  # memory-mapped: rows are read as batches take them
         if section.rl is not None:
-            result = _train_grpo(model, rows, section, inputs, folder, checkpoints, pad_id, tracking)
+            result = _train_grpo(model, rows, section, inputs, folder, checkpoints, pad_id, tracking, restart)
             _write(folder, result, section, name)
             return
         evals = TokenTable(inputs["data"].file("eval.arrow"))
@@ -110,7 +110,7 @@ def _write(folder: Path, result, section: TrainSection, base_model: str) -> None
 
 
 def _train_grpo(model, rows, section: TrainSection, inputs: dict, folder: Path, checkpoints: Path, pad_id: int,
-                tracking: TrackingConfig):
+                tracking: TrackingConfig, restart: bool):
     """GRPO on the train split's prompts, scored by `rl.rewards` (`rollouts.train_grpo`)."""
     from jaxtune.data.templates import stop_ids
     from jaxtune.rewards import load_rewards
@@ -125,7 +125,7 @@ def _train_grpo(model, rows, section: TrainSection, inputs: dict, folder: Path, 
     log = TrainLog(folder / "log.jsonl", section.train.max_steps, section, tracking)
     try:
         result = rollouts.train_grpo(model, rows.input_ids, score, rewards.names, section.train, section.rl, pad_id,
-                                     eos, log, checkpoint_dir=checkpoints)
+                                     eos, log, checkpoint_dir=checkpoints, restart=restart)
         log.finish(result.summary)
     finally:
         log.close()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
+from jaxtune.errors import NonFiniteLoss
 from jaxtune.runtime.train import checkpoint, training
 from jaxtune.runtime.compiled import preference, steps
 from jaxtune.runtime.modeling import model as rt_model
@@ -65,7 +66,7 @@ def test_a_resumed_dpo_run_ends_where_an_uninterrupted_one_does(uninterrupted, t
 
 def test_the_nan_guard_stops_a_dpo_run_naming_the_step_and_the_kept_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(steps, "make_train_step", nan_loss_at(5))
-    with pytest.raises(training.NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
+    with pytest.raises(NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
         run(checkpoint_dir=tmp_path)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.errors import TrainingGaveUp, TrainingStopped
+from jaxtune.errors import NonFiniteLoss, TrainingGaveUp, TrainingStopped
 from jaxtune.runtime.train import checkpoint, training
 from jaxtune.runtime.measures import memory
 from jaxtune.runtime.compiled import steps
@@ -172,7 +172,7 @@ def nan_loss_at(call: int):
 
 def test_non_finite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(steps, "make_train_step", nan_loss_at(5))
-    with pytest.raises(training.NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
+    with pytest.raises(NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
         run(checkpoint_dir=tmp_path)
     assert (tmp_path / "step-00000004" / "weights.safetensors").is_file()
 
@@ -195,7 +195,7 @@ def test_non_finite_gradient_with_a_finite_loss_stops_the_run(tmp_path, monkeypa
         return optax.GradientTransformation(real.init, update)
 
     monkeypatch.setattr(steps, "make_optimizer", nan_in_one_gradient_at_step_5)
-    with pytest.raises(training.NonFiniteLoss, match=r"train step 5: loss \d+\.\d+, gradient norm nan.*step-00000004 \(kept\)"):
+    with pytest.raises(NonFiniteLoss, match=r"train step 5: loss \d+\.\d+, gradient norm nan.*step-00000004 \(kept\)"):
         run(checkpoint_dir=tmp_path)
     kept = checkpoint.complete(tmp_path)[-1]
     assert kept.name == "step-00000004"
