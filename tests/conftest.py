@@ -68,8 +68,8 @@ def tiny_model(family: str = "gemma3", layers: int = 2, sliding_window: int = 16
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.architectures import tiny_config
 
     shape = TinyModelConfig(architecture=family, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,

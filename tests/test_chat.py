@@ -26,11 +26,11 @@ import pytest
 from jaxtune.cli.chat import Conversation, Session, chat, open_session, prompt_ids, read_prompts, reply
 from jaxtune.cli.main import main
 from jaxtune.config import MeshConfig
-from jaxtune.runtime.devices.mesh import make_placement
-from jaxtune.runtime.modeling.model import to_jax
-from jaxtune.runtime.measures.parity import jax_logits, torch_greedy
 from jaxtune.runtime.decoding.sampling import Sampling, next_token
 from jaxtune.runtime.decoding.stream import StreamDecoder
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures.parity import jax_logits, torch_greedy
+from jaxtune.runtime.modeling.model import to_jax
 from tests.conftest import PAD, VOCAB, tiny_model
 
 QUESTION, FOLLOW_UP = "Yara has a silver book and Dara has a blue map. Who has the book?", "And who has the map?"

@@ -129,8 +129,8 @@ def test_architecture_and_optimizer_are_checked():
 
 
 def test_every_family_in_the_config_has_a_tiny_config():
-    from jaxtune.offline.architectures import FAMILIES
     from jaxtune.config import ARCHITECTURES
+    from jaxtune.offline.architectures import FAMILIES
 
     assert tuple(FAMILIES) == ARCHITECTURES
 

@@ -158,8 +158,8 @@ def test_doctor_on_a_lora_adapter_checks_the_model_merged_as_a_run_from_it_start
     from peft import PeftModel
     from safetensors.numpy import load_file
 
-    from jaxtune.config import config_from_dict, load_config
     from jaxtune.checks.doctor import as_trained
+    from jaxtune.config import config_from_dict, load_config
     from jaxtune.flows.finetune import pipeline
     from jaxtune.runtime.modeling.model import load_torch_model
     from jaxtune.tasks.stage import input_keys, stage_key

@@ -19,13 +19,12 @@ import pytest
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
-from jaxtune.host import accelerators
+from benchmarks.tpu import tpu_check
+from benchmarks.tpu import tpu_check_families as families
 from jaxtune.artifacts import ArtifactStore
 from jaxtune.config import OFFLINE
 from jaxtune.flows import finetune
-
-from benchmarks.tpu import tpu_check
-from benchmarks.tpu import tpu_check_families as families
+from jaxtune.host import accelerators
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,10 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from jaxtune.config import REMAT_SETTINGS
-
 from benchmarks.accelerator.shared import CONFIGS, DEFAULT_MODEL, Settings, build_weights
 from benchmarks.common.harness import RESULTS, ROOT, log, say
+from jaxtune.config import REMAT_SETTINGS
 
 # Parts (child processes) in the order they run, each with the seconds it needs on one H200 for the
 # Gemma 3 1B shape's first cases (from the run: jaxtune's first LoRA step 54 s at 8 x 512,

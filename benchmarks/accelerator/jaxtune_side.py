@@ -11,8 +11,16 @@ from pathlib import Path
 
 from benchmarks.accelerator import grpo
 from benchmarks.accelerator.jaxtune_model import COMPILING, monitor_compiling, open_benchmark_model
-from benchmarks.accelerator.shared import (Results, Settings, case_name, jax_memory, jaxtune_side, measure_cases, prompts,
-                                           train_batch)
+from benchmarks.accelerator.shared import (
+    Results,
+    Settings,
+    case_name,
+    jax_memory,
+    jaxtune_side,
+    measure_cases,
+    prompts,
+    train_batch,
+)
 from benchmarks.common.harness import log
 
 PROFILE_STEPS = 3  # steps profiled after a case's timed ones (--profile)
@@ -27,8 +35,8 @@ def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
     """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
     import os
 
-    from jaxtune.runtime.measures import flops
     from jaxtune.runtime.devices import compile_cache
+    from jaxtune.runtime.measures import flops
 
     results = Results(work, "jaxtune")
     monitor_compiling()
@@ -84,8 +92,8 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     import jax
     import numpy as np
 
-    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.train.packing import unpacked_segments
 
     rows, length = case

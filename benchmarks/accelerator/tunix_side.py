@@ -23,7 +23,7 @@ import types
 from pathlib import Path
 
 from benchmarks.accelerator.shared import RECIPES, Results, Settings, jax_memory, measure_cases, train_batch
-from benchmarks.common.harness import ROOT, log
+from benchmarks.common.harness import ROOT
 
 SITE_VARIABLE = "TUNIX_SITE"
 DEFAULT_SITE = ROOT / ".tunix-site"  # benchmarks/accelerator/tunix_wheels.sh install's default

@@ -26,9 +26,9 @@ TARGETS = ("v5e-1", "v5e-8", "v6e-1", "v5p-8", "h100", "h200")
 
 
 def row(recipe: Path, target: str, models: Path) -> str:
-    from jaxtune.config import load_config
     from jaxtune.checks.doctor import MEMORY_CHECK
     from jaxtune.checks.target_plan import plan_for_target
+    from jaxtune.config import load_config
     from tests.targets.recipes import checkpoint
 
     config = load_config(recipe)

@@ -33,11 +33,11 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxtune.config import load_config
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.devices import compile_cache, targets
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.modeling.model import attach_lora, to_jax
 
     parser = argparse.ArgumentParser()

@@ -258,15 +258,15 @@ def table(groups: list[dict]) -> str:
 
 def compile_step(recipe: Path, target_name: str, rows: int, length: int, attention_core: str | None,
                  scan_layers: bool = False):
-    from jaxtune.config import load_config
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime.measures import fit
+    from jaxtune.checks.target_plan import meta_model
+    from jaxtune.config import load_config
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.devices import targets
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import fit
+    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.modeling.model import to_jax
-    from jaxtune.checks.target_plan import meta_model
     from tests.targets.recipes import checkpoint
 
     config = load_config(recipe)

@@ -74,8 +74,8 @@ class JaxtuneTrainer:
 
     def __init__(self, model, lr: float = 1e-4):
         from jaxtune.config import TrainConfig
-        from jaxtune.runtime.measures import fit
         from jaxtune.runtime.compiled import steps
+        from jaxtune.runtime.measures import fit
 
         self.model, self.lr = model, lr
         cfg = TrainConfig(learning_rate=lr, warmup_steps=0, lr_schedule="constant", max_steps=1000, max_grad_norm=1.0,

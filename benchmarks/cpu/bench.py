@@ -46,7 +46,11 @@ from benchmarks.cpu.compare_memory import bench_activation_memory_vs_eager  # no
 from benchmarks.cpu.compare_quant import bench_quantized_base  # noqa: E402
 from benchmarks.cpu.compare_rerun import bench_rerun_vs_first, child_rerun  # noqa: E402
 from benchmarks.cpu.compare_train import (  # noqa: E402
-    bench_mfu, bench_train_vs_recipe, bench_train_vs_torch_fp32, bench_train_vs_torch_fp32_same_shape)
+    bench_mfu,
+    bench_train_vs_recipe,
+    bench_train_vs_torch_fp32,
+    bench_train_vs_torch_fp32_same_shape,
+)
 from benchmarks.cpu.models import SKIP_SMOLLM2, model_label, smollm2_gguf  # noqa: E402
 
 COMPARISONS: dict[str, Callable[[Context], dict]] = {

@@ -13,8 +13,17 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common.generate import torch_generate
-from benchmarks.common.harness import (Context, entry, fastest, free_memory, log, rounds, skipped, torch_thread_counts,
-                                       torch_threads)
+from benchmarks.common.harness import (
+    Context,
+    entry,
+    fastest,
+    free_memory,
+    log,
+    rounds,
+    skipped,
+    torch_thread_counts,
+    torch_threads,
+)
 from benchmarks.cpu.models import SKIP_SMOLLM2, model_label, pad_id_of, real_model_folder, vocab_of
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
@@ -50,9 +59,9 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
 
     from jaxtune.config import MeshConfig
     from jaxtune.runtime.decoding import decode
+    from jaxtune.runtime.decoding.stream import StreamDecoder
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
-    from jaxtune.runtime.decoding.stream import StreamDecoder
 
     n, pad = ctx.decode_tokens, pad_id_of(folder)
     prompts = chat_prompts(folder, PROMPTS)
@@ -145,9 +154,9 @@ def bench_decode_vs_recipe(ctx: Context) -> dict:
     from jaxtune.config import MeshConfig
     from jaxtune.runtime.compat import torchax_env
     from jaxtune.runtime.decoding.decode import _cache_argument
+    from jaxtune.runtime.decoding.stream import StreamDecoder
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
-    from jaxtune.runtime.decoding.stream import StreamDecoder
 
     pad = pad_id_of(folder)
     prompt = chat_prompts(folder, [PROMPT])[0]

@@ -18,8 +18,8 @@ def bench_activation_memory_vs_eager(ctx: Context) -> dict:
     if folder is None:
         return {key: skipped(SKIP_SMOLLM2)}
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures import fit
 
     model = jaxtune_model(folder, "bfloat16", recipe_lora())
     optimizer = make_optimizer(TrainConfig(), 100)

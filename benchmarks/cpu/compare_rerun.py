@@ -42,11 +42,11 @@ def bench_rerun_vs_first(ctx: Context) -> dict:
 
 def child_rerun(directory: str, max_steps: int) -> None:
     """(child) Start Prefect's temporary server with a trivial flow, then run the offline flow twice."""
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
     from prefect import flow
 
     import jaxtune.runtime  # noqa: F401  heavy imports before timing: the first run is charged only its work
-    import peft  # noqa: F401
-    import transformers  # noqa: F401
     from jaxtune.config import load_config
     from jaxtune.flows.finetune import finetune
 

@@ -8,11 +8,35 @@ import statistics
 import time
 from typing import Callable
 
-from benchmarks.common.harness import (Context, entry, fastest, free_memory, log, machine_info, matmul_run, rounds, say,
-                                       skipped, torch_thread_counts, torch_threads)
+from benchmarks.common.harness import (
+    Context,
+    entry,
+    fastest,
+    free_memory,
+    log,
+    machine_info,
+    matmul_run,
+    rounds,
+    say,
+    skipped,
+    torch_thread_counts,
+    torch_threads,
+)
 from benchmarks.common.train_step import JaxtuneTrainer, TorchTrainer, api_state, micro_batch, with_segments
-from benchmarks.cpu.models import (IGNORE_INDEX, SKIP_SMOLLM2, dolly_rows, jaxtune_model, model_label, pad_id_of,
-                                   real_model_folder, recipe_lora, right_pad, torch_batch, torch_lora_model, vocab_of)
+from benchmarks.cpu.models import (
+    IGNORE_INDEX,
+    SKIP_SMOLLM2,
+    dolly_rows,
+    jaxtune_model,
+    model_label,
+    pad_id_of,
+    real_model_folder,
+    recipe_lora,
+    right_pad,
+    torch_batch,
+    torch_lora_model,
+    vocab_of,
+)
 from benchmarks.cpu.training import PackedJaxtune, PaddedTorch, jaxtune_packed_training, matmul_n, training_rows
 
 

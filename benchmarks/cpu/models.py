@@ -60,8 +60,8 @@ def demo_torch_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import load_config
+    from jaxtune.offline.architectures import tiny_config
 
     shape = load_config().model.tiny
     config = tiny_config(shape.architecture, shape, shape.vocab_size, 0, 2, 1)

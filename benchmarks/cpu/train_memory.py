@@ -80,9 +80,9 @@ def child(data: Path, model_folder: Path, steps: int) -> None:
     """What the train stage does with its inputs, for `steps` steps; prints its figures as one JSON line."""
     from jaxtune.config import load_config
     from jaxtune.data.token_table import TokenTable
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.train import training
-    from jaxtune.runtime.devices.mesh import make_placement
 
     config = load_config(None, [f"train.max_steps={steps}", "train.eval_every=null", "train.log_every=5",
                                 "train.warmup_steps=1"])

@@ -6,14 +6,22 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Callable
 
 import numpy as np
 
 from benchmarks.common.harness import Context, free_memory, log, matmul_run, rounds, torch_threads
 from benchmarks.common.train_step import JaxtuneTrainer, TorchTrainer, api_state, micro_batch
-from benchmarks.cpu.models import (dolly_rows, jaxtune_model, pad_id_of, real_model_folder, recipe_lora, right_pad,
-                                   torch_batch, torch_lora_model, vocab_of)
+from benchmarks.cpu.models import (
+    dolly_rows,
+    jaxtune_model,
+    pad_id_of,
+    real_model_folder,
+    recipe_lora,
+    right_pad,
+    torch_batch,
+    torch_lora_model,
+    vocab_of,
+)
 
 
 def training_rows(ctx: Context):

@@ -94,9 +94,9 @@ def prepared(family: str):
     rows, the padded batch with its labels) for `family`."""
     import torch
 
-    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.compiled.batches import pad_batch
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling import model as rt_model
 
     module = tiny_lora_module(family)
     bf16 = copy.deepcopy(module).to(torch.bfloat16)

@@ -49,8 +49,8 @@ class Diagnosis:
 
 def diagnose(name: str, config: JaxtuneConfig, revision: str | None = None, tokens: int = 48) -> Diagnosis:
     """Logits, loss, gradients and greedy tokens on JAX vs PyTorch; sizes and XLA's memory plan."""
-    from jaxtune.runtime.measures import parity
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import parity
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
     module = load_torch_model(name, revision, config.model.trust_remote_code, "float32")
@@ -157,9 +157,9 @@ def train_objective(config: JaxtuneConfig):
 
 def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]:
     """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
-    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
     dtype = config.model.model_copy(update={"name": name}).compute_dtype

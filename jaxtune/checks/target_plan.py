@@ -19,9 +19,20 @@ import copy
 import functools
 from pathlib import Path
 
+from jaxtune.checks.doctor import (
+    DECODE_CHECK,
+    EVAL_CHECK,
+    MEMORY_CHECK,
+    Diagnosis,
+    Row,
+    as_trained,
+    fit_row,
+    part_rows,
+    size_text,
+    train_length,
+    train_objective,
+)
 from jaxtune.config import JaxtuneConfig
-from jaxtune.checks.doctor import (DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, fit_row, part_rows,
-                            size_text, train_length, train_objective)
 from jaxtune.errors import DoctorError
 
 MAX_SLICES_TRIED = 3  # each is a compile of the whole step: minutes for a real model
@@ -33,8 +44,8 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
     unknown or cannot be compiled for here (both found before the model is read). When the train
     step does not fit, the larger slices of the same chip are compiled in turn, the smallest that
     fits named. `train_only`: leave out the eval and decode steps (each another compile)."""
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.devices import targets
+    from jaxtune.runtime.measures import memory
 
     target = targets.resolve(target_name)
     devices = targets.devices(target)
@@ -66,9 +77,9 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
     """(the memory plan of the step on `devices` with `mesh`, its `fit.Fit` under "fit", None), or
     (None, {"mesh", "message"}) when XLA:TPU refuses it for want of memory (with train.remat auto:
     every way `fit.choose` tries)."""
-    from jaxtune.runtime.measures import fit, memory
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import fit, memory
     from jaxtune.runtime.modeling.model import to_jax
 
     try:
@@ -92,8 +103,8 @@ def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int)
     step on each larger slice of the chip in turn, its parameters split over every device (fsdp
     where the batch divides, else tensor); None when none of the first few does."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.devices import targets
+    from jaxtune.runtime.measures import memory
 
     for name in targets.larger_slices(target, devices)[:MAX_SLICES_TRIED]:
         candidate = targets.resolve(name)
@@ -130,9 +141,9 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
 
 def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
     """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.decoding import decode
     from jaxtune.runtime.devices import compile_cache
-    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
 

@@ -38,9 +38,9 @@ def quiet_loading() -> None:
 def open_session(source: str, store_root: str, max_new_tokens: int, seed: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0) -> Session:
     """Open `source` (see `model_source.open_source`) with a decoder that stops at the end of a turn."""
+    from jaxtune.cli.model_source import open_source
     from jaxtune.data.templates import stop_ids
     from jaxtune.data.tokenize import pad_id_of
-    from jaxtune.cli.model_source import open_source
     from jaxtune.runtime.decoding.sampling import Sampling
     from jaxtune.runtime.decoding.stream import StreamDecoder
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from jaxtune.tracking import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
+from jaxtune.tracking import ui
 
 
 def _size(n: float) -> str:

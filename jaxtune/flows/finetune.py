@@ -37,19 +37,32 @@ from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Crashed, State
 
-from jaxtune.tracking import ui
-from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.config import OFFLINE, JaxtuneConfig, load_config, names_recipe
 from jaxtune.errors import ConfigError, TrainingStopped
 from jaxtune.flows import browse
-from jaxtune.tasks import (BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf,
-                           merge_adapter, quantize_base, reference, report, tokenize, train)
+from jaxtune.host import processes
+from jaxtune.tasks import (
+    BUILD_STAGES,
+    STAGES,
+    build_model,
+    build_tokenizer,
+    evaluate,
+    export,
+    generate,
+    import_gguf,
+    merge_adapter,
+    quantize_base,
+    reference,
+    report,
+    tokenize,
+    train,
+)
 from jaxtune.tasks.downloads import retry_options
 from jaxtune.tasks.sources import ADAPTER, GGUF, adapter_base, dataset_refs, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
-from jaxtune.tracking import mlflow_run
+from jaxtune.tracking import mlflow_run, ui
 
 Stage = Literal[STAGES]
 STAGE_NOTE = "in stage "  # the note a stage's error carries out of the flow

@@ -17,10 +17,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed
 
-from jaxtune.tracking import ui
 from jaxtune.config import OFFLINE
 from jaxtune.errors import ConfigError
 from jaxtune.flows.finetune import load_recipe
+from jaxtune.tracking import ui
 
 
 def _run_name() -> str:

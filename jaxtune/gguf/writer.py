@@ -31,7 +31,6 @@ from jaxtune.errors import ModelError, first_line
 from jaxtune.gguf.reader import tensor_reader
 
 
-
 def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path:
     """Write the model of HF folder `folder` to `path` as GGUF, its matrices stored as `qtype`."""
     return write_ggufs(folder, {qtype: path})[0]

@@ -23,8 +23,8 @@ import signal
 import time
 from collections.abc import Iterator
 
-from jaxtune.host import processes
 from jaxtune.errors import TrainingStopped
+from jaxtune.host import processes
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

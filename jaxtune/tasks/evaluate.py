@@ -125,8 +125,8 @@ def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: 
     and each pair's figures (`inference.per_pair`)."""
     import numpy as np
 
-    from jaxtune.runtime.decoding.inference import _loss_summary, _per_category, per_pair, row_nll, summarize_pairs
     from jaxtune.runtime.compiled.preference import objective_of
+    from jaxtune.runtime.decoding.inference import _loss_summary, _per_category, per_pair, row_nll, summarize_pairs
     from jaxtune.tasks.reference import read_reference
 
     nll, count = row_nll(model, table.input_ids, table.labels, section.eval.batch_size, pad_id)

@@ -9,12 +9,12 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from jaxtune.tracking import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
 from jaxtune.records import TrainSummary
+from jaxtune.tasks import rl_report
 from jaxtune.tasks.hardest import HARDEST, hardest_examples, hardest_lines
 from jaxtune.tasks.stage import build_artifact
-from jaxtune.tasks import rl_report
+from jaxtune.tracking import ui
 from jaxtune.tracking.curves import plot_loss, plot_rewards
 
 STAGE = "report"

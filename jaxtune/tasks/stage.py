@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore, artifact_key
 from jaxtune.artifacts.code import code_identity
 from jaxtune.artifacts.locks import StoreLocks
+from jaxtune.host import processes
 
 
 def input_keys(inputs: Mapping[str, ArtifactRef | None]) -> dict[str, str]:

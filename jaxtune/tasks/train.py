@@ -8,18 +8,26 @@ import shutil
 from pathlib import Path
 
 import yaml
-
 from prefect import get_run_logger, task
 
-from jaxtune.tracking import ui
-from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
-from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, RLConfig, Section, TrackingConfig,
-                            TrainConfig, without_credentials)
+from jaxtune.config import (
+    LoraConfig,
+    MeshConfig,
+    ModelConfig,
+    PreferenceConfig,
+    RLConfig,
+    Section,
+    TrackingConfig,
+    TrainConfig,
+    without_credentials,
+)
 from jaxtune.errors import first_line
+from jaxtune.host import processes
 from jaxtune.records import TrainSummary
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
+from jaxtune.tracking import ui
 
 STAGE = "train"
 
@@ -52,10 +60,10 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
 
     def build(folder: Path) -> None:
         from jaxtune.data.token_table import TokenTable
+        from jaxtune.runtime.compiled.preference import objective_of
+        from jaxtune.runtime.devices.mesh import make_placement
         from jaxtune.runtime.modeling import model as rt_model
         from jaxtune.runtime.train import training
-        from jaxtune.runtime.devices.mesh import make_placement
-        from jaxtune.runtime.compiled.preference import objective_of
         from jaxtune.tasks.reference import read_reference
         from jaxtune.tasks.trained import held_base
 
@@ -138,9 +146,9 @@ def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path
     import jax
 
     from jaxtune.artifacts.space import require_free
-    from jaxtune.runtime.train import checkpoint
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.measures.memory import tree_bytes
+    from jaxtune.runtime.train import checkpoint
 
     state = tree_bytes(model.weights) + tree_bytes(jax.eval_shape(steps.make_optimizer(section.train).init, model.weights))
     copies = 1 if section.train.max_steps is not None and section.train.checkpoint_every >= section.train.max_steps \

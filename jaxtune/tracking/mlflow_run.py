@@ -19,8 +19,8 @@ from pathlib import Path
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import JaxtuneConfig, without_credentials
-from jaxtune.host.environment import temporary_environment
 from jaxtune.errors import first_line
+from jaxtune.host.environment import temporary_environment
 
 KEY_TAG = "jaxtune.run_key"
 CHECK_SECONDS = 3.0  # the reachability check before anything is logged

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.artifacts.code import LIBRARIES, code_digest, code_identity, library_versions, module_digests, source_digest
+from jaxtune.artifacts.code import (
+    LIBRARIES,
+    code_digest,
+    code_identity,
+    library_versions,
+    module_digests,
+    source_digest,
+)
 
 pytestmark = pytest.mark.cache
 

@@ -95,9 +95,9 @@ def test_a_mesh_larger_than_the_devices_is_refused(jaxtune):
 ])
 def test_the_mesh_is_checked_against_the_devices_and_every_batch_over_data_x_fsdp(settings, devices, message):
     """Unit-level: preflight.check_mesh on a config, with a device count instead of devices."""
+    from jaxtune.checks.preflight import check_mesh
     from jaxtune.config import load_config
     from jaxtune.errors import ConfigError
-    from jaxtune.checks.preflight import check_mesh
 
     batches = lambda rows: [f"{stage}.batch_size={n}" for stage, n in zip(("train", "eval", "generate"), rows)]  # noqa: E731
     mesh = [f"mesh.{axis}={size}" for axis, size in settings.items()]

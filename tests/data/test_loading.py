@@ -9,8 +9,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from jaxtune.config import DataConfig, SourceConfig

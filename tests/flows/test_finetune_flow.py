@@ -116,8 +116,8 @@ def test_a_plan_larger_than_the_device_stops_training_before_step_1(store, first
     """The train stage reads XLA's memory plans (9.2 MiB peak here) of the step it will call, before
     calling it; on a device of 1 MiB (faked: the CPU reports no limit) train.remat auto tries every
     policy, then every split of the batch, and stops, naming what would fit."""
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures import memory
 
     def no_step(*args, **kwargs):  # the plan compiles the step from shapes alone (`steps.shared_train_step`)
         def step(*inputs):

@@ -47,8 +47,8 @@ def save_tiny_gemma3(folder: Path, texts: list[str], layers: int = 6, sliding_wi
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.architectures import tiny_config
 
     tokenizer = save_spm_tokenizer(folder, texts)
     vocab = len(tokenizer)

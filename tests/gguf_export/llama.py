@@ -11,8 +11,8 @@ def save_tiny_llama(folder: Path, texts: list[str], hidden_size: int, num_attent
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.architectures import tiny_config
     from jaxtune.offline.tokenizer import train_tokenizer
 
     train_tokenizer(texts, 300, folder)

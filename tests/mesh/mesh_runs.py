@@ -34,8 +34,8 @@ def tiny_llama():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.architectures import tiny_config
 
     shape = TinyModelConfig(architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
@@ -141,12 +141,12 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
     import numpy as np
 
     from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-    from jaxtune.runtime.train import training
-    from jaxtune.runtime.measures import memory
-    from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.train import training
 
     data, fsdp, tensor = sizes
     placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
@@ -236,8 +236,8 @@ def overridden(sizes: tuple[int, int, int]) -> dict:
     """The tiny Llama placed (nothing trained) on a mesh of `sizes` with OVERRIDES in its config:
     {weight: its jax.Array's spec and per-device shape}."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling import model as rt_model
 
     data, fsdp, tensor = sizes
     placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor, shardings=OVERRIDES))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.host import launch
 from jaxtune.cli.main import main
+from jaxtune.host import launch
 
 pytestmark = pytest.mark.mesh
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactStore
 from jaxtune.config import MeshConfig
+from jaxtune.host import processes
 from jaxtune.tasks.stage import build_artifact
 
 pytestmark = pytest.mark.mesh

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from jaxtune.config import ARCHITECTURES, LoraConfig, MeshConfig
-from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.measures import parity
-from jaxtune.runtime.decoding import inference
 from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.decoding import inference
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import parity
+from jaxtune.runtime.modeling import model as rt_model
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity

@@ -13,10 +13,10 @@ def losses(sizes: tuple[int, int, int]) -> list[float]:
     import numpy as np
 
     from jaxtune.config import LoraConfig, MeshConfig
-    from jaxtune.runtime.modeling import model as rt_model
-    from jaxtune.runtime.train import training
     from jaxtune.runtime.decoding.inference import row_nll
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.train import training
     from tests.conftest import PAD, tiny_model
     from tests.preference.test_pair_step import pair_rows
     from tests.preference.test_pair_training import CFG, DPO

@@ -36,11 +36,11 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.compiled import preference, steps
-from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.decoding.inference import row_nll
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train.feed import make_feed
 from tests.conftest import EOS, PAD, VOCAB, tiny_model
 
 pytestmark = [pytest.mark.preference,

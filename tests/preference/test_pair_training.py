@@ -10,11 +10,11 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
 from jaxtune.errors import NonFiniteLoss
-from jaxtune.runtime.train import checkpoint, training
 from jaxtune.runtime.compiled import preference, steps
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.decoding.inference import row_nll
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train import checkpoint, training
 from tests.conftest import PAD, tiny_model
 from tests.preference.test_pair_step import pair_rows
 from tests.training.test_loop import Killed, nan_loss_at, stops_after

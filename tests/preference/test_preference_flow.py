@@ -7,7 +7,6 @@ import math
 import shutil
 
 import numpy as np
-
 import pytest
 
 from jaxtune.data.rows import OFFLINE_PAIRS

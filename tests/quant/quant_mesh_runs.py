@@ -16,10 +16,10 @@ def run(sizes: tuple[int, int, int]) -> dict:
     import numpy as np
 
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.measures import parity
-    from jaxtune.runtime.modeling import quantize
-    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import parity
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.modeling import quantize
     from tests.quant.test_quantized_base import batch, lora_model
 
     data, fsdp, tensor = sizes

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from jaxtune.gguf import blocks as gguf_blocks
 from jaxtune.config import MeshConfig
+from jaxtune.gguf import blocks as gguf_blocks
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.measures import parity
 from jaxtune.runtime.modeling import quantize
-from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling.model import to_jax
 
 pytestmark = pytest.mark.quant

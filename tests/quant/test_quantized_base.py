@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from jaxtune.config import LoraConfig, MeshConfig
-from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.measures import parity
-from jaxtune.runtime.modeling import quantize
 from jaxtune.runtime.devices.mesh import make_placement
-from tests.conftest import PAD, VOCAB, tiny_model
+from jaxtune.runtime.measures import parity
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.modeling import quantize
+from tests.conftest import VOCAB, tiny_model
 
 pytestmark = pytest.mark.quant
 SCHEMES = ("int8", "int4", "nf4")

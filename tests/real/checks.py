@@ -80,8 +80,8 @@ def tokenizer_of(checkpoint: Checkpoint):
 
 def lora_model(checkpoint: Checkpoint):
     """The float32 model with random-B LoRA on every linear layer, on JAX (`doctor`'s set-up)."""
-    from jaxtune.config import load_config
     from jaxtune.checks.doctor import as_trained
+    from jaxtune.config import load_config
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
@@ -154,8 +154,8 @@ def check_gguf_export(export: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxtune.runtime.measures import parity
     from jaxtune.gguf.reader import parsed_once
+    from jaxtune.runtime.measures import parity
 
     def load(folder, gguf_file=None):
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()

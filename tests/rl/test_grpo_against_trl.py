@@ -28,9 +28,16 @@ from jaxtune.config import RLConfig
 from jaxtune.runtime.compiled import grpo, preference, steps
 from jaxtune.runtime.modeling import model as rt_model
 from tests.conftest import EOS, PAD, VOCAB
+
 # The preference tests' tiny LoRA Llama (random B), its JAX copy and their word-level tokenizer.
-from tests.preference.test_against_trl import (assert_same_gradients, jax_model, lora_module,  # noqa: F401
-                                               tokenizer, torch_grads, trl_args)
+from tests.preference.test_against_trl import (  # noqa: F401
+    assert_same_gradients,
+    jax_model,
+    lora_module,
+    tokenizer,
+    torch_grads,
+    trl_args,
+)
 
 pytestmark = [pytest.mark.rl,
               pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning")]

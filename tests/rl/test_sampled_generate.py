@@ -53,9 +53,9 @@ def test_the_first_token_follows_the_tempered_top_k_distribution(model):
     model's own forward pass. The total variation distance of an empirical distribution of 2,048
     draws over 4 outcomes is about 0.02 by chance; a wrong temperature or top-k moves it past 0.1."""
     import jax.numpy as jnp
+    from torchax import interop
 
     from jaxtune.runtime.modeling.forward import forward_logits
-    from torchax import interop
 
     sampling = Sampling(temperature=0.7, top_k=4)
     drawn = generate(model, 2048, 1, sampling, seed=0)[:, 0]

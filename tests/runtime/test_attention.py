@@ -13,12 +13,12 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.data.tokenize import IGNORE_INDEX
-from jaxtune.runtime.train import packing
 from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.modeling.forward import forward_token_nll
-from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.train import packing
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity

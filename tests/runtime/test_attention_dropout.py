@@ -10,9 +10,9 @@ import pytest
 
 from jaxtune.config import MeshConfig
 from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity

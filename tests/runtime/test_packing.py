@@ -8,8 +8,15 @@ import pytest
 
 from jaxtune.data.tokenize import IGNORE_INDEX as X
 from jaxtune.runtime.compiled.batches import bucket_length, epoch_order, pad_batch, train_batches
-from jaxtune.runtime.train.packing import (PackedShape, micro_batches_per_epoch, nonpad_fraction, pack, packed_micro_batches,
-                                     packed_shape, unpacked_segments)
+from jaxtune.runtime.train.packing import (
+    PackedShape,
+    micro_batches_per_epoch,
+    nonpad_fraction,
+    pack,
+    packed_micro_batches,
+    packed_shape,
+    unpacked_segments,
+)
 
 pytestmark = pytest.mark.training
 
@@ -184,7 +191,6 @@ def test_on_a_tpu_every_micro_batch_is_a_multiple_of_splash_tiles_and_holds_the_
     from jaxtune.config import TrainConfig
     from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.train.feed import make_feed
-
     from tests.conftest import tiny_model
 
     module = tiny_model("llama")

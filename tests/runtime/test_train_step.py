@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
 from tests.conftest import VOCAB, tiny_model
 
 

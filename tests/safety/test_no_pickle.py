@@ -17,7 +17,6 @@ The checks run on snippets first, so a scanner that finds nothing would fail her
 from __future__ import annotations
 
 import ast
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 

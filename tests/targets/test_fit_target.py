@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 
-from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.devices import targets
+from jaxtune.runtime.measures import fit, memory
 
 pytestmark = pytest.mark.target
 
@@ -25,11 +25,11 @@ SETTINGS = ["train.batch_size=4", f"data.max_length={LENGTH}"]
 def planned(tiny_folder):
     """(config, model on one compile-only v5e, {(policy, rows): bytes its XLA:TPU plan needs}) at 4 x LENGTH
     for every policy, and layer at 2 rows a micro-batch (2 micro-batches)."""
-    from jaxtune.config import config_from_dict
     from jaxtune.checks.doctor import as_trained
+    from jaxtune.checks.target_plan import meta_model
+    from jaxtune.config import config_from_dict
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
-    from jaxtune.checks.target_plan import meta_model
 
     config = config_from_dict({}, SETTINGS)  # as `jaxtune doctor --set` reads them
     dtype = config.model.model_copy(update={"name": str(tiny_folder)}).compute_dtype

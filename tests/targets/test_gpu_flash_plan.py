@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtune.runtime.modeling import attention, gpu_flash
 from jaxtune.runtime.devices import targets
 from jaxtune.runtime.devices.mesh import lowering
+from jaxtune.runtime.modeling import attention, gpu_flash
 from jaxtune.runtime.modeling.remat import tied_checkpoint
 
 pytestmark = pytest.mark.target

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.analysis import step_hlo
 from jaxtune.config import load_config
 from jaxtune.runtime.devices import targets
-
-from benchmarks.analysis import step_hlo
 
 pytestmark = pytest.mark.target
 
@@ -30,11 +29,11 @@ def gemma_vocabulary_folder(tmp_path_factory):
 
 def _breakdown(folder, target: str) -> tuple[dict, object]:
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.measures.flops import train_flops_per_token
-    from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.modeling.model import to_jax
     from jaxtune.checks.target_plan import meta_model
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures.flops import train_flops_per_token
+    from jaxtune.runtime.modeling.model import to_jax
 
     config = load_config(None, [f"lora.r={RANK}", "lora.modules_to_save=[]",  # the Gemma recipe's LoRA: a frozen head
                                 "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"])

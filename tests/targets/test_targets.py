@@ -72,9 +72,9 @@ def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, mon
 
 def _placed_model(folder, settings, target_name):
     from jaxtune.checks.doctor import as_trained
+    from jaxtune.checks.target_plan import meta_model
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
-    from jaxtune.checks.target_plan import meta_model
 
     config = load_config(None, settings)
     placement = make_placement(config.mesh, targets.devices(targets.resolve(target_name)))
@@ -98,8 +98,8 @@ def aligned_folder(tmp_path_factory):
 def _argument_bytes(folder, method: str, mesh: list[str], target: str = "v5e:2x2") -> tuple[int, int]:
     """(the compiler's argument bytes per device of the train step on `target`, the bytes of what
     placement gives one device: weights, frozen tensors, optimizer state, batch rows, key and rate)."""
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures import memory
 
     config, model = _placed_model(folder, [f"train.method={method}", "train.batch_size=32", "lora.r=128", *mesh], target)
     optimizer = steps.make_optimizer(config.train)
@@ -151,9 +151,9 @@ def test_the_eval_and_decode_steps_compile_for_v5e_2x2_holding_the_weight_shards
     """Their arguments are the weights as placed (a quarter of each matrix on fsdp=4), the frozen
     tensors, and the batch: eval rows split over the four devices, prompts whole (data=1 does not
     split them). Within 2,332 bytes, as the train step (XLA:TPU's tiles for the 1-D norms)."""
-    from jaxtune.runtime.measures import memory
-    from jaxtune.runtime.decoding import decode
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.decoding import decode
+    from jaxtune.runtime.measures import memory
 
     config, model = _placed_model(aligned_folder, ["train.method=full", *FSDP4], "v5e:2x2")
     weights = memory.device_bytes(model.weights) + memory.device_bytes(model.buffers)
@@ -239,9 +239,9 @@ def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figur
     named = re.match(r"(v5e-\d+) fits: (\d+\.\d+) GiB of 15\.75 GiB per device with (mesh\.data=1, mesh\.fsdp=\d+, mesh\.tensor=\d+) \(compiled\)", advice)
     assert named and "train.optimizer=adafactor" in advice, advice
     # The slice it names, on the mesh it names, plans the same train step within the chip's HBM.
-    from jaxtune.config import config_from_dict
     from jaxtune.checks.doctor import render
     from jaxtune.checks.target_plan import plan_for_target
+    from jaxtune.config import config_from_dict
 
     settings = ["train.method=full", "train.batch_size=1", "data.max_length=16", *named[3].split(", ")]
     again = plan_for_target(str(tmp_path), config_from_dict({}, settings), named[1], train_only=True)  # as the doctor reads --set
@@ -267,8 +267,8 @@ def test_target_alone_plans_for_the_configs_plan_target_which_no_stage_key_hashe
 def test_a_gguf_files_header_gives_the_meta_model_without_reading_its_tensors(tmp_path):
     """SmolLM2-135M's GGUF file (pip-installed): the architecture and every shape from its header,
     on the meta device, so planning a quantized checkpoint dequantizes nothing."""
-    from jaxtune.offline.checkpoints import place_smollm2
     from jaxtune.checks.target_plan import meta_model
+    from jaxtune.offline.checkpoints import place_smollm2
 
     module = meta_model(str(place_smollm2(tmp_path)), None, False, "bfloat16")
     config = module.config

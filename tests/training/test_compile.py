@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime.train import training
 from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.devices import compile_cache, executables
-from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train import training
+from jaxtune.runtime.train.feed import make_feed
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.training
@@ -89,8 +89,8 @@ def compiled(caplog, name: str, run) -> int:
 
 
 def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(caplog):
-    from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.compiled.batches import bucket_length
+    from jaxtune.runtime.decoding import inference
 
     model = lora_model()
     ids, labels = rows()

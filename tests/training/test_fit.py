@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime.train import training
-from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.modeling import loss
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.train import training
 from tests.conftest import PAD, VOCAB, tiny_model
 from tests.mesh.bounds import RHO
 

@@ -10,11 +10,11 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.errors import NonFiniteLoss, TrainingGaveUp, TrainingStopped
-from jaxtune.runtime.train import checkpoint, training
-from jaxtune.runtime.measures import memory
 from jaxtune.runtime.compiled import steps
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import memory
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train import checkpoint, training
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.training

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from jaxtune.config import MeshConfig, load_config
-from jaxtune.runtime.measures import memory
 from jaxtune.runtime.compiled import steps
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import memory
+from jaxtune.runtime.modeling import model as rt_model
 
 pytestmark = pytest.mark.training
 

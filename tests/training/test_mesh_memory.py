@@ -108,8 +108,8 @@ def test_describe_names_the_mesh():
 
 
 def test_the_doctor_shows_the_mesh_and_when_the_plan_does_not_fit_a_mesh_that_would():
-    from jaxtune.config import load_config
     from jaxtune.checks.doctor import Diagnosis, _memory_rows, render
+    from jaxtune.config import load_config
 
     config = load_config(None, ["train.method=full", "train.batch_size=8"])
     rows = _memory_rows({**DATA8, "device_limit": None}, config, "bfloat16")

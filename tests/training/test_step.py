@@ -8,10 +8,10 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig, load_config
 from jaxtune.errors import ConfigError
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.compiled import steps
-from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.train.training import total_steps
 from tests.conftest import PAD, VOCAB, tiny_model
 

@@ -19,10 +19,9 @@ import torch
 
 from jaxtune.config import TrainConfig
 from jaxtune.runtime.compiled import programs
+from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
 from jaxtune.runtime.modeling.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.modeling.model import JaxModel
-from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
-
 
 OPTIMIZER_SCOPE = "optimizer"  # the name scope of the step's update in its compiled op names
 

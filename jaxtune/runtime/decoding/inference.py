@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from jaxtune.runtime.decoding import decode
 from jaxtune.runtime.compiled import preference, steps
-from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.compiled.batches import bucket_length, pad_batch, row_lengths
-from jaxtune.runtime.devices.mesh import fetch
-from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.compiled.preference import Objective
+from jaxtune.runtime.decoding import decode
+from jaxtune.runtime.devices.mesh import fetch
+from jaxtune.runtime.modeling import attention
+from jaxtune.runtime.modeling.model import JaxModel
 
 
 def evaluate(

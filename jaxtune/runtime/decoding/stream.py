@@ -20,8 +20,8 @@ import numpy as np
 
 from jaxtune.runtime.compiled.batches import bucket_length
 from jaxtune.runtime.decoding.decode import _cached_forward, kv_shape, left_pad
-from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.decoding.sampling import Sampling, next_token
+from jaxtune.runtime.modeling.model import JaxModel
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxtune.host import processes
 from jaxtune.config import MeshConfig
+from jaxtune.host import processes
 
 
 def initialize(cfg: MeshConfig) -> None:

@@ -29,8 +29,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from jaxtune.host.environment import temporary_environment
 from jaxtune.errors import TargetError
+from jaxtune.host.environment import temporary_environment
 
 GiB = 2**30
 TPU_PLAN_EXTRA = "pip install 'jaxtune[tpu-plan]'"

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from jaxtune.runtime.decoding import decode
 from jaxtune.runtime.compiled import programs, steps
+from jaxtune.runtime.decoding import decode
 from jaxtune.runtime.modeling.model import JaxModel
 
 

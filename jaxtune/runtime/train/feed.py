@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime.train import packing
 from jaxtune.runtime.compiled.batches import bucket_length, pad_batch, train_batches
+from jaxtune.runtime.train import packing
 
 
 @dataclass(frozen=True)
