@@ -10,10 +10,21 @@ from pydantic import ValidationError
 
 from jaxtune.records import TrainSummary
 
-SFT = {"steps": 4, "objective": "sft", "resumed_from": 0, "seconds": 1.5, "final_loss": 2.25, "trainable_parameters": 96,
-       "mesh": "data=1 on 1 cpu device", "remat": "matmuls", "loss_chunk_tokens": 1024, "mfu": None,
-       "interruptions": [{"reached": 3, "resumed_from": 2, "lost_steps": 1, "stopped_by": "killed", "restart": False}],
-       "batch_shape": [1, 4, 64], "fit": None}
+SFT = {
+    "steps": 4,
+    "objective": "sft",
+    "resumed_from": 0,
+    "seconds": 1.5,
+    "final_loss": 2.25,
+    "trainable_parameters": 96,
+    "mesh": "data=1 on 1 cpu device",
+    "remat": "matmuls",
+    "loss_chunk_tokens": 1024,
+    "mfu": None,
+    "interruptions": [{"reached": 3, "resumed_from": 2, "lost_steps": 1, "stopped_by": "killed", "restart": False}],
+    "batch_shape": [1, 4, 64],
+    "fit": None,
+}
 
 
 def test_a_summary_writes_back_the_fields_its_writer_set_none_included_and_no_other(tmp_path):

@@ -56,8 +56,11 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
             tensors = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
         else:
             schemes = dict.fromkeys(quantize_base(module, section.scheme), section.scheme)
-            tensors = {f"{layer}.{field}": tensor.contiguous() for layer in schemes
-                       for field, tensor in module.get_submodule(layer).tensors().items()}
+            tensors = {
+                f"{layer}.{field}": tensor.contiguous()
+                for layer in schemes
+                for field, tensor in module.get_submodule(layer).tensors().items()
+            }
         save_file(tensors, str(folder / STORED))
         itemsize = torch.empty((), dtype=getattr(torch, section.dtype)).element_size()
         weights = sum(_weight_elements(module, layer) for layer in schemes)
@@ -72,10 +75,17 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
         }
         (folder / "quantize.json").write_text(json.dumps(info, indent=2))
         get_run_logger().info(
-            "%d linear layers held as %s: %.1f MiB, %.2fx of %.1f MiB in %s%s", len(schemes),
-            ", ".join(f"{n} {kind}" for kind, n in info["kinds"].items()), info["held_bytes"] / 2**20,
-            info["held_bytes"] / max(info["unquantized_bytes"], 1), info["unquantized_bytes"] / 2**20, section.dtype,
-            f"; {len(left)} left as float weights ({', '.join(sorted(set(left.values())))} blocks are not held)" if left else "")
+            "%d linear layers held as %s: %.1f MiB, %.2fx of %.1f MiB in %s%s",
+            len(schemes),
+            ", ".join(f"{n} {kind}" for kind, n in info["kinds"].items()),
+            info["held_bytes"] / 2**20,
+            info["held_bytes"] / max(info["unquantized_bytes"], 1),
+            info["unquantized_bytes"] / 2**20,
+            section.dtype,
+            f"; {len(left)} left as float weights ({', '.join(sorted(set(left.values())))} blocks are not held)"
+            if left
+            else "",
+        )
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)
 

@@ -26,8 +26,17 @@ def losses(sizes: tuple[int, int, int]) -> list[float]:
     model = rt_model.to_jax(module, make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor)))
     ids, labels = pair_rows(24, seed=5)
     reference = -row_nll(model, ids, labels, batch_size=8, pad_id=PAD, progress=False)[0].astype(np.float32)
-    result = training.train(model, ids, labels, CFG.model_copy(update={"checkpoint_every": 100}), PAD, 64,
-                            check_memory=False, objective=DPO, reference=(reference, None))
+    result = training.train(
+        model,
+        ids,
+        labels,
+        CFG.model_copy(update={"checkpoint_every": 100}),
+        PAD,
+        64,
+        check_memory=False,
+        objective=DPO,
+        reference=(reference, None),
+    )
     return [r["loss"] for r in result.log if "loss" in r]
 
 

@@ -20,8 +20,16 @@ from tests.preference.test_pair_step import pair_rows
 from tests.training.test_loop import Killed, nan_loss_at, stops_after
 
 pytestmark = [pytest.mark.preference, pytest.mark.training]
-CFG = TrainConfig(max_steps=6, batch_size=4, grad_accumulation=2, learning_rate=5e-3, warmup_steps=1, log_every=1,
-                  checkpoint_every=2, seed=3)
+CFG = TrainConfig(
+    max_steps=6,
+    batch_size=4,
+    grad_accumulation=2,
+    learning_rate=5e-3,
+    warmup_steps=1,
+    log_every=1,
+    checkpoint_every=2,
+    seed=3,
+)
 DPO = preference.Objective("dpo", PreferenceConfig(beta=0.5))
 
 
@@ -34,10 +42,23 @@ def run(checkpoint_dir=None):
     model = fresh_model()
     ids, labels = pair_rows(24, seed=5)
     eval_ids, eval_labels = pair_rows(4, seed=6)
-    reference = [-row_nll(model, i, l, batch_size=8, pad_id=PAD, progress=False)[0].astype(np.float32)
-                 for i, l in ((ids, labels), (eval_ids, eval_labels))]
-    return training.train(model, ids, labels, CFG, PAD, 64, eval_data=(eval_ids, eval_labels), check_memory=False,
-                          checkpoint_dir=checkpoint_dir, objective=DPO, reference=tuple(reference))
+    reference = [
+        -row_nll(model, i, l, batch_size=8, pad_id=PAD, progress=False)[0].astype(np.float32)
+        for i, l in ((ids, labels), (eval_ids, eval_labels))
+    ]
+    return training.train(
+        model,
+        ids,
+        labels,
+        CFG,
+        PAD,
+        64,
+        eval_data=(eval_ids, eval_labels),
+        check_memory=False,
+        checkpoint_dir=checkpoint_dir,
+        objective=DPO,
+        reference=tuple(reference),
+    )
 
 
 @pytest.fixture(scope="module")

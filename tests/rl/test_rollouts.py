@@ -55,12 +55,20 @@ def test_answers_keep_their_first_end_token_and_report_truncation():
 
 def test_the_reward_rises_and_every_figure_is_logged():
     model = lora_model()
-    cfg = TrainConfig(max_steps=16, batch_size=16, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant",
-                      weight_decay=0.0, log_every=1)
+    cfg = TrainConfig(
+        max_steps=16,
+        batch_size=16,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        lr_schedule="constant",
+        weight_decay=0.0,
+        log_every=1,
+    )
     rl = RLConfig(num_generations=4, max_completion_length=8, beta=0.02, num_iterations=2, loss_type="dapo")
     log: list[dict] = []
-    result = rollouts.train_grpo(model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend,
-                                 check_memory=True)
+    result = rollouts.train_grpo(
+        model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend, check_memory=True
+    )
     (plan,) = [r for r in log if "memory_plan" in r]  # the step was planned with its advantages, reference and old
     assert plan["memory_plan"]["shape"] == {"micro_batches": 1, "rows_per_device": 16, "length": 32}
     assert plan["memory_plan"]["activations_per_micro_batch"] > 0
@@ -88,12 +96,20 @@ def test_a_full_fine_tunes_reference_is_its_starting_weights():
         base.lm_head.weight.mul_(20.0)
     model = rt_model.to_jax(base, make_placement(MeshConfig()))
     start = {name: np.asarray(value) for name, value in model.weights.items()}
-    cfg = TrainConfig(method="full", max_steps=4, batch_size=8, learning_rate=1e-3, warmup_steps=0,
-                      lr_schedule="constant", weight_decay=0.0)
+    cfg = TrainConfig(
+        method="full",
+        max_steps=4,
+        batch_size=8,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        lr_schedule="constant",
+        weight_decay=0.0,
+    )
     rl = RLConfig(num_generations=4, max_completion_length=6, beta=0.1)
     log: list[dict] = []
-    result = rollouts.train_grpo(model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend,
-                                 check_memory=False)
+    result = rollouts.train_grpo(
+        model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend, check_memory=False
+    )
     kl = [r["kl"] for r in log if "loss" in r]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-4, kl
     changed = [name for name in start if not np.array_equal(start[name], result.weights[name])]
@@ -103,16 +119,39 @@ def test_a_full_fine_tunes_reference_is_its_starting_weights():
 def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
     """Killed after its step-2 checkpoint, a run started again resumes there: it samples step 3's
     answers from the same key with the same weights, so it ends with the same weights and log."""
-    cfg = TrainConfig(max_steps=4, batch_size=8, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant",
-                      checkpoint_every=2)
+    cfg = TrainConfig(
+        max_steps=4, batch_size=8, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant", checkpoint_every=2
+    )
     rl = RLConfig(num_generations=4, max_completion_length=6)
     whole: list[dict] = []
-    uninterrupted = rollouts.train_grpo(lora_model(), PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS],
-                                        on_log=whole.extend, checkpoint_dir=tmp_path, check_memory=False)
+    uninterrupted = rollouts.train_grpo(
+        lora_model(),
+        PROMPTS,
+        even_share,
+        ["even"],
+        cfg,
+        rl,
+        PAD,
+        [EOS],
+        on_log=whole.extend,
+        checkpoint_dir=tmp_path,
+        check_memory=False,
+    )
     assert [p.name for p in tmp_path.glob("step-*")] == ["step-00000002"]  # what a kill after step 2 leaves
     again: list[dict] = []
-    resumed = rollouts.train_grpo(lora_model(), PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS],
-                                  on_log=again.extend, checkpoint_dir=tmp_path, check_memory=False)
+    resumed = rollouts.train_grpo(
+        lora_model(),
+        PROMPTS,
+        even_share,
+        ["even"],
+        cfg,
+        rl,
+        PAD,
+        [EOS],
+        on_log=again.extend,
+        checkpoint_dir=tmp_path,
+        check_memory=False,
+    )
     assert resumed.summary.resumed_from == 2
     steps_of = lambda log: [(r["step"], r["reward"], r["loss"]) for r in log if "loss" in r]  # noqa: E731
     assert steps_of(again) == steps_of(whole)

@@ -70,4 +70,6 @@ def test_the_first_token_follows_the_tempered_top_k_distribution(model):
     seen = np.asarray([(drawn == t).mean() for t in top])
     assert 0.5 * np.abs(seen - expected).sum() < 0.05, (seen, expected)  # measured: 0.006
     untempered = np.exp(logits[top] - logits[top].max())
-    assert 0.5 * np.abs(seen - untempered / untempered.sum()).sum() > 0.1  # temperature 1 would not pass (measured: 0.13)
+    assert (
+        0.5 * np.abs(seen - untempered / untempered.sum()).sum() > 0.1
+    )  # temperature 1 would not pass (measured: 0.13)

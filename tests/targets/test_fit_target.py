@@ -54,8 +54,13 @@ def test_auto_on_a_compile_only_v5e_takes_the_first_policy_whose_plan_fits(plann
     config, model, needs = planned
     assert len({needs[(p, 4)] for p in fit.POLICIES}) == 3, "the policies plan alike: the test shows nothing"
     expected = next(p for p in fit.POLICIES if needs[(p, 4)] <= needs[(fitting, 4)])
-    chosen = fit.choose(model, steps.make_optimizer(config.train), config.train, lambda run: (None, LENGTH, 0),
-                        limit=fitting_exactly(needs[(fitting, 4)]))
+    chosen = fit.choose(
+        model,
+        steps.make_optimizer(config.train),
+        config.train,
+        lambda run: (None, LENGTH, 0),
+        limit=fitting_exactly(needs[(fitting, 4)]),
+    )
     assert (chosen.remat, chosen.split, chosen.chosen_by) == (expected, 1, "auto")
     assert [t["remat"] for t in chosen.tried] == list(fit.POLICIES[: fit.POLICIES.index(expected) + 1])
     assert chosen.plan["platform"] == "tpu" and fit._needed(chosen.plan) == needs[(expected, 4)]
@@ -68,8 +73,9 @@ def test_where_no_policy_fits_the_doctor_shows_the_split_auto_chose(planned, tin
     config, _, needs = planned
     smallest = min(needs[(p, 4)] for p in fit.POLICIES)
     assert needs[("layer", 2)] < smallest  # half the rows: half the activations
-    monkeypatch.setitem(targets.CHIPS, "v5e", dataclasses.replace(targets.CHIPS["v5e"],
-                                                                   hbm=fitting_exactly(needs[("layer", 2)])))
+    monkeypatch.setitem(
+        targets.CHIPS, "v5e", dataclasses.replace(targets.CHIPS["v5e"], hbm=fitting_exactly(needs[("layer", 2)]))
+    )
     diagnosis = plan_for_target(str(tiny_folder), config, "v5e-1", train_only=True)  # the doctor's train rows
     out = render(diagnosis)
     row = next(line for line in out.splitlines() if line.startswith("train step runs as"))

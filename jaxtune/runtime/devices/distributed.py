@@ -25,8 +25,10 @@ def initialize(cfg: MeshConfig) -> None:
         processes.join(cfg)
     except RuntimeError as error:
         if not jax.distributed.is_initialized():
-            error.add_note("join a multi-process job with jaxtune.host.processes.join(mesh config) before importing "
-                           "jaxtune.runtime, whose torchax set-up starts JAX's backend")
+            error.add_note(
+                "join a multi-process job with jaxtune.host.processes.join(mesh config) before importing "
+                "jaxtune.runtime, whose torchax set-up starts JAX's backend"
+            )
         raise
 
 

@@ -51,7 +51,9 @@ class JaxModel:
         return {name: value.to(self.casts[name]) if name in self.casts else value for name, value in weights.items()}
 
 
-def load_torch_model(name: str, revision: str | None, trust_remote_code: bool, dtype: str = "float32") -> PreTrainedModel:
+def load_torch_model(
+    name: str, revision: str | None, trust_remote_code: bool, dtype: str = "float32"
+) -> PreTrainedModel:
     """`from_pretrained` on CPU, torchax not involved; eager attention for exact parity across backends.
 
     `dtype` goes to `from_pretrained` alone: the process-wide torch default dtype is untouched.
@@ -93,7 +95,9 @@ def open_model(
     elif cfg.base_quantization in SCHEMES:
         quantize_base(module, cfg.base_quantization)
     elif cfg.base_quantization != "none":
-        raise ModelError(f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed")
+        raise ModelError(
+            f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed"
+        )
     weights = load_weights(trained) if trained is not None else None
     model = to_jax(module, placement, weights)
     model.scan_layers = cfg.scan_layers
@@ -118,8 +122,10 @@ def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
         return get_peft_model(model, peft_cfg)
     except NoMatchingPeftModuleError:  # no target matched, or only modules_to_save did
         targets = cfg.target_modules if isinstance(cfg.target_modules, str) else f"[{', '.join(cfg.target_modules)}]"
-        raise ModelError(f"lora.target_modules {targets} matches no layer of this model; its linear layers are: "
-                         f"{', '.join(linear_layer_names(model))} (or all-linear)") from None
+        raise ModelError(
+            f"lora.target_modules {targets} matches no layer of this model; its linear layers are: "
+            f"{', '.join(linear_layer_names(model))} (or all-linear)"
+        ) from None
 
 
 def adapters_off(weights: dict) -> dict:
@@ -137,8 +143,12 @@ def linear_layer_names(module: torch.nn.Module) -> list[str]:
     return [name for name in dict.fromkeys(names) if name != "lm_head"]
 
 
-def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None,
-           shapes_only: bool = False) -> JaxModel:
+def to_jax(
+    module: torch.nn.Module,
+    placement: Placement,
+    trained: dict[str, np.ndarray] | None = None,
+    shapes_only: bool = False,
+) -> JaxModel:
     """Split trainable from frozen tensors and place both on the mesh, each split as its name
     says (`jaxtune.runtime.devices.sharding`); `trained` overrides weights.
 
@@ -163,7 +173,9 @@ def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.
         buffers[name] = convert(buf, placement.parameter_sharding(name, tuple(buf.shape)))
     if trained is not None:
         _check_names(trained, weights)
-        weights = {name: placement.put(np.asarray(trained[name], np.float32), weights[name].sharding) for name in weights}
+        weights = {
+            name: placement.put(np.asarray(trained[name], np.float32), weights[name].sharding) for name in weights
+        }
     dtype = jnp.dtype(str(base.dtype).removeprefix("torch."))
     return JaxModel(module=module, weights=weights, buffers=buffers, placement=placement, dtype=dtype, casts=casts)
 
@@ -204,9 +216,7 @@ def _check_names(trained: dict[str, np.ndarray], expected: dict[str, jax.Array])
     missing = sorted(set(expected) - set(trained))
     extra = sorted(set(trained) - set(expected))
     if missing or extra:
-        raise ValueError(
-            f"trained weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
-        )
+        raise ValueError(f"trained weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
 
 
 def save_weights(weights: dict[str, np.ndarray], path: Path) -> None:

@@ -76,10 +76,17 @@ class TrainResult:
     memory: dict = field(default_factory=dict)
 
 
-def run(model: JaxModel, cfg: TrainConfig, source: Source, objective: Objective,
-        on_log: Callable[[list[dict]], None] = lambda records: None, checkpoint_dir: Path | None = None,
-        check_memory: bool = True, restart: bool = False,
-        evaluator: Callable[[TrainConfig], Callable[[dict], float]] | None = None) -> TrainResult:
+def run(
+    model: JaxModel,
+    cfg: TrainConfig,
+    source: Source,
+    objective: Objective,
+    on_log: Callable[[list[dict]], None] = lambda records: None,
+    checkpoint_dir: Path | None = None,
+    check_memory: bool = True,
+    restart: bool = False,
+    evaluator: Callable[[TrainConfig], Callable[[dict], float]] | None = None,
+) -> TrainResult:
     """Train for the source's total steps; resume from the newest checkpoint in `checkpoint_dir` if
     there is one. `restart`: this run was started automatically after a crash; it gives up
     (`TrainingGaveUp`) rather than train when the restarts before it are stuck (`GIVE_UP_AFTER`).
@@ -96,12 +103,20 @@ def run(model: JaxModel, cfg: TrainConfig, source: Source, objective: Objective,
         cfg = cfg.model_copy(update={"remat": fit.fixed(cfg.remat)})
     total = source.total_steps(cfg)
     if chosen is not None:  # with train.epochs, a split feed may count a step more or less than the configured one
-        on_log([{"memory_plan": plan, "total_steps": total,
-                 "message": f"{chosen.describe(asked)}; {memory.describe(plan)}"}])
+        on_log(
+            [
+                {
+                    "memory_plan": plan,
+                    "total_steps": total,
+                    "message": f"{chosen.describe(asked)}; {memory.describe(plan)}",
+                }
+            ]
+        )
         memory.check_fits(plan, asked)
     schedule = steps.learning_rate_schedule(cfg, total)
-    step_fn = steps.make_train_step(model, optimizer, remat=cfg.remat, fused=fused, objective=objective,
-                                    chunk_tokens=chunk)
+    step_fn = steps.make_train_step(
+        model, optimizer, remat=cfg.remat, fused=fused, objective=objective, chunk_tokens=chunk
+    )
     evaluate = evaluator(cfg) if evaluator is not None and cfg.eval_every else None
 
     weights, opt_state, start, log, last_checkpoint = resume(model, optimizer, checkpoint_dir, on_log)
@@ -119,28 +134,55 @@ def run(model: JaxModel, cfg: TrainConfig, source: Source, objective: Objective,
             stacked = model.placement.shard_micro_batches(batch)
             labels = stacked.pop("labels")
             update_began = time.perf_counter()
-            loss, weights, opt_state = step_fn(weights, model.buffers, opt_state, stacked, labels,
-                                               steps.step_key(cfg.seed, step), schedule(step - 1))
+            loss, weights, opt_state = step_fn(
+                weights, model.buffers, opt_state, stacked, labels, steps.step_key(cfg.seed, step), schedule(step - 1)
+            )
             pending.append((step, tokens, figures, loss, steps.grad_norm_of(opt_state)))
 
             # On a stop signal this step is the last: saved whatever its number, and not evaluated
             # (the notice's seconds go to the checkpoint; a resumed run starts after this step).
             stop, due = stops.after_step()
-            saving = checkpoint_dir is not None and (stop or (step < total and (step % cfg.checkpoint_every == 0 or due)))
+            saving = checkpoint_dir is not None and (
+                stop or (step < total and (step % cfg.checkpoint_every == 0 or due))
+            )
             evaluating = not stop and evaluate is not None and (step % cfg.eval_every == 0 or step == total)
-            if (source.every_step or step == start + 1 or step % cfg.log_every == 0 or step == total or saving
-                    or evaluating or stop):
+            if (
+                source.every_step
+                or step == start + 1
+                or step % cfg.log_every == 0
+                or step == total
+                or saving
+                or evaluating
+                or stop
+            ):
                 values = fetch([(loss_, norm) for *_, loss_, norm in pending])  # the host sync
                 now = time.perf_counter()
                 elapsed = now - window_start
                 if step == start + 1:  # the first call compiles: no tokens/s for it
                     compile_seconds, window_tokens = now - update_began, 0
                 timing = {"update_seconds": round(now - update_began, 4), "step_seconds": round(now - step_began, 4)}
-                rate = (tokens / (now - update_began) if source.every_step
-                        else window_tokens / elapsed if window_tokens else 0.0)
-                records = [_record(s, float(loss_), float(norm), t, schedule, rate, last_checkpoint, flops, f,
-                                   timing if source.every_step else {})
-                           for (s, t, f, *_), (loss_, norm) in zip(pending, values)]
+                rate = (
+                    tokens / (now - update_began)
+                    if source.every_step
+                    else window_tokens / elapsed
+                    if window_tokens
+                    else 0.0
+                )
+                records = [
+                    _record(
+                        s,
+                        float(loss_),
+                        float(norm),
+                        t,
+                        schedule,
+                        rate,
+                        last_checkpoint,
+                        flops,
+                        f,
+                        timing if source.every_step else {},
+                    )
+                    for (s, t, f, *_), (loss_, norm) in zip(pending, values)
+                ]
                 if checkpoint_dir is not None and processes.writes():  # at the syncs only, a file write; before
                     checkpoint.note_progress(checkpoint_dir, step)  # the log, so it never says less than the log
                 log += records
@@ -161,19 +203,39 @@ def run(model: JaxModel, cfg: TrainConfig, source: Source, objective: Objective,
                 raise stops.stopped(step, last_checkpoint if saving else None)
 
     summary = TrainSummary(
-        steps=total, objective=objective.name, resumed_from=start, interruptions=interruptions,
-        seconds=round(time.perf_counter() - started, 3), compile_seconds=round(compile_seconds, 3),
+        steps=total,
+        objective=objective.name,
+        resumed_from=start,
+        interruptions=interruptions,
+        seconds=round(time.perf_counter() - started, 3),
+        compile_seconds=round(compile_seconds, 3),
         trainable_parameters=int(sum(np.prod(v.shape) for v in weights.values())),
-        mesh=model.placement.describe(), remat=cfg.remat, loss_chunk_tokens=chunk,
-        fit=chosen.record() if chosen else None, **source.summary(log))
+        mesh=model.placement.describe(),
+        remat=cfg.remat,
+        loss_chunk_tokens=chunk,
+        fit=chosen.record() if chosen else None,
+        **source.summary(log),
+    )
     weights, opt_state = fetch((weights, opt_state))
     return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
 
 
-def _record(step: int, loss: float, grad_norm: float, tokens: int, schedule, tokens_per_second: float,
-            last_checkpoint: str | None, flops: dict | None, figures: dict, timing: dict) -> dict:
+def _record(
+    step: int,
+    loss: float,
+    grad_norm: float,
+    tokens: int,
+    schedule,
+    tokens_per_second: float,
+    last_checkpoint: str | None,
+    flops: dict | None,
+    figures: dict,
+    timing: dict,
+) -> dict:
     if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-        where = f"last good checkpoint: {last_checkpoint} (kept)" if last_checkpoint else "no checkpoint was written yet"
+        where = (
+            f"last good checkpoint: {last_checkpoint} (kept)" if last_checkpoint else "no checkpoint was written yet"
+        )
         raise NonFiniteLoss(f"train step {step}: loss {loss}, gradient norm {grad_norm}; {where}")
     record = {
         "step": step,
@@ -226,8 +288,15 @@ def _interruptions(folder: Path, restart: bool) -> list[dict]:
     found = checkpoint.read_interruptions(folder)
     progress = checkpoint.read_progress(folder)
     if progress is not None:  # an attempt before this one began, and did not finish
-        found.append({"reached": progress["step"], "resumed_from": start, "lost_steps": max(progress["step"] - start, 0),
-                      "stopped_by": progress.get("stopped_by") or "killed", "restart": restart})
+        found.append(
+            {
+                "reached": progress["step"],
+                "resumed_from": start,
+                "lost_steps": max(progress["step"] - start, 0),
+                "stopped_by": progress.get("stopped_by") or "killed",
+                "restart": restart,
+            }
+        )
     processes.barrier("interruptions read")  # by every process, before process 0 writes them
     if processes.writes():
         checkpoint.note_interruptions(folder, found)
@@ -240,5 +309,6 @@ def _interruptions(folder: Path, restart: bool) -> list[dict]:
         raise TrainingGaveUp(
             f"gave up: {len(stuck) - 1} automatic restarts in a row resumed from step {start} and none saved a later "
             f"checkpoint (the last reached step {last['reached']}, {last['stopped_by']}); not restarting again. Find "
-            f"the cause in those runs' logs, then run it again by hand: it resumes from step {start}")
+            f"the cause in those runs' logs, then run it again by hand: it resumes from step {start}"
+        )
     return found

@@ -52,7 +52,7 @@ def prompts_of_rollout(n_prompts: int, per_rollout: int, seed: int, rollout: int
     while len(order) - offset < per_rollout:
         epoch += 1
         order = np.concatenate([order, epoch_order(n_prompts, seed, epoch)])
-    return order[offset:offset + per_rollout]
+    return order[offset : offset + per_rollout]
 
 
 def cut_answers(tokens: np.ndarray, eos_ids: Sequence[int]) -> tuple[list[list[int]], np.ndarray]:
@@ -62,14 +62,15 @@ def cut_answers(tokens: np.ndarray, eos_ids: Sequence[int]) -> tuple[list[list[i
     for row, values in enumerate(np.asarray(tokens).tolist()):
         end = next((i for i, token in enumerate(values) if token in stops), None)
         truncated[row] = end is None
-        answers.append(values if end is None else values[:end + 1])
+        answers.append(values if end is None else values[: end + 1])
     return answers, truncated
 
 
 def row_length(model: JaxModel, prompt_length: int, rl: RLConfig) -> int:
     """The one length every answer row is padded to: the prompts' bucket and the longest answer."""
-    return bucket_length(prompt_length + rl.max_completion_length,
-                         multiple=attention.length_multiple(model.module, model.placement.mesh))
+    return bucket_length(
+        prompt_length + rl.max_completion_length, multiple=attention.length_multiple(model.module, model.placement.mesh)
+    )
 
 
 def train_grpo(
@@ -97,8 +98,17 @@ class RolloutSource:
 
     every_step = True  # the rewards need the answers on the host: a sync and a record every step
 
-    def __init__(self, model: JaxModel, prompts: Sequence[Sequence[int]], score: Score, reward_names: Sequence[str],
-                 cfg: TrainConfig, rl: RLConfig, pad_id: int, eos_ids: Sequence[int]):
+    def __init__(
+        self,
+        model: JaxModel,
+        prompts: Sequence[Sequence[int]],
+        score: Score,
+        reward_names: Sequence[str],
+        cfg: TrainConfig,
+        rl: RLConfig,
+        pad_id: int,
+        eos_ids: Sequence[int],
+    ):
         self.model, self.prompts, self.score, self.reward_names = model, prompts, score, reward_names
         self.rl, self.pad_id, self.eos_ids = rl, pad_id, eos_ids
         self.answers_per_step = cfg.batch_size * cfg.grad_accumulation
@@ -106,10 +116,12 @@ class RolloutSource:
         self.prompt_length = bucket_length(int(row_lengths(prompts).max()))  # a token table's lengths, not its rows
         self.length = row_length(model, self.prompt_length, rl)
         self.weights_of = np.asarray(rl.reward_weights or [1.0] * len(reward_names), np.float32)
-        self.generate = decode.make_generate(model, rl.max_completion_length, tuple(eos_ids),
-                                             Sampling(rl.temperature, rl.top_k, rl.top_p))
-        self.logp_step = (steps.make_token_logp_step(model, temperature=rl.temperature)
-                          if rl.beta or rl.num_iterations > 1 else None)
+        self.generate = decode.make_generate(
+            model, rl.max_completion_length, tuple(eos_ids), Sampling(rl.temperature, rl.top_k, rl.top_p)
+        )
+        self.logp_step = (
+            steps.make_token_logp_step(model, temperature=rl.temperature) if rl.beta or rl.num_iterations > 1 else None
+        )
         self.frozen_start = None
         if rl.beta and not _is_lora(model):  # a full fine-tune's reference: its starting weights, kept
             self.frozen_start = jax.tree.map(lambda a: a.copy(), model.weights)
@@ -156,10 +168,14 @@ class RolloutSource:
         if rl.mask_truncated_completions:
             batch["labels"][truncated] = grpo.IGNORE_INDEX
         batch["advantages"] = grpo.advantages(total, rl.num_generations, rl.scale_rewards)
-        figures = {"reward": float(total.mean()), "reward_std": float(total.std(ddof=1)) if len(total) > 1 else 0.0,
-                   **{f"reward/{name}": float(scores[:, i].mean()) for i, name in enumerate(self.reward_names)},
-                   "completion_length": float(np.mean([len(a) for a in answers])),
-                   "truncated": float(truncated.mean()), "sample_seconds": sampled - began}
+        figures = {
+            "reward": float(total.mean()),
+            "reward_std": float(total.std(ddof=1)) if len(total) > 1 else 0.0,
+            **{f"reward/{name}": float(scores[:, i].mean()) for i, name in enumerate(self.reward_names)},
+            "completion_length": float(np.mean([len(a) for a in answers])),
+            "truncated": float(truncated.mean()),
+            "sample_seconds": sampled - began,
+        }
         if self.logp_step is not None:
             rows_on_mesh = _on_mesh(model, batch)
             labels = rows_on_mesh.pop("labels")
@@ -180,7 +196,8 @@ class RolloutSource:
             "sample_seconds": round(sum(r["sample_seconds"] for r in records), 3),
             "update_seconds": round(sum(r["update_seconds"] for r in records), 3),
             "final_loss": float(np.mean([r["loss"] for r in last])) if records else None,
-            "answers_per_step": self.answers_per_step, "prompts_per_rollout": self.per_rollout,
+            "answers_per_step": self.answers_per_step,
+            "prompts_per_rollout": self.per_rollout,
             "row_length": self.length,
         }
 

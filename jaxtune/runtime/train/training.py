@@ -20,12 +20,25 @@ from jaxtune.runtime.train.feed import Feed, make_feed
 from jaxtune.runtime.train.loop import GIVE_UP_AFTER, TrainResult  # noqa: F401 - callers name them here too
 
 
-def feed_for(model: JaxModel, lengths: Sequence[int], cfg: TrainConfig, max_length: int, packing: bool = True,
-             pairs: bool = False) -> Feed:
+def feed_for(
+    model: JaxModel,
+    lengths: Sequence[int],
+    cfg: TrainConfig,
+    max_length: int,
+    packing: bool = True,
+    pairs: bool = False,
+) -> Feed:
     """Packed micro-batches when asked for and the model's attention can isolate rows (else padded
     ones); `pairs`: of preference pairs (see `feed`)."""
-    return make_feed(lengths, cfg, max_length, model.placement.batch_shards, packing and attention.supported(model.module),
-                     pairs, attention.length_multiple(model.module, model.placement.mesh))
+    return make_feed(
+        lengths,
+        cfg,
+        max_length,
+        model.placement.batch_shards,
+        packing and attention.supported(model.module),
+        pairs,
+        attention.length_multiple(model.module, model.placement.mesh),
+    )
 
 
 def total_steps(cfg: TrainConfig, feed: Feed) -> int:
@@ -58,10 +71,20 @@ def train(
     objective trains on pairs of rows (2p chosen, 2p+1 rejected), with `reference` the reference
     log-probability of every (train row, eval row) for DPO."""
     train_reference, eval_reference = reference if reference is not None else (None, None)
-    source = FeedSource(model, input_ids, labels, pad_id, max_length, packing, objective.pairs, train_reference,
-                        {cfg.batch_size: feed} if feed is not None else {})
-    evaluator = ((lambda chosen: _evaluator(model, eval_data, chosen, pad_id, objective, eval_reference))
-                 if eval_data else None)
+    source = FeedSource(
+        model,
+        input_ids,
+        labels,
+        pad_id,
+        max_length,
+        packing,
+        objective.pairs,
+        train_reference,
+        {cfg.batch_size: feed} if feed is not None else {},
+    )
+    evaluator = (
+        (lambda chosen: _evaluator(model, eval_data, chosen, pad_id, objective, eval_reference)) if eval_data else None
+    )
     return loop.run(model, cfg, source, objective, on_log, checkpoint_dir, check_memory, restart, evaluator)
 
 
@@ -70,16 +93,27 @@ class FeedSource:
 
     every_step = False
 
-    def __init__(self, model: JaxModel, input_ids, labels, pad_id: int, max_length: int, packing: bool, pairs: bool,
-                 reference: np.ndarray | None, feeds: dict[int, Feed]):
+    def __init__(
+        self,
+        model: JaxModel,
+        input_ids,
+        labels,
+        pad_id: int,
+        max_length: int,
+        packing: bool,
+        pairs: bool,
+        reference: np.ndarray | None,
+        feeds: dict[int, Feed],
+    ):
         self.model, self.input_ids, self.labels, self.pad_id = model, input_ids, labels, pad_id
         self.max_length, self.packing, self.pairs, self.reference = max_length, packing, pairs, reference
         self.feeds = feeds  # by batch size: the plan asks for others, each a pass over the rows
 
     def _feed(self, cfg: TrainConfig) -> Feed:
         if cfg.batch_size not in self.feeds:
-            self.feeds[cfg.batch_size] = feed_for(self.model, row_lengths(self.input_ids), cfg, self.max_length,
-                                                  self.packing, self.pairs)
+            self.feeds[cfg.batch_size] = feed_for(
+                self.model, row_lengths(self.input_ids), cfg, self.max_length, self.packing, self.pairs
+            )
         return self.feeds[cfg.batch_size]
 
     def shape(self, run: TrainConfig) -> tuple[int, int, int]:
@@ -135,13 +169,22 @@ def flops_per_token(model: JaxModel, feed: Feed) -> dict:
     context = float(np.mean(feed.lengths)) / 2
     per_token = train_flops_per_token(model, context)["total"]
     peak = device_peak()
-    return {"per_token": per_token, "peak": peak["peak_flops"],
-            "derivation": f"{per_token / 1e6:.1f} MFLOP per token (forward + backward, attention over {context:.0f} "
-                          f"tokens); peak {peak['derivation']}"}
+    return {
+        "per_token": per_token,
+        "peak": peak["peak_flops"],
+        "derivation": f"{per_token / 1e6:.1f} MFLOP per token (forward + backward, attention over {context:.0f} "
+        f"tokens); peak {peak['derivation']}",
+    }
 
 
-def _evaluator(model: JaxModel, eval_data, cfg: TrainConfig, pad_id: int, objective: Objective = SFT,
-               reference: np.ndarray | None = None) -> Callable:
+def _evaluator(
+    model: JaxModel,
+    eval_data,
+    cfg: TrainConfig,
+    pad_id: int,
+    objective: Objective = SFT,
+    reference: np.ndarray | None = None,
+) -> Callable:
     """weights -> eval-split loss (the objective's), with one compiled eval step reused across calls."""
     from jaxtune.runtime.decoding.inference import evaluate, evaluate_pairs
 
@@ -150,10 +193,24 @@ def _evaluator(model: JaxModel, eval_data, cfg: TrainConfig, pad_id: int, object
     categories = [""] * len(ids)
 
     def run(weights) -> float:
-        trained = JaxModel(model.module, weights, model.buffers, model.placement, model.dtype, model.casts, model.scan_layers)
+        trained = JaxModel(
+            model.module, weights, model.buffers, model.placement, model.dtype, model.casts, model.scan_layers
+        )
         if objective.pairs:
-            return evaluate_pairs(trained, objective, ids, labels, reference, categories, cfg.batch_size, pad_id,
-                                  eval_step=eval_step, progress=False)["loss"]
-        return evaluate(trained, ids, labels, categories, cfg.batch_size, pad_id, eval_step=eval_step, progress=False)["loss"]
+            return evaluate_pairs(
+                trained,
+                objective,
+                ids,
+                labels,
+                reference,
+                categories,
+                cfg.batch_size,
+                pad_id,
+                eval_step=eval_step,
+                progress=False,
+            )["loss"]
+        return evaluate(trained, ids, labels, categories, cfg.batch_size, pad_id, eval_step=eval_step, progress=False)[
+            "loss"
+        ]
 
     return run
