@@ -108,7 +108,8 @@ class DataConfig(Section):
     too_long: Literal["drop", "truncate"] = Field(
         "drop",
         description="rows longer than max_length: drop them, or truncate them to max_length (the answer is cut, "
-        "the prompt kept; a row whose prompt alone reaches max_length is still dropped). Both are counted in stats.json",
+        "the prompt kept; a row whose prompt alone reaches "
+        "max_length is still dropped). Both are counted in stats.json",
     )
     loss_on: Literal["all_assistant", "last_assistant", "all"] = Field(
         "all_assistant",
@@ -225,7 +226,8 @@ class ModelConfig(Section):
         "none",
         description="LoRA only: hold the frozen base's linear layers (all but the output head) on the device as "
         "int8, int4 or nf4 (QLoRA's NormalFloat4) codes with one bfloat16 scale per block of 64 inputs, dequantized "
-        "inside each layer's forward: 0.52x (int8) or 0.27x (int4, nf4) of a bfloat16 base's bytes; gguf (model.name a .gguf file): "
+        "inside each layer's forward: 0.52x (int8) or 0.27x (int4, nf4) "
+        "of a bfloat16 base's bytes; gguf (model.name a .gguf file): "
         "as the file's own Q8_0, Q4_0, Q4_1 and Q5_0 blocks, byte for byte (layers of other types as float weights)",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="family and shape of the offline model")
@@ -267,11 +269,13 @@ class TrainConfig(Section):
         description="sft: next-token cross-entropy on the answers; dpo: Direct Preference Optimization against "
         "the reference stage's log-probabilities (data.format: preference, settings in `preference`); simpo: SimPO, "
         "reference-free (no reference stage), on the answers' mean token log-probabilities; grpo: Group Relative "
-        "Policy Optimization, sampling answers and scoring them with rewards (data.format: prompt_answer, settings in `rl`)",
+        "Policy Optimization, sampling answers and scoring them "
+        "with rewards (data.format: prompt_answer, settings in `rl`)",
     )
     optimizer: Literal["adamw", "adafactor", "sgd"] = Field(
         "adamw",
-        description="adamw; adafactor (factored second moments, no first moment: far less state); sgd with momentum 0.9",
+        description="adamw; adafactor (factored second moments, no "
+        "first moment: far less state); sgd with momentum 0.9",
     )
     learning_rate: float = Field(1e-4, gt=0.0, description="peak learning rate, reached after warmup")
     lr_schedule: Literal["warmup_cosine", "linear", "constant"] = Field(
@@ -313,7 +317,8 @@ class TrainConfig(Section):
     def _steps_or_epochs(self) -> TrainConfig:
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError(
-                "set exactly one of train.max_steps and train.epochs (e.g. --set train.max_steps=null --set train.epochs=2)"
+                "set exactly one of train.max_steps and train.epochs "
+                "(e.g. --set train.max_steps=null --set train.epochs=2)"
             )
         return self
 
@@ -325,7 +330,8 @@ class PreferenceConfig(Section):
         0.1,
         gt=0.0,
         description="dpo: how far the policy may move from the reference (the implicit reward is "
-        "beta * log(policy / reference)); ipo: its regularisation tau; simpo: the reward scale (the paper uses 2 to 10)",
+        "beta * log(policy / reference)); ipo: its regularisation "
+        "tau; simpo: the reward scale (the paper uses 2 to 10)",
     )
     loss_type: Literal["sigmoid", "robust", "ipo"] = Field(
         "sigmoid",

@@ -73,7 +73,8 @@ class TrainingGaveUp(RuntimeError):
 
 
 class TargetError(ValueError):
-    """An accelerator target that is unknown, or that this machine cannot compile for (the message names the extra to install)."""
+    """An accelerator target that is unknown, or that this machine
+    cannot compile for (the message names the extra to install)."""
 
 
 class DoctorError(ValueError):

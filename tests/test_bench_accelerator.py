@@ -31,7 +31,8 @@ PARTS = ("jaxtune", "torch-eager", "torch-compile")
 def tunix_site(tmp_path_factory) -> tuple[Path | None, str]:
     """(site folder, "") holding Tunix's side (TUNIX_SITE where it holds it), or (None, why not). Not in the test
     extra: google-tunix asks for safetensors<0.8 (jaxtune >=0.8) and datasets stacks its step never imports; so
-    benchmarks/accelerator/tunix_requirements.txt's 9 pins, without dependencies, from the package index (8.8 MiB, 2 s)."""
+    benchmarks/accelerator/tunix_requirements.txt's 9 pins, without dependencies, from the package index
+    (8.8 MiB, 2 s)."""
     given = os.environ.get("TUNIX_SITE")
     if given and (Path(given) / "tunix").is_dir():
         return Path(given), ""
@@ -187,7 +188,8 @@ def test_mfu_follows_from_tokens_per_second_and_the_model_flops(tiny):
             achieved = figures["tokens_per_second"] * figures["flops_per_token"]
             assert figures["mfu"] == pytest.approx(achieved / peak, rel=1e-9)
             assert figures["mfu_vs_matmul"] == pytest.approx(achieved / matmul, rel=1e-9)
-        # full fine-tuning: 6 FLOPs per matmul weight and token, attention 3 x 2 x 2 x (length / 2) x heads x head_dim per layer
+        # full fine-tuning: 6 FLOPs per matmul weight and token, attention 3 x 2 x 2 x (length / 2) x heads x
+        # head_dim per layer
         attention = 12 * (length / 2) * shape["num_attention_heads"] * shape["head_dim"] * shape["num_hidden_layers"]
         full = result["sides"]["jaxtune-full"]["flops_per_token"]
         assert full == pytest.approx(6 * shape["matmul_weights"] + attention, rel=1e-12), config["model_type"]
@@ -267,7 +269,8 @@ def test_grpo_figures_sum_the_timed_steps_and_say_what_is_missing():
 @pytest.mark.slow
 def test_tunix_side_builds_tunix_own_configs_of_the_published_shapes(tunix_site, monkeypatch):
     """From the shipped config.json alone, Tunix's side builds the configs Tunix ships for Gemma 3 1B and Llama 3.2 1B,
-    and Gemma's layers alternate as Tunix's own pattern has them (Llama 3.2's RoPE scaling, which Tunix lacks, aside)."""
+    and Gemma's layers alternate as Tunix's own pattern has them (Llama 3.2's RoPE scaling, which Tunix
+    lacks, aside)."""
     import itertools
 
     site, why = tunix_site

@@ -19,7 +19,8 @@ M, K, N = 512, 256, 384
 
 @pytest.fixture(scope="module")
 def cpu_trace(tmp_path_factory) -> Path:
-    """3 steps of a jitted matmul, elementwise ops and a transpose, profiled as the accelerator benchmark's --profile does."""
+    """3 steps of a jitted matmul, elementwise ops and a transpose,
+    profiled as the accelerator benchmark's --profile does."""
 
     @jax.jit
     def f(a, b, c):
@@ -82,7 +83,8 @@ TPU_OPS = [
         {
             "hlo_category": "convolution fusion",
             "model_flops": "3000000000",
-            "long_name": "%fusion.1 = bf16[8,512,1152]{2,1,0:T(8,128)(2,1)} fusion(bf16[8,512,1152]{2,1,0:T(8,128)(2,1)} "
+            "long_name": "%fusion.1 = bf16[8,512,1152]{2,1,0:T(8,128)(2,1)} "
+            "fusion(bf16[8,512,1152]{2,1,0:T(8,128)(2,1)} "
             "%p.1, bf16[1152,1152]{1,0:T(8,128)(2,1)} %p.2), kind=kOutput, calls=%fused_computation.1",
             "tf_op": "jit(train_step)/while/body/closed_call/jvp(linear)/dot_general",
         },
@@ -266,19 +268,24 @@ TPU_HLO = """HloModule jit_train_step, is_scheduled=true
 %fused_computation.2 (param_0.4: bf16[512,256], param_1.15: bf16[384,512]) -> bf16[256,384] {
   %param_0.4 = bf16[512,256]{1,0:T(8,128)(2,1)S(1)} parameter(0)
   %param_1.15 = bf16[384,512]{1,0:T(8,128)(2,1)S(1)} parameter(1)
-  ROOT %convolution.2 = bf16[256,384]{1,0:T(8,128)(2,1)} convolution(%param_0.4, %param_1.15), dim_labels=fb_oi->bf, metadata={op_name="jit(train_step)/transpose(jvp())/dot_general" stack_frame_id=7}
+  ROOT %convolution.2 = bf16[256,384]{1,0:T(8,128)(2,1)} convolution(%param_0.4, %param_1.15), dim_labels=fb_oi->bf, \
+metadata={op_name="jit(train_step)/transpose(jvp())/dot_general" stack_frame_id=7}
 }
 
 ENTRY %main.3 (q.1: bf16[2,2,512,128], x.1: bf16[512,256], w.1: bf16[384,512]) -> (bf16[2,2,512,128], bf16[256,384]) {
   %q.1 = bf16[2,2,512,128]{3,2,1,0:T(8,128)(2,1)} parameter(0), metadata={op_name="q"}
   %x.1 = bf16[512,256]{1,0:T(8,128)(2,1)} parameter(1), metadata={op_name="x"}
   %w.1 = bf16[384,512]{1,0:T(8,128)(2,1)} parameter(2), metadata={op_name="w"}
-  %splash_mha_fwd_residuals.1 = (bf16[2,2,512,128]{3,2,1,0:T(8,128)(2,1)S(1)}, f32[2,2,512,128]{3,2,1,0:T(8,128)S(1)}) custom-call(%q.1, %q.1, %q.1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+  %splash_mha_fwd_residuals.1 = (bf16[2,2,512,128]{3,2,1,0:T(8,128)(2,1)S(1)}, f32[2,2,512,128]{3,2,1,0:T(8,128)S(1)}) \
+custom-call(%q.1, %q.1, %q.1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
 "xprof_metadata":"{\\"block_q\\": 128, \\"block_kv\\": 128}"
-}}, metadata={op_name="jit(train_step)/jvp(vmap(static_sparsity_splash))/jit(_splash_attention)/splash_mha_fwd_residuals/pallas_call" stack_frame_id=5}, backend_config={"custom_call_config":{"body":"TUzvUgFN"}}
+}}, metadata={op_name="jit(train_step)/jvp(vmap(static_sparsity_splash))/jit(_splash_attention)/\
+splash_mha_fwd_residuals/pallas_call" stack_frame_id=5}, backend_config={"custom_call_config":{"body":"TUzvUgFN"}}
   %pallas_call.2 = bf16[2,2,512,128]{3,2,1,0:T(8,128)(2,1)S(1)} get-tuple-element(%splash_mha_fwd_residuals.1), index=0
-  %copy = bf16[2,2,512,128]{2,3,1,0:T(8,128)(2,1)} copy(%pallas_call.2), metadata={op_name="jit(train_step)/jvp(vmap(static_sparsity_splash))/jit(_splash_attention)/splash_mha_fwd_residuals/pallas_call"}
-  %fusion = bf16[256,384]{1,0:T(8,128)(2,1)} fusion(%x.1, %w.1), kind=kOutput, calls=%fused_computation.2, metadata={op_name="jit(train_step)/transpose(jvp())/dot_general" stack_frame_id=7}
+  %copy = bf16[2,2,512,128]{2,3,1,0:T(8,128)(2,1)} copy(%pallas_call.2), metadata={op_name="jit(train_step)/\
+jvp(vmap(static_sparsity_splash))/jit(_splash_attention)/splash_mha_fwd_residuals/pallas_call"}
+  %fusion = bf16[256,384]{1,0:T(8,128)(2,1)} fusion(%x.1, %w.1), kind=kOutput, calls=%fused_computation.2, \
+metadata={op_name="jit(train_step)/transpose(jvp())/dot_general" stack_frame_id=7}
   ROOT %tuple.3 = (bf16[2,2,512,128]{2,3,1,0:T(8,128)(2,1)}, bf16[256,384]{1,0:T(8,128)(2,1)}) tuple(%copy, %fusion)
 }
 """

@@ -1,10 +1,12 @@
 """`make bench-accelerator`: jaxtune's train step and decoder against PyTorch eager and torch.compile, on
 whatever accelerator JAX and torch see, with the same weights and batches on each side.
 
-    python -m benchmarks.accelerator.bench                        # Gemma 3 1B's shape: results/accelerator-latest.{json,md}
+    python -m benchmarks.accelerator.bench                        # Gemma 3 1B's shape:
+                                                                  # results/accelerator-latest.{json,md}
     python -m benchmarks.accelerator.bench --model qwen2.5-0.5b   # another shape of benchmarks/configs
     python -m benchmarks.accelerator.bench --minutes 15 --parts jaxtune --parts torch-compile
-    python -m benchmarks.accelerator.bench --tiny --out /tmp/acc  # every part on the CPU with a toy model (make test runs it)
+    python -m benchmarks.accelerator.bench --tiny --out /tmp/acc  # every part on the CPU with a toy model
+                                                                  # (make test runs it)
     python -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --profile --out /tmp/acc
                                                                   # + /tmp/acc-profile/
     python -m benchmarks.accelerator.bench --parts jaxtune --section grpo --cases 8x8x256 --minutes 9   # a GRPO step

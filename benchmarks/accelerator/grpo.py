@@ -97,7 +97,8 @@ def grpo_case(settings: Settings, cfg, model, case: tuple[int, int, int], result
                     message=record["message"],
                 )
                 log(
-                    f"jaxtune grpo {name}: remat {plan['fit']['remat']} chosen after {time.perf_counter() - started:.0f} s "
+                    f"jaxtune grpo {name}: remat {plan['fit']['remat']} "
+                    f"chosen after {time.perf_counter() - started:.0f} s "
                     f"({', '.join(f'{k} {v:.0f}' for k, v in compiled().items())})"
                 )
             elif "loss" in record:

@@ -32,7 +32,8 @@ SECTIONS = {"lora": 130, "full": 80, "decode": 45, "grpo": 240}
 
 
 def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
-    """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
+    """Every section by `until` (seconds since the epoch: the
+    parent's kill); each line is written as soon as it is known."""
     import os
 
     from jaxtune.runtime.devices import compile_cache
@@ -172,7 +173,8 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
 def profile_steps(step, first: int, folder: Path, hlo: str) -> dict:
     """Steps first, first + 1, ... (`PROFILE_STEPS`) inside `jax.profiler.trace(folder)`, each in a
     StepTraceAnnotation, with the program's optimized HLO beside the trace: their breakdown
-    (`profile_breakdown.breakdown`, which reads the folder again later: `python -m benchmarks.analysis.profile_breakdown FOLDER`)."""
+    (`profile_breakdown.breakdown`, which reads the folder again later:
+    `python -m benchmarks.analysis.profile_breakdown FOLDER`)."""
     import jax
 
     from benchmarks.analysis import profile_breakdown
@@ -202,7 +204,8 @@ def device_info() -> dict:
 
 
 def hbm_bandwidth(device) -> float | None:
-    """Bytes/s of the device's memory, from the chip table `doctor --target` plans with; None for a CPU or an unknown kind."""
+    """Bytes/s of the device's memory, from the chip table `doctor
+    --target` plans with; None for a CPU or an unknown kind."""
     from jaxtune.runtime.devices import targets
 
     tpus = {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e", "TPU v5p": "v5p", "TPU v5": "v5p", "TPU v4": "v4"}

@@ -38,7 +38,8 @@ GiB = 2**30
 TUNIX_DIFFERS = (
     "what differs: no rematerialisation (Tunix's default), its einsum attention over a (rows, length, length) "
     "mask, the loss over all logits at once (jaxtune's is chunked), one qwix LoRA A shared by Gemma's fused "
-    "k and v projections, LoRA weights and AdamW state in the weights' dtype (jaxtune's: float32), and no llama3 RoPE scaling in its Llama 3."
+    "k and v projections, LoRA weights and AdamW state in the weights' "
+    "dtype (jaxtune's: float32), and no llama3 RoPE scaling in its Llama 3."
 )
 
 
@@ -175,7 +176,9 @@ def build_report(
         },
         "peak": device.get("peak"),
         "measured_matmul": matmul or None,
-        "mfu_derivation": "tokens/s x flops.train_flops_per_token (attention over half the row) / peak FLOP/s of one device",
+        "mfu_derivation": (
+            "tokens/s x flops.train_flops_per_token (attention over half the row) / peak FLOP/s of one device"
+        ),
         "parts": parts,
         "train": train_results(settings, lines, parts, peak, matmul.get("flops_per_second")),
         "decode": decode_results(lines, parts),
@@ -285,7 +288,8 @@ def first_step(fig: dict) -> str:
     }
     spent = ", ".join(f"{name} {fmt_seconds(parts[key])}" for name, key in named.items() if parts.get(key))
     hits = (
-        f", {parts.get('cache_hits', 0):.0f} cache hits of {parts.get('cache_hits', 0) + parts.get('cache_misses', 0):.0f}"
+        f", {parts.get('cache_hits', 0):.0f} cache hits of "
+        f"{parts.get('cache_hits', 0) + parts.get('cache_misses', 0):.0f}"
         if "cache_hits" in parts or "cache_misses" in parts
         else ""
     )
@@ -526,11 +530,13 @@ def markdown(report: dict) -> str:
     peak, matmul = report["peak"] or {}, report["measured_matmul"] or {}
     versions = m["versions"]
     header = [
-        f"# jaxtune on {device}: {report['model']}{' (TINY: a toy model of its family)' if report['tiny'] else ''} ({report['date']})",
+        f"# jaxtune on {device}: "
+        f"{report['model']}{' (TINY: a toy model of its family)' if report['tiny'] else ''} ({report['date']})",
         "",
         f"{report['parameters']:,} parameters, {s['weights']}, the same on every side; random tokens, "
         f"{s['steps']} timed synchronised steps (median) after {s['warmups']} warm-ups. jax {versions.get('jax')}, "
-        f"torch {versions.get('torch')}, transformers {versions.get('transformers')}, torchax {versions.get('torchax')}; "
+        f"torch {versions.get('torch')}, transformers "
+        f"{versions.get('transformers')}, torchax {versions.get('torchax')}; "
         f"torch.compile backend {s['compile_backend']}.{tunix_versions(m)}"
         + (f" jaxtune's recipes with {', '.join(s['overrides'])}." if s.get("overrides") else ""),
         "",

@@ -122,7 +122,8 @@ def torch_memory() -> dict:
 
 
 def run_generate(settings: Settings, folder: Path, results: Results) -> None:
-    """`model.generate`, greedy, on the base model (SDPA attention): a first call, then the median of `decode_repeats`."""
+    """`model.generate`, greedy, on the base model (SDPA attention):
+    a first call, then the median of `decode_repeats`."""
     import statistics
 
     import torch

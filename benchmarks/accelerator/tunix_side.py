@@ -9,10 +9,11 @@ benchmarks/accelerator/tunix_wheels.sh): only what the step imports, not google-
 
 What differs from jaxtune's LoRA step, by Tunix's design: no rematerialisation (its default,
 RematConfig.NONE; jaxtune's train.remat auto picks one per case), its plain einsum attention over a
-(rows, length, length) mask (jaxtune's: its fused attention), the loss over the whole logits at once (jaxtune's is chunked); Gemma's k and
-v projections are one fused einsum in Tunix, so qwix gives them one LoRA A between them (PEFT and
-jaxtune: one each); qwix makes the adapters in the weights' dtype (bf16 on the chip, so AdamW's state
-too; jaxtune keeps both in float32); Tunix's Llama 3 applies no llama3 RoPE scaling (Llama 3.2's factor 32)."""
+(rows, length, length) mask (jaxtune's: its fused attention), the loss over the whole logits at
+once (jaxtune's is chunked); Gemma's k and v projections are one fused einsum in Tunix, so qwix
+gives them one LoRA A between them (PEFT and jaxtune: one each); qwix makes the adapters in the
+weights' dtype (bf16 on the chip, so AdamW's state too; jaxtune keeps both in float32); Tunix's
+Llama 3 applies no llama3 RoPE scaling (Llama 3.2's factor 32)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ def tunix_config(raw: dict, dtype: str):
 
 
 def tunix_model(folder: Path, dtype: str):
-    """(model, its config.json): Tunix's model of the folder's config, its weights read by Tunix's safetensors loader."""
+    """(model, its config.json): Tunix's model of the folder's
+    config, its weights read by Tunix's safetensors loader."""
     import json
 
     import jax.numpy as jnp

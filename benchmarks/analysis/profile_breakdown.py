@@ -1,7 +1,8 @@
 """Where a profiled train step's device time goes: the XLA ops of a `jax.profiler` trace of a few
 steps, by category, per step, with each category's share of the step.
 
-    python -m benchmarks.analysis.profile_breakdown TRACE_DIR   # a folder jax.profiler.trace wrote (the accelerator bench's --profile)
+    python -m benchmarks.analysis.profile_breakdown TRACE_DIR   # a folder jax.profiler.trace wrote
+                                                                # (the accelerator bench's --profile)
 
 What is read: the `*.trace.json.gz` that `jax.profiler.trace(TRACE_DIR)` writes under
 TRACE_DIR/plugins/profile/RUN/ beside the `.xplane.pb` (TSL's xplane_to_trace_events: a process per
@@ -36,7 +37,8 @@ fuses, its op_name and its matmuls' flops. The categories, first match wins (`cl
 | loss | op_name under jaxtune's chunked loss scope (forward and backward, its head matmuls included) |
 | optimizer | op_name under jaxtune's optimizer scope: the update after the step's micro-batches |
 | matmuls | dot and convolution, fusions holding one, XLA:TPU's convolution categories |
-| copies / layout | copy, transpose, bitcast-convert, reshape, slice, pad, concatenate, ..., fusions of those alone, "data formatting" |
+| copies / layout | copy, transpose, bitcast-convert, reshape, slice, pad, concatenate, ..., fusions of those alone, \
+"data formatting" |
 | other | control flow's own time (while, call, conditional), other custom calls, sort, rng |
 | elementwise / reduce | everything else: loop and reduction fusions, elementwise ops |
 | idle | the steps' wall time less the time some op ran |

@@ -69,7 +69,8 @@ def main() -> None:
         else sorted(ROOT.joinpath("configs").glob("*.yaml"))
     )
     print(
-        "| recipe | target | mesh | train step peak with its code / per device | fits | roofline (compiler's estimate) |"
+        "| recipe | target | mesh | train step peak with its code "
+        "/ per device | fits | roofline (compiler's estimate) |"
     )
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as models:

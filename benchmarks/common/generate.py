@@ -5,7 +5,8 @@ from __future__ import annotations
 
 
 def torch_generate(module, prompts: list[list[int]], n: int, pad: int) -> list[list[int]]:
-    """model.generate(do_sample=False) on left-padded prompts (padded to the longest, as a tokenizer would), no eos stop."""
+    """model.generate(do_sample=False) on left-padded prompts
+    (padded to the longest, as a tokenizer would), no eos stop."""
     import torch
     from transformers import GenerationConfig
 

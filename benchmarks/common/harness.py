@@ -205,9 +205,10 @@ def free_memory() -> None:
 
 def machine_info() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    field_of = lambda name: next(
-        (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith(name)), None
-    )  # noqa: E731
+
+    def field_of(name):
+        return next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith(name)), None)
+
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout if shutil.which("lscpu") else ""
     max_mhz = re.search(r"CPU max MHz:\s*([\d.]+)", lscpu)
     flags = (field_of("flags") or "").split()

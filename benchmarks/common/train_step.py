@@ -43,10 +43,8 @@ def api_state(step=None) -> str:
     else:
         step_new = step_takes_lr(step)
     fused = "fused" in inspect.signature(steps.train_step_memory).parameters
-    return (
-        f"train step: {'new (lr input, segment ids)' if step_new else 'pre-change (no lr input, input_ids/attention_mask only)'}; "
-        f"train_step_memory fused flag: {'present' if fused else 'absent (TODO)'}"
-    )
+    kind = "new (lr input, segment ids)" if step_new else "pre-change (no lr input, input_ids/attention_mask only)"
+    return f"train step: {kind}; train_step_memory fused flag: {'present' if fused else 'absent (TODO)'}"
 
 
 def make_optimizer(cfg, total_steps: int):

@@ -181,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"# jaxtune benchmarks ({report['date']})",
             "",
-            f"{report['machine']['cpu_model']}, {report['machine']['cores']} cores, flags {' '.join(report['machine']['flags'])}; "
+            f"{report['machine']['cpu_model']}, {report['machine']['cores']} "
+            f"cores, flags {' '.join(report['machine']['flags'])}; "
             f"jax {report['machine']['versions'].get('jax')}, torch {report['machine']['versions'].get('torch')}, "
-            f"transformers {report['machine']['versions'].get('transformers')}; load average {load_before[0]:.2f} before, "
+            f"transformers {report['machine']['versions'].get('transformers')}; "
+            f"load average {load_before[0]:.2f} before, "
             f"{os.getloadavg()[0]:.2f} after; {report['api']}{'; QUICK run' if ctx.quick else ''}",
             "",
             table(results),

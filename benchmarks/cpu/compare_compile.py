@@ -18,7 +18,8 @@ from benchmarks.cpu.models import demo_torch_model, dolly_rows, right_pad
 
 
 def bench_warm_vs_cold_compile(ctx: Context) -> dict:
-    """The demo train step's first call (trace + lower + compile + run) in a fresh process: empty vs filled persistent cache.
+    """The demo train step's first call (trace + lower + compile + run) in a fresh process: empty vs
+    filled persistent cache.
 
     Run as a user runs it (PYTHONHASHSEED unset), and again with PYTHONHASHSEED=0: the lowered step
     has been seen to differ between processes with Python's string hashing, so a warm process can

@@ -148,7 +148,8 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
             "faster setting",
         )
     out["decode_vs_torch"] = {**out["decode_vs_torch_b8"], "alias_of": "decode_vs_torch_b8"}
-    del model, decoder, generate, module, torch_module
+    # Rebound, not deleted: ours and theirs above refer to them. Either way the arrays go before free_memory().
+    model = decoder = generate = module = torch_module = None
     free_memory()
     return out
 
@@ -162,7 +163,8 @@ def stream_token_intervals(decoder, prompt, n: int) -> list[float]:
 
 
 def bench_decode_vs_recipe(ctx: Context) -> dict:
-    """Per-token greedy decode at batch 1: jaxtune's compiled step vs torchax eager with a static cache and .item() per token."""
+    """Per-token greedy decode at batch 1: jaxtune's compiled step
+    vs torchax eager with a static cache and .item() per token."""
     key = "decode_vs_recipe"
     folder = real_model_folder(ctx)
     if folder is None:

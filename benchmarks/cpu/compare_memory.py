@@ -12,7 +12,8 @@ from benchmarks.cpu.models import SKIP_SMOLLM2, jaxtune_model, model_label, real
 
 
 def bench_activation_memory_vs_eager(ctx: Context) -> dict:
-    """XLA's planned activations of one (8, 512) bfloat16 step: fused attention + chunked loss vs eager + full logits."""
+    """XLA's planned activations of one (8, 512) bfloat16 step:
+    fused attention + chunked loss vs eager + full logits."""
     key = "activation_memory_vs_eager"
     folder = real_model_folder(ctx)
     if folder is None:
@@ -38,7 +39,7 @@ def bench_activation_memory_vs_eager(ctx: Context) -> dict:
 
     if not has_fused:
         eager = plan(None)
-        del model
+        model = None  # rebound, not deleted: plan refers to it; the weights go before free_memory() either way
         free_memory()
         return {
             key: skipped(
@@ -52,7 +53,7 @@ def bench_activation_memory_vs_eager(ctx: Context) -> dict:
             )
         }
     eager, fused = plan(False), plan(True)
-    del model
+    model = None  # as above
     free_memory()
     gib = fused["activations"] / 2**30
     return {

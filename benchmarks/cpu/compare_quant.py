@@ -19,7 +19,8 @@ from benchmarks.cpu.training import packed_epoch, training_rows
 
 
 def bench_quantized_base(ctx: Context) -> dict:
-    """Real tokens/s of one pass over the training rows, packed: LoRA r=8 q/k/v/o over an int8 and an int4 base vs the float32 base."""
+    """Real tokens/s of one pass over the training rows, packed: LoRA
+    r=8 q/k/v/o over an int8 and an int4 base vs the float32 base."""
     keys = ("quantized_base_int8", "quantized_base_int4")
     folder, ids, labels = training_rows(ctx)
     if folder is None:

@@ -1,4 +1,5 @@
-"""rerun_vs_first: the offline flow run twice in a child process (`bench.py --child rerun`) with its own PREFECT_HOME."""
+"""rerun_vs_first: the offline flow run twice in a child process (`bench.py --child rerun`) with its
+own PREFECT_HOME."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def bench_rerun_vs_first(ctx: Context) -> dict:
             }
             env.pop("PREFECT_API_URL", None)
             log(
-                f"rerun_vs_first: repetition {rep + 1}/{ctx.rerun_reps} (child process, train.max_steps={ctx.rerun_steps})"
+                f"rerun_vs_first: repetition {rep + 1}/{ctx.rerun_reps} "
+                f"(child process, train.max_steps={ctx.rerun_steps})"
             )
             child = subprocess.run(
                 [

@@ -41,7 +41,8 @@ from benchmarks.cpu.training import PackedJaxtune, PaddedTorch, jaxtune_packed_t
 
 
 def bench_train_vs_torch_fp32(ctx: Context) -> dict:
-    """Real tokens/s over the same Dolly-like rows: jaxtune packed vs PyTorch eager padded per batch, in alternating rounds."""
+    """Real tokens/s over the same Dolly-like rows: jaxtune packed
+    vs PyTorch eager padded per batch, in alternating rounds."""
     if real_model_folder(ctx) is None:
         return {"train_vs_torch_fp32": skipped(SKIP_SMOLLM2), "nonpad_fraction": skipped(SKIP_SMOLLM2)}
     theirs = PaddedTorch(ctx)  # PyTorch built and warmed up first
@@ -94,7 +95,8 @@ def bench_train_vs_torch_fp32(ctx: Context) -> dict:
 
 
 def bench_train_vs_torch_fp32_same_shape(ctx: Context) -> dict:
-    """Seconds per step on identical (4, 128) right-padded batches, no packing, in alternating rounds: torch / jaxtune."""
+    """Seconds per step on identical (4, 128) right-padded batches,
+    no packing, in alternating rounds: torch / jaxtune."""
     key = "train_vs_torch_fp32_same_shape"
     folder = real_model_folder(ctx)
     if folder is None:
@@ -128,7 +130,8 @@ def bench_train_vs_torch_fp32_same_shape(ctx: Context) -> dict:
     setting, torch_s = fastest(times)
     round_ratios = [t / j for t, j in zip(times[setting], jax_times)]
     api = api_state(jt.step_fn)
-    del jt, trainer
+    # Rebound, not deleted: torch_step and the jaxtune run above refer to them; the models go before free_memory().
+    jt = trainer = None
     free_memory()
     return {
         key: entry(
@@ -192,7 +195,8 @@ RECIPE_WARMUP_LIMIT_S = 240  # an un-jitted SmolLM2 step slower than this: measu
 
 
 def bench_train_vs_recipe(ctx: Context) -> dict:
-    """Real tokens/s over the same rows: jaxtune packed vs torchax.train.make_train_step un-jitted, rows padded to 512."""
+    """Real tokens/s over the same rows: jaxtune packed vs
+    torchax.train.make_train_step un-jitted, rows padded to 512."""
     key = "train_vs_recipe"
     if real_model_folder(ctx) is None:
         return {key: skipped(SKIP_SMOLLM2)}
@@ -258,7 +262,8 @@ def recipe_comparison(ctx: Context, limit: float | None = RECIPE_WARMUP_LIMIT_S)
 
 
 def bench_mfu(ctx: Context) -> dict:
-    """Model FLOPs utilisation of jaxtune's SmolLM2 train step: against the spec-sheet peak and a measured matmul peak."""
+    """Model FLOPs utilisation of jaxtune's SmolLM2 train step:
+    against the spec-sheet peak and a measured matmul peak."""
     machine = machine_info()
     mhz = machine["cpu_mhz"]
     cores = machine["cores"]
@@ -284,9 +289,11 @@ def bench_mfu(ctx: Context) -> dict:
     dot_s = statistics.median(dot_times)
     measured = 2 * n**3 / dot_s
     lines = [
-        f"peak: {cores} cores x {mhz:.0f} MHz (/proc/cpuinfo 'cpu MHz') x {per_cycle} FLOPs/cycle/core = {peak / 1e9:.1f} GFLOP/s",
+        f"peak: {cores} cores x {mhz:.0f} MHz (/proc/cpuinfo 'cpu MHz') "
+        f"x {per_cycle} FLOPs/cycle/core = {peak / 1e9:.1f} GFLOP/s",
         f"  assumption: {assumption}",
-        f"measured peak: float32 jnp.dot {n}^3 = {2 * n**3 / 1e9:.1f} GFLOP in {dot_s:.3f} s (median of {len(dot_times)}, "
+        f"measured peak: float32 jnp.dot {n}^3 = {2 * n**3 / 1e9:.1f} "
+        f"GFLOP in {dot_s:.3f} s (median of {len(dot_times)}, "
         f"timed in the rounds of jaxtune's training passes) = "
         f"{measured / 1e9:.1f} GFLOP/s ({measured / peak:.0%} of peak)",
     ]
@@ -309,13 +316,16 @@ def bench_mfu(ctx: Context) -> dict:
     f = ours["flops"]
     achieved = f["flops_per_token"] * ours["tokens_per_second"]
     lines += [
-        f"model ({model_label(ctx)}): N_matmul {f['n_matmul']:,} (every Linear weight, LoRA A/B and the output head included; "
+        f"model ({model_label(ctx)}): N_matmul {f['n_matmul']:,} "
+        "(every Linear weight, LoRA A/B and the output head included; "
         f"embedding lookup excluded), N_trainable {f['n_trainable']:,}, {f['layers']} layers, d_attn {f['d_attn']}",
         f"dense FLOPs per real token: forward 2*N_matmul + backward (2*N_matmul activations + 2*N_trainable weights) = "
         f"{(4 * f['n_matmul'] + 2 * f['n_trainable']) / 1e6:.1f} MFLOP",
-        f"attention FLOPs: forward 2*2*layers*t*d_attn per token (t = the token's own row length, real tokens only), backward "
-        f"twice that: 12*layers*d_attn*sum(t^2) = {f['attention_flops'] / 1e9:.1f} GFLOP over {f['real_tokens']:,} tokens",
-        f"FLOPs per real token: {f['flops_per_token'] / 1e6:.1f} MFLOP; jaxtune {ours['tokens_per_second']:.1f} real tokens/s "
+        "attention FLOPs: forward 2*2*layers*t*d_attn per token (t = the token's own row length, real tokens only), "
+        "backward twice that: 12*layers*d_attn*sum(t^2) = "
+        f"{f['attention_flops'] / 1e9:.1f} GFLOP over {f['real_tokens']:,} tokens",
+        f"FLOPs per real token: {f['flops_per_token'] / 1e6:.1f} "
+        f"MFLOP; jaxtune {ours['tokens_per_second']:.1f} real tokens/s "
         f"-> {achieved / 1e9:.2f} GFLOP/s",
         f"MFU: {achieved / peak:.1%} of the spec peak, {achieved / measured:.1%} of the measured matmul peak",
     ]

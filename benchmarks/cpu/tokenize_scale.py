@@ -230,7 +230,8 @@ def main() -> None:
         + "\n"
     )
     print(
-        "| impl | rows | file | seconds | rows/s | peak PSS, process + workers | peak RSS, process |\n|---|---|---|---|---|---|---|"
+        "| impl | rows | file | seconds | rows/s | peak PSS, process "
+        "+ workers | peak RSS, process |\n|---|---|---|---|---|---|---|"
     )
     for r in results:
         print(

@@ -170,12 +170,14 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "results": results}, indent=2) + "\n")
     print(
-        "| rows | Arrow file | steps | seconds | peak RSS before the data | peak RSS | at the end: anonymous, file-backed |\n"
+        "| rows | Arrow file | steps | seconds | peak RSS before "
+        "the data | peak RSS | at the end: anonymous, file-backed |\n"
         "|---|---|---|---|---|---|---|"
     )
     for r in results:
         print(
-            f"| {r['rows']:,} | {r['file_mb']:,.0f} MB | {r['steps']} | {r['seconds']:.1f} | {r['peak_rss_before_data_mb']:,.0f} MB "
+            f"| {r['rows']:,} | {r['file_mb']:,.0f} MB | {r['steps']} | "
+            f"{r['seconds']:.1f} | {r['peak_rss_before_data_mb']:,.0f} MB "
             f"| {r['peak_rss_mb']:,.0f} MB | {r['anonymous_rss_mb']:,.0f} MB, {r['file_rss_mb']:,.0f} MB |"
         )
     if len(results) > 1:

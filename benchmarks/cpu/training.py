@@ -61,7 +61,8 @@ class PackedJaxtune:
         self.rows, self.real = len(ids), sum(len(r) for r in ids)
         self.nonpad = float(np.mean([packing.nonpad_fraction(b) for b in packed]))
         log(
-            f"jaxtune: {len(ids)} rows packed into {len(packed)} micro-batches of {self.shape.sequences} x {self.shape.length}"
+            f"jaxtune: {len(ids)} rows packed into {len(packed)} "
+            f"micro-batches of {self.shape.sequences} x {self.shape.length}"
         )
         self.model = jaxtune_model(folder, "float32", recipe_lora())
         self.trainer = JaxtuneTrainer(self.model)

@@ -183,7 +183,8 @@ def seconds_from_artifacts(store, keys: dict[str, str], started: float) -> dict[
 
 
 def gguf_refusal(tiny) -> str | None:
-    """Why the GGUF writer refuses the offline model of `tiny` (model.tiny), from its config alone; None if it takes it."""
+    """Why the GGUF writer refuses the offline model of `tiny`
+    (model.tiny), from its config alone; None if it takes it."""
     from jaxtune.errors import ModelError
     from jaxtune.gguf.writer import check_supported
     from jaxtune.offline.architectures import tiny_config

@@ -218,7 +218,10 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str, chosen=None) -> 
     from jaxtune.runtime.measures import memory
 
     train = chosen.train_config(config.train) if chosen else config.train
-    shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {train_length(config)}"
+    shape = (
+        f"{dtype}, {train.optimizer}, remat {train.remat}, "
+        f"{train.grad_accumulation} x {train.batch_size} x {train_length(config)}"
+    )
     limit = size_text(plan["device_limit"]) if plan["device_limit"] else "not reported"
     fits = None if not plan["device_limit"] else plan["peak"] <= plan["device_limit"]
     rows = [
@@ -259,7 +262,10 @@ def base_text(base: dict) -> str:
     would = f"; {others[0].replace(' ', ' would hold ', 1)}{''.join(', ' + o for o in others[1:])}" if others else ""
     if base["scheme"] == "none":
         return unquantized + would
-    return f"{size_text(base['held'])} as {base['scheme']} ({base['held'] / base['unquantized']:.2f}x of {unquantized}){would}"
+    return (
+        f"{size_text(base['held'])} as {base['scheme']} "
+        f"({base['held'] / base['unquantized']:.2f}x of {unquantized}){would}"
+    )
 
 
 def size_text(n: int) -> str:

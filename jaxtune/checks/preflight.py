@@ -12,7 +12,8 @@ from jaxtune.errors import ConfigError
 
 
 def check(config: JaxtuneConfig) -> None:
-    """Raise ConfigError (a setting that cannot work), DataError or ModelError (a file that is not there or not usable)."""
+    """Raise ConfigError (a setting that cannot work), DataError
+    or ModelError (a file that is not there or not usable)."""
     _check_store(config.store.root)
     sources = config.data.mixture()
     for i, src in enumerate(sources):

@@ -62,7 +62,10 @@ def plan_for_target(
     )
     plan, refused = _compile(module, config, target, devices, config.mesh)
     if refused:
-        shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {length}"
+        shape = (
+            f"{dtype}, {train.optimizer}, remat {train.remat}, "
+            f"{train.grad_accumulation} x {train.batch_size} x {length}"
+        )
         diagnosis.rows += [
             Row("mesh", refused["mesh"]),
             Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", size_text(target.chip.hbm), False),
@@ -111,9 +114,9 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
 
 
 def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int) -> str | None:
-    """'v5e-8 fits: 9.10 GiB of 15.75 GiB per device with mesh.data=1, mesh.fsdp=8, mesh.tensor=1 (compiled)', from compiling the
-    step on each larger slice of the chip in turn, its parameters split over every device (fsdp
-    where the batch divides, else tensor); None when none of the first few does."""
+    """'v5e-8 fits: 9.10 GiB of 15.75 GiB per device with mesh.data=1, mesh.fsdp=8, mesh.tensor=1 (compiled)',
+    from compiling the step on each larger slice of the chip in turn, its parameters split over every
+    device (fsdp where the batch divides, else tensor); None when none of the first few does."""
     from jaxtune.config import MeshConfig
     from jaxtune.runtime.devices import targets
     from jaxtune.runtime.measures import memory

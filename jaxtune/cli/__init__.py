@@ -2,5 +2,6 @@
 `model_source` are `jaxtune chat` and `jaxtune generate`, and what they open. `python -m
 jaxtune.cli` is the same command (`__main__`).
 
-May import: jaxtune.config, jaxtune.errors, jaxtune.artifacts, jaxtune.checks, jaxtune.data, jaxtune.flows, jaxtune.host, jaxtune.runtime, jaxtune.tasks
+May import: jaxtune.config, jaxtune.errors, jaxtune.artifacts, jaxtune.checks, jaxtune.data, jaxtune.flows, \
+jaxtune.host, jaxtune.runtime, jaxtune.tasks
 """

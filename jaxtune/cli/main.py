@@ -91,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
         const="",
         help="plan the train step for an accelerator instead, compiled here without it, from the model's "
         "config alone (no weights read, no parity): v5e-1, v5e-8, v6e-1, v5p-8, v4-8, a TPU "
-        "topology such as v5e:2x4, or h100, h200, a100 (-8 for eight); exit 1 when it does not fit (--target alone: the config's plan.target)",
+        "topology such as v5e:2x4, or h100, h200, a100 (-8 for eight); exit "
+        "1 when it does not fit (--target alone: the config's plan.target)",
     )
     chat = commands.add_parser("chat", help="talk with a trained or base model; answers stream as they are decoded")
     _decoding_arguments(chat)

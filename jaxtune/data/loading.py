@@ -271,7 +271,8 @@ def unit_of(path_or_id: str) -> str:
 
 
 def row_key(example: dict) -> int:
-    """A pair's key holds both answers: the same prompt and chosen answer against another rejected one is another pair."""
+    """A pair's key holds both answers: the same prompt and chosen
+    answer against another rejected one is another pair."""
     rejected = [example["rejected"]] if example.get("rejected") else []
     return _digest([example["messages"], example["response"], example["category"], *rejected])
 

@@ -148,7 +148,8 @@ def source_problem(source: str) -> str | None:
         return (
             None
             if is_saved_dataset(path)
-            else f" is a folder, but not one written by datasets' save_to_disk; give a {supported} file or such a folder"
+            else " is a folder, but not one written by datasets' "
+            f"save_to_disk; give a {supported} file or such a folder"
         )
     if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
         return f": unsupported file type {path.suffix.lower() or '(none)'!r}; supported: {supported}"
@@ -403,13 +404,15 @@ def _require_columns(row: dict, cfg: DataConfig, where: str) -> None:
             others = [repr(fmt) for fmt in FORMAT_COLUMNS if fmt != cfg.format and _looks_like(row, fmt)]
             hint = f" (this row looks like format {' or '.join(others)})" if others else ""
             raise DataError(
-                f"{where}: missing column {_column_label(name, cfg)} (format {cfg.format!r} needs {', '.join(required)}; "
+                f"{where}: missing column {_column_label(name, cfg)} "
+                f"(format {cfg.format!r} needs {', '.join(required)}; "
                 f"columns present: {', '.join(map(str, row)) or '(none)'}){hint}"
             )
 
 
 def _looks_like(row: dict, data_format: str) -> bool:
-    """`row` has the columns `data_format` needs (its prompt included, for a format whose prompt is optional by name)."""
+    """`row` has the columns `data_format` needs (its prompt
+    included, for a format whose prompt is optional by name)."""
     needs, _ = FORMAT_COLUMNS[data_format]
     prompted = data_format not in _PROMPT_FIRST or "prompt" in row or "messages" in row
     return prompted and all(c in row for c in needs)

@@ -46,7 +46,8 @@ def require_chat_template(tokenizer: Any, model_name: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         names = ", ".join(f"'{name}'" for name in NAMED_TEMPLATES)
         raise ChatTemplateError(
-            f"{model_name}: its tokenizer has no chat template; set model.chat_template to {names} or a Jinja template string"
+            f"{model_name}: its tokenizer has no chat template; set "
+            f"model.chat_template to {names} or a Jinja template string"
         )
 
 

@@ -586,7 +586,10 @@ def _why(dropped: Counter, cfg: DataConfig) -> str:
     elif cfg.too_long == "truncate":
         too_long = f"rows whose prompt alone has data.max_length={cfg.max_length} tokens or more; raise data.max_length"
     else:
-        too_long = f"rows longer than data.max_length={cfg.max_length} tokens; raise data.max_length or set data.too_long=truncate"
+        too_long = (
+            f"rows longer than data.max_length={cfg.max_length} tokens; "
+            "raise data.max_length or set data.too_long=truncate"
+        )
     meaning = {
         "duplicate": "exact repeats of an earlier row",
         "duplicate_of_train": "eval rows whose prompt is also a train prompt",

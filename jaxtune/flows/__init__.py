@@ -1,4 +1,5 @@
 """Prefect flows: they only wire stages together.
 
-May import: jaxtune.config, jaxtune.errors, jaxtune.artifacts, jaxtune.checks, jaxtune.host, jaxtune.rewards, jaxtune.runtime.devices, jaxtune.tasks, jaxtune.tracking
+May import: jaxtune.config, jaxtune.errors, jaxtune.artifacts, jaxtune.checks, jaxtune.host, jaxtune.rewards, \
+jaxtune.runtime.devices, jaxtune.tasks, jaxtune.tracking
 """

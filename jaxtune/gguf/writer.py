@@ -325,10 +325,11 @@ class _Tokenizer:
 
 
 def _read_tokenizer(folder: Path, vocab_size: int, tokenizer=None) -> _Tokenizer:
-    """How llama.cpp is to read `folder`'s tokenizer.json (or ModelError naming the file): every id's token (ids the tokenizer lacks, as padding rows of a larger embedding, get
-    placeholder names), special tokens as control tokens; for byte-level BPE (llama.cpp's `gpt2`
-    model) the merges, for SentencePiece BPE (its `llama` model) each token's score and kind;
-    special ids, add-BOS and the chat template from the folder's files."""
+    """How llama.cpp is to read `folder`'s tokenizer.json (or ModelError naming the file): every id's
+    token (ids the tokenizer lacks, as padding rows of a larger embedding, get placeholder names),
+    special tokens as control tokens; for byte-level BPE (llama.cpp's `gpt2` model) the merges, for
+    SentencePiece BPE (its `llama` model) each token's score and kind; special ids, add-BOS and the
+    chat template from the folder's files."""
     import gguf
     from transformers import AutoTokenizer
 

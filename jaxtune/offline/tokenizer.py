@@ -45,7 +45,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path) -> Non
     """Train the BPE on `texts` and save a `transformers` tokenizer (with chat template) to `out_dir`."""
     if vocab_size < _MIN_VOCAB:
         raise ValueError(
-            f"vocab_size must be at least {_MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+            f"vocab_size must be at least {_MIN_VOCAB} (256 bytes + "
+            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
         )
     backend = _train_backend(texts, vocab_size)
     wrapped = PreTrainedTokenizerFast(

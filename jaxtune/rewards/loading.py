@@ -31,7 +31,8 @@ ACCEPTED = "exact_answer, exact_answer:MARKER, format:REGEX or package.module:fu
 
 
 def load_rewards(specs: Sequence[str], weights: Sequence[float] | None = None) -> Rewards:
-    """The rewards `specs` name, weighted by `weights` (None: all 1); raises ConfigError naming the first that cannot load."""
+    """The rewards `specs` name, weighted by `weights` (None: all
+    1); raises ConfigError naming the first that cannot load."""
     specs = tuple(specs)
     if not specs:
         raise ConfigError(f"rl.rewards: no rewards; give at least one: {ACCEPTED}")

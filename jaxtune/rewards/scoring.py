@@ -43,7 +43,8 @@ class Rewards:
         return tuple(reward.spec for reward in self.rewards)
 
     def identity(self) -> dict[str, str]:
-        """{spec: code} for a cache key: a user's reward is keyed by its module's source, so an edit re-runs training."""
+        """{spec: code} for a cache key: a user's reward is keyed
+        by its module's source, so an edit re-runs training."""
         return {reward.spec: reward.code for reward in self.rewards}
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], rows: Sequence[Mapping]) -> np.ndarray:

@@ -153,7 +153,8 @@ def _pair_lines(hardest: dict) -> list[str]:
         "reward less the rejected one's) rose least, or fell, from before training to after, with each answer's "
         "log-probability before and after.",
         "",
-        "| pair | category | prompt | chosen | rejected | margin before | margin after | log-p chosen | log-p rejected |",
+        "| pair | category | prompt | chosen | rejected | margin "
+        "before | margin after | log-p chosen | log-p rejected |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [

@@ -80,7 +80,8 @@ def write_reference(logp: np.ndarray, tokens: np.ndarray, path: Path) -> None:
 
 
 def read_reference(ref: ArtifactRef | None, split: str) -> np.ndarray | None:
-    """A split's reference log-probabilities per token-table row (2p chosen, 2p+1 rejected); None without a reference stage."""
+    """A split's reference log-probabilities per token-table row
+    (2p chosen, 2p+1 rejected); None without a reference stage."""
     if ref is None:
         return None
     table = pa.ipc.open_file(pa.memory_map(str(ref.file(f"{split}.arrow")))).read_all()

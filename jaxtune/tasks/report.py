@@ -200,7 +200,8 @@ def _speed_lines(t: dict) -> list[str]:
         else "MFU not known for this device"
     )
     return [
-        f"Batches: {k} x {rows} {kind} of {length} tokens, {100 * t['nonpad_fraction']:.1f}% of them real tokens; {mfu}.",
+        f"Batches: {k} x {rows} {kind} of {length} tokens, "
+        f"{100 * t['nonpad_fraction']:.1f}% of them real tokens; {mfu}.",
         "",
     ]
 
@@ -216,7 +217,8 @@ def _interruption_lines(interruptions: list[dict]) -> list[str]:
     )
     lost = sum(i["lost_steps"] for i in interruptions)
     return [
-        f"Interrupted {len(interruptions)} time{'s' * (len(interruptions) != 1)}, {lost} steps trained again in all: {each}.",
+        f"Interrupted {len(interruptions)} time{'s' * (len(interruptions) != 1)}, "
+        f"{lost} steps trained again in all: {each}.",
         "",
     ]
 
@@ -337,7 +339,8 @@ def _quote(text: str) -> str:
 
 @task(name=STAGE, result_serializer="json")
 def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
-    """inputs: `tokenize`, `baseline_eval`, `train`, `final_eval`, `export`, `generate`; `base` over a quantized base."""
+    """inputs: `tokenize`, `baseline_eval`, `train`, `final_eval`,
+    `export`, `generate`; `base` over a quantized base."""
 
     def build(folder: Path) -> None:
         if rl_report.is_rl(inputs):  # GRPO: rewards, not losses

@@ -75,7 +75,8 @@ def tokenize(
         if len(stats["sources"]) > 1:
             for src in stats["sources"]:
                 logger.info(
-                    "source %(name)s: %(rows_in)d rows in, %(train_rows)d train (weight %(weight)g), %(eval_rows)d eval",
+                    "source %(name)s: %(rows_in)d rows in, %(train_rows)d "
+                    "train (weight %(weight)g), %(eval_rows)d eval",
                     src,
                 )
 

@@ -77,7 +77,8 @@ class Jaxtune:
 
 
 def _console_logs_to(stream) -> None:
-    """Point Prefect's console handlers, created by the first run in whatever stream was sys.stderr then, at `stream`."""
+    """Point Prefect's console handlers, created by the first
+    run in whatever stream was sys.stderr then, at `stream`."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
     loggers = [

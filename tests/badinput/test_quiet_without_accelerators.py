@@ -47,6 +47,7 @@ def test_a_bad_data_file_gives_jaxtunes_line_and_no_plugin_noise(tmp_path):
     )
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        f"jaxtune: build_tokenizer: {bad} line 3: not valid JSON (Expecting value at column 1) (--debug shows the traceback)"
+        f"jaxtune: build_tokenizer: {bad} line 3: not valid JSON "
+        "(Expecting value at column 1) (--debug shows the traceback)"
     )
     assert [word for word in NOISE if word in done.stderr] == [], done.stderr

@@ -41,7 +41,8 @@ def test_an_unknown_key_in_a_config_file_names_the_file(jaxtune, tmp_path):
 def test_a_value_of_the_wrong_type_is_named_with_the_value(jaxtune):
     refused(
         jaxtune.run("--set=train.batch_size=eight"),
-        "jaxtune: --set: train.batch_size: Input should be a valid integer, unable to parse string as an integer (got 'eight')",
+        "jaxtune: --set: train.batch_size: Input should be a valid "
+        "integer, unable to parse string as an integer (got 'eight')",
     )
 
 
@@ -125,7 +126,8 @@ def test_a_mesh_larger_than_the_devices_is_refused(jaxtune):
             {"data": 2, "fsdp": 2, "tensor": 4},
             8,
             "mesh.data=2, mesh.fsdp=2, mesh.tensor=4 needs 16 devices but only 8 "
-            "devices are visible; make the axes' product at most 8, or set one axis to -1 for the devices the others leave",
+            "devices are visible; make the axes' product at most 8, "
+            "or set one axis to -1 for the devices the others leave",
         ),
         (
             {"data": 2, "fsdp": 2},

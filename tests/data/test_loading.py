@@ -179,7 +179,8 @@ def test_two_worker_processes_give_the_rows_one_gives(ext, make_dolly, write_row
 
 
 class _RecordsPids:
-    """A map function that leaves a file named after the process calling it in `folder`, then does what `function` does."""
+    """A map function that leaves a file named after the process
+    calling it in `folder`, then does what `function` does."""
 
     def __init__(self, function, folder: Path):
         self.function, self.folder = function, folder

@@ -20,7 +20,8 @@ N_A, N_B = 30, 21  # B odd, so weight 0.5 has a half to round
 
 
 def alpaca_rows(dolly: list[dict]) -> list[dict]:
-    """Dolly rows as alpaca under other column names (mapped back by `columns`), marked so no prompt repeats one of A's."""
+    """Dolly rows as alpaca under other column names (mapped back
+    by `columns`), marked so no prompt repeats one of A's."""
     return [
         {
             "question": f"[B] {r['instruction']}",

@@ -120,7 +120,8 @@ def test_columns_rename_the_prompt_and_the_answer(write_rows, tokenizer, tmp_pat
         ),
         (
             {"prompt": "q", "messages": [{"role": "user", "content": "q"}], "answer": "1"},
-            "a prompt_answer row needs its prompt as 'prompt' (text) or 'messages' (the conversation before the answer), "
+            "a prompt_answer row needs its prompt as 'prompt' (text) "
+            "or 'messages' (the conversation before the answer), "
             "exactly one of them; got both",
         ),
         ({"prompt": "q"}, "missing column 'answer' (format 'prompt_answer' needs answer; columns present: prompt)"),
@@ -132,7 +133,8 @@ def test_columns_rename_the_prompt_and_the_answer(write_rows, tokenizer, tmp_pat
         ({"prompt": "", "answer": "1"}, "'prompt' must be a non-empty string, got an empty string"),
         (
             {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "1"},
-            "in a prompt_answer row 'messages' is the conversation before the answer, so its last message must be a 'user' "
+            "in a prompt_answer row 'messages' is the conversation "
+            "before the answer, so its last message must be a 'user' "
             "turn, got role 'assistant'",
         ),
     ],

@@ -282,7 +282,8 @@ def test_csv_keeps_text_as_text(write_rows):
         (
             "dolly",
             {"question": "a", "answer": "b"},
-            "missing column 'instruction' (format 'dolly' needs instruction, response; columns present: question, answer)",
+            "missing column 'instruction' (format 'dolly' needs "
+            "instruction, response; columns present: question, answer)",
         ),
     ],
 )
@@ -359,7 +360,8 @@ def test_parquet_column_of_wrong_type(tmp_path, error_line, columns, cfg, messag
 
 
 def test_parquet_accepted_column_types(tmp_path):
-    """All-null columns (type null), dictionary-encoded text (pandas categoricals) and messages as JSON text read fine."""
+    """All-null columns (type null), dictionary-encoded text
+    (pandas categoricals) and messages as JSON text read fine."""
     path = tmp_path / "data.parquet"
     category = pa.array(["x", "y"]).dictionary_encode()
     pq.write_table(
@@ -376,7 +378,8 @@ def test_parquet_missing_column_is_still_the_row_message(tmp_path, error_line):
     path = tmp_path / "data.parquet"
     pq.write_table(pa.table({"instruction": ["a"], "answer": [1]}), path)
     assert error_line(read_rows, DataConfig(), str(path)) == (
-        f"{path} row 1: missing column 'response' (format 'dolly' needs instruction, response; columns present: instruction, answer)"
+        f"{path} row 1: missing column 'response' (format 'dolly' needs "
+        "instruction, response; columns present: instruction, answer)"
     )
 
 

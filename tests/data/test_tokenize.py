@@ -268,7 +268,8 @@ def test_copies_of_one_row_cannot_be_split(examples, tokenizer, error_line):
 def test_all_rows_too_long(examples, tokenizer, error_line):
     assert error_line(tokenize_dataset, examples(12), tokenizer, DataConfig(max_length=16)) == (
         "no train rows left: all 12 rows were dropped "
-        "(too_long: 12; rows longer than data.max_length=16 tokens; raise data.max_length or set data.too_long=truncate)"
+        "(too_long: 12; rows longer than data.max_length=16 tokens; "
+        "raise data.max_length or set data.too_long=truncate)"
     )
 
 

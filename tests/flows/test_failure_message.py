@@ -41,9 +41,9 @@ def test_a_bad_data_file_ends_in_one_line_naming_it_and_prefect_keeps_the_traceb
     done = run_cli("--set", f"data.source={bad}", "--set", f"store.root={store}")
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
-    assert (
-        last
-        == f"jaxtune: build_tokenizer: {bad} line 3: not valid JSON (Expecting value at column 1) (--debug shows the traceback)"
+    assert last == (
+        f"jaxtune: build_tokenizer: {bad} line 3: not valid JSON "
+        "(Expecting value at column 1) (--debug shows the traceback)"
     )
     assert "Traceback" not in done.stderr and done.stdout == ""
     assert not list(store.glob("*/*/manifest.json")) and not list(store.glob("*/.tmp-*")), "the store is as it was"

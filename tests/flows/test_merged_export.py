@@ -49,8 +49,9 @@ with torch.no_grad():
     for row, labels in zip(table["input_ids"], table["labels"]):
         target = torch.tensor(labels[1:])
         keep = target != -100
-        nll += torch.nn.functional.cross_entropy(merged(input_ids=torch.tensor([row])).logits[0, :-1][keep], target[keep],
-                                                 reduction="sum").item()
+        nll += torch.nn.functional.cross_entropy(
+            merged(input_ids=torch.tensor([row])).logits[0, :-1][keep], target[keep], reduction="sum"
+        ).item()
         count += keep.sum().item()
 with_adapter = PeftModel.from_pretrained(load(base_dir), folder / "adapter").eval()
 merged_logits, adapter_logits, base_logits = logits(merged), logits(with_adapter), logits(load(base_dir))
@@ -124,7 +125,8 @@ def test_merged_model_gives_the_logits_of_base_plus_adapter(store, merged_export
     assert (merged_export / "merged" / "tokenizer.json").is_file()
     check = merge_check(merged_export, store)
     assert_merged_is_base_plus_adapter(check)
-    # An export that lost the LoRA tensors merges and adapts alike, to the base: only the trained model's own loss tells.
+    # An export that lost the LoRA tensors merges and adapts alike, to the base: only the trained model's
+    # own loss tells.
     final_eval = store / "final_eval" / planned_keys(toy_config(store, "export.merge=true"))["final_eval"]
     assert check["merged_loss"] == pytest.approx(
         json.loads((final_eval / "metrics.json").read_text())["loss"], rel=EXPORT_RTOL

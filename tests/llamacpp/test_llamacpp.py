@@ -130,8 +130,10 @@ def test_f16_greedy_answers_equal_jaxtunes_but_at_near_ties(exported, prompts):
         assert gap <= F16_TIE, (part, gap, ours, theirs)
         ties += 1
     print(
-        f"{gguf_file(exported, 'f16').name}: {same} of {len(prompts)} greedy answers identical, {ties} parted at a near tie; "
-        f"decode: jaxtune {ours_tokens / ours_seconds:.1f} tokens/s, llama.cpp {theirs_tokens / theirs_seconds:.1f} tokens/s"
+        f"{gguf_file(exported, 'f16').name}: {same} of {len(prompts)} "
+        f"greedy answers identical, {ties} parted at a near tie; "
+        f"decode: jaxtune {ours_tokens / ours_seconds:.1f} tokens/s, "
+        f"llama.cpp {theirs_tokens / theirs_seconds:.1f} tokens/s"
     )
     assert same >= len(prompts) // 2
 
@@ -155,6 +157,7 @@ def test_q8_0_keeps_the_top_token_under_teacher_forcing(exported, prompts):
         agreed += int((got == expected).sum())
         total += len(tokens)
     print(
-        f"{gguf_file(exported, 'q8_0').name}: teacher-forced top-1 kept at {agreed} of {total} positions ({agreed / total:.3f})"
+        f"{gguf_file(exported, 'q8_0').name}: teacher-forced top-1 "
+        f"kept at {agreed} of {total} positions ({agreed / total:.3f})"
     )
     assert agreed >= Q8_0_TOP1 * total

@@ -153,7 +153,8 @@ def test_sigterm_to_the_launcher_is_passed_on_to_every_process(tmp_path):
     code = (
         "import os, signal, sys; from jaxtune.host import launch; "
         f"scripts = {scripts!r}; "
-        "status = launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]); "
+        "status = launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) "
+        "for i, c in enumerate(scripts)]); "
         "print(status, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
     )
     launcher = subprocess.Popen(
@@ -194,7 +195,8 @@ def test_sigterm_while_the_processes_are_being_started_still_stops_them_all(tmp_
         "    return child\n"
         "subprocess.Popen = popen\n"
         f"scripts = {scripts!r}\n"
-        "print(launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]))"
+        "print(launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) "
+        "for i, c in enumerate(scripts)]))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=60

@@ -133,7 +133,8 @@ def over_adam_bound(got: np.ndarray, reference: dict, lrs: list[float], name: st
     worst = np.unravel_index(np.argmax(apart - bound), bound.shape)
     return (
         f"{name}{[int(i) for i in worst]}: {got[worst]:.7g} against {reference[name][worst]:.7g} on one device, "
-        f"{apart[worst]:.3g} apart, bound {bound[worst]:.3g}; {int((apart > bound).sum())} of {apart.size} elements over"
+        f"{apart[worst]:.3g} apart, bound {bound[worst]:.3g}; "
+        f"{int((apart > bound).sum())} of {apart.size} elements over"
     )
 
 

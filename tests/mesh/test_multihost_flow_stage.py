@@ -114,7 +114,8 @@ def test_a_one_process_run_joins_nothing_and_imports_no_jax():
         "import os, sys\n"
         "for v in ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'): os.environ.pop(v, None)\n"
         "from jaxtune.host import processes\nfrom jaxtune.config import MeshConfig\n"
-        "print(processes.join(MeshConfig()), processes.join(MeshConfig(num_processes=1, process_id=0)), 'jax' in sys.modules)"
+        "print(processes.join(MeshConfig()), "
+        "processes.join(MeshConfig(num_processes=1, process_id=0)), 'jax' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.stdout.split() == ["False", "False", "False"], out.stderr

@@ -244,7 +244,8 @@ def test_a_tokenizer_without_a_chat_template_names_the_model_and_the_setting():
     with pytest.raises(ChatTemplateError) as caught:
         require_chat_template(tokenizer, "/models/gemma-3-270m")
     assert first_line(caught) == (
-        "/models/gemma-3-270m: its tokenizer has no chat template; set model.chat_template to 'gemma' or a Jinja template string"
+        "/models/gemma-3-270m: its tokenizer has no chat template; "
+        "set model.chat_template to 'gemma' or a Jinja template string"
     )
     require_chat_template(apply_chat_template_setting(tokenizer, "gemma"), "/models/gemma-3-270m")
 

@@ -152,7 +152,8 @@ def jaxtune_pair_metrics(objective, logp, tokens, reference) -> dict[str, np.nda
 
 
 def jaxtune_step(model, objective, ids, labels, reference) -> tuple[float, dict[str, np.ndarray]]:
-    """The train step's mean loss over one packed micro-batch of every pair, and its gradient w.r.t. the LoRA weights."""
+    """The train step's mean loss over one packed micro-batch
+    of every pair, and its gradient w.r.t. the LoRA weights."""
     pairs = len(ids) // 2
     feed = make_feed(
         [len(r) for r in ids], TrainConfig(batch_size=pairs, max_steps=1), 64, batch_shards=1, packed=True, pairs=True

@@ -43,8 +43,8 @@ def run(checkpoint_dir=None):
     ids, labels = pair_rows(24, seed=5)
     eval_ids, eval_labels = pair_rows(4, seed=6)
     reference = [
-        -row_nll(model, i, l, batch_size=8, pad_id=PAD, progress=False)[0].astype(np.float32)
-        for i, l in ((ids, labels), (eval_ids, eval_labels))
+        -row_nll(model, i, y, batch_size=8, pad_id=PAD, progress=False)[0].astype(np.float32)
+        for i, y in ((ids, labels), (eval_ids, eval_labels))
     ]
     return training.train(
         model,

@@ -1,4 +1,5 @@
-"""The finetune flow with train.objective dpo and simpo on the bundled preference pairs: stages, keys, metrics, names."""
+"""The finetune flow with train.objective dpo and simpo on the bundled preference pairs: stages, keys,
+metrics, names."""
 
 from __future__ import annotations
 

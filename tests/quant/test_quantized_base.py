@@ -223,7 +223,8 @@ def test_the_memory_plan_counts_the_base_layers_as_held(scheme, ratio):
     if scheme != "none":
         quantize.quantize_base(module, scheme)
     base = base_bytes(rt_model.to_jax(module, make_placement(MeshConfig()), shapes_only=True))
-    # 2 layers of q, k, v, o (64 x 64 each: 4 heads of 16 over 64 inputs, 2 kv heads: k, v 32 x 64) and the MLP (3 x 64 x 128)
+    # 2 layers of q, k, v, o (64 x 64 each: 4 heads of 16 over 64 inputs, 2 kv heads: k, v 32 x 64) and
+    # the MLP (3 x 64 x 128)
     weights = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128)
     assert base["unquantized"] == 2 * weights and base["scheme"] == scheme and base["compute_dtype"] == "bfloat16"
     assert base["held"] == pytest.approx(ratio * base["unquantized"], abs=0)

@@ -47,8 +47,8 @@ def test_the_base_is_quantized_once_and_the_report_says_the_adapter_learned_agai
     assert info["held_bytes"] / info["unquantized_bytes"] == pytest.approx((0.5 + 2 / 64) / 4)
     report = (artifact(store, "report") / "report.md").read_text()
     assert (
-        "**Trained against a quantized base** (`model.base_quantization: int4`): 12 frozen linear layers held as 12 int4"
-        in report
+        "**Trained against a quantized base** (`model.base_quantization: int4`): "
+        "12 frozen linear layers held as 12 int4" in report
     )
     assert json.loads((artifact(store, "export") / "export.json").read_text())["trained_on_quantized_base"] == "int4"
 

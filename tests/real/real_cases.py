@@ -48,7 +48,8 @@ class RealCheckpointTests:
 
     @pytest.mark.data
     def test_every_assistant_turn_of_a_conversation_carries_labels(self, tokenizer):
-        """A system prompt and three turns: each answer and the end-of-turn tokens after it are labelled, nothing else."""
+        """A system prompt and three turns: each answer and the
+        end-of-turn tokens after it are labelled, nothing else."""
         from jaxtune.data.tokenize import encode_example
         from tests.data.test_tokenize import THREE_TURNS, labelled_spans
 
@@ -122,7 +123,8 @@ def check_three_steps_export(checkpoint: checks.Checkpoint, result: dict) -> Non
         ]
     )
     print(
-        f"exported adapter: plain PyTorch loss {plain:.6f}, final eval {final:.6f}, relative {abs(plain - final) / final:.2e}; "
+        f"exported adapter: plain PyTorch loss {plain:.6f}, final "
+        f"eval {final:.6f}, relative {abs(plain - final) / final:.2e}; "
         f"baseline {baseline:.6f}"
     )
     assert abs(plain - final) <= checks.EXPORT_LOSS_RTOL * final, (plain, final)

@@ -37,32 +37,39 @@ def reward_error(user_module, body: str, rows: list[dict] = ROWS, completions: l
         ),
         (
             "return [None if c == 'bad' else 1.0 for c in completions]",
-            "reward rw:score returned None for row 2 of the batch (data.jsonl line 12): rewards must be finite float32 numbers",
+            "reward rw:score returned None for row 2 of the batch "
+            "(data.jsonl line 12): rewards must be finite float32 numbers",
         ),
         (
             "return [math.nan if c == 'bad' else 1.0 for c in completions]",
-            "reward rw:score returned nan for row 2 of the batch (data.jsonl line 12): rewards must be finite float32 numbers",
+            "reward rw:score returned nan for row 2 of the batch "
+            "(data.jsonl line 12): rewards must be finite float32 numbers",
         ),
         (
             "return np.where(np.array(completions) == 'bad', -np.inf, 0.0)",
-            "reward rw:score returned -inf for row 2 of the batch (data.jsonl line 12): rewards must be finite float32 numbers",
+            "reward rw:score returned -inf for row 2 of the batch "
+            "(data.jsonl line 12): rewards must be finite float32 numbers",
         ),
         (
             "return [1e39] * len(completions)",
-            "reward rw:score returned 1e+39 for row 0 of the batch (data.jsonl line 10): rewards must be finite float32 numbers",
+            "reward rw:score returned 1e+39 for row 0 of the batch "
+            "(data.jsonl line 10): rewards must be finite float32 numbers",
         ),
         (
             "return [10 ** 400] * len(completions)",
-            "reward rw:score returned an int beyond float32's range for row 0 of the batch (data.jsonl line 10): rewards must "
+            "reward rw:score returned an int beyond float32's range "
+            "for row 0 of the batch (data.jsonl line 10): rewards must "
             "be finite float32 numbers",
         ),
         (
             "return ['1.0'] * len(completions)",
-            "reward rw:score returned a str for row 0 of the batch (data.jsonl line 10): rewards must be finite float32 numbers",
+            "reward rw:score returned a str for row 0 of the batch "
+            "(data.jsonl line 10): rewards must be finite float32 numbers",
         ),
         (
             "return [float(c) for c in completions]",
-            "reward rw:score raised ValueError on row 2 of the batch (data.jsonl line 12): could not convert string to float: 'bad'",
+            "reward rw:score raised ValueError on row 2 of the batch "
+            "(data.jsonl line 12): could not convert string to float: 'bad'",
         ),
         (
             "assert len(completions) < 3, 'too many'\n    return [0.0] * len(completions)",
@@ -77,7 +84,8 @@ def test_a_bad_return_or_a_raise_names_the_reward_and_the_first_bad_row(body, me
 def test_a_row_is_located_by_its_source_and_row_when_it_has_no_where(user_module):
     rows = [{"answer": "0", "source": "math.parquet", "row": 7}, {"answer": "1", "row": 8}]
     assert reward_error(user_module, "return [None] * len(completions)", rows, ["0", "1"]) == (
-        "reward rw:score returned None for row 0 of the batch (math.parquet row 7): rewards must be finite float32 numbers"
+        "reward rw:score returned None for row 0 of the batch "
+        "(math.parquet row 7): rewards must be finite float32 numbers"
     )
     assert reward_error(user_module, "return [1.0, None]", rows, ["0", "1"]) == (
         "reward rw:score returned None for row 1 of the batch (row 8): rewards must be finite float32 numbers"

@@ -104,7 +104,8 @@ def test_a_callable_object_is_a_reward(user_module):
         (
             "def score(completions):\n    return [0.0]\n",
             "jt_narrow_rw:score",
-            "rl.rewards: 'jt_narrow_rw:score' cannot be called as function(prompts, completions, rows): too many positional arguments",
+            "rl.rewards: 'jt_narrow_rw:score' cannot be called as "
+            "function(prompts, completions, rows): too many positional arguments",
         ),
         (
             None,

@@ -29,15 +29,9 @@ from jaxtune.runtime.compiled import grpo, preference, steps
 from jaxtune.runtime.modeling import model as rt_model
 from tests.conftest import EOS, PAD, VOCAB
 
-# The preference tests' tiny LoRA Llama (random B), its JAX copy and their word-level tokenizer.
-from tests.preference.test_against_trl import (  # noqa: F401
-    assert_same_gradients,
-    jax_model,
-    lora_module,
-    tokenizer,
-    torch_grads,
-    trl_args,
-)
+# The preference tests' helpers; their fixtures (the tiny LoRA Llama, its JAX copy and their
+# word-level tokenizer) come from tests/rl/conftest.py.
+from tests.preference.test_against_trl import assert_same_gradients, torch_grads, trl_args
 
 pytestmark = [
     pytest.mark.rl,
@@ -153,7 +147,8 @@ def jaxtune_logps(model, rollout, weights=None) -> np.ndarray:
 
 def on_token_axis(values: np.ndarray, prompt_lengths: np.ndarray, length: int) -> np.ndarray:
     """TRL's layout to jaxtune's: (S, C) values of each answer's tokens -> (S, length - 1), where the
-    step's per-token NLL has them: answer token j of a row whose prompt has P tokens is token P + j, scored at P + j - 1."""
+    step's per-token NLL has them: answer token j of a row whose prompt has P tokens is token P + j,
+    scored at P + j - 1."""
     values = np.asarray(values, np.float32)
     out = np.zeros((values.shape[0], length - 1), np.float32)
     for row, (p, v) in enumerate(zip(prompt_lengths, values)):

@@ -175,12 +175,12 @@ def test_chunked_backward_keeps_no_full_logits():
     )
 
     def temp_bytes(nll_fn):
-        step = jax.jit(jax.grad(lambda h, w, l: nll_fn(h, w, l).sum(), argnums=(0, 1)))
+        step = jax.jit(jax.grad(lambda h, w, y: nll_fn(h, w, y).sum(), argnums=(0, 1)))
         return step.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
 
     full = temp_bytes(reference_nll)
-    linear = temp_bytes(lambda h, w, l: linear_token_nll(h, w, l, chunk_tokens=128))
-    head = temp_bytes(lambda h, w, l: head_token_nll(h, lambda x: x @ w.T, l, 128))
+    linear = temp_bytes(lambda h, w, y: linear_token_nll(h, w, y, chunk_tokens=128))
+    head = temp_bytes(lambda h, w, y: head_token_nll(h, lambda x: x @ w.T, y, 128))
     print(f"temp bytes: full {full}, linear {linear}, head {head}")
     assert full >= b * (t - 1) * v * 4
     assert linear < full / 4 and head < full / 4

@@ -238,7 +238,8 @@ def test_the_scanner_flags_a_task_without_a_json_serializer(decorator):
         "model.save_pretrained(out, safe_serialization=True)",
         "from safetensors.numpy import load_file\nload_file(f)",
         "import json\njson.load(f)",
-        "from prefect import task\n@task(name='x', result_serializer='json')\ndef stage(section):\n    return section\n",
+        "from prefect import task\n@task(name='x', result_serializer='json')\n"
+        "def stage(section):\n    return section\n",
         "from prefect import flow\n@flow(name='x', persist_result=False)\ndef run(section):\n    return section\n",
     ],
 )

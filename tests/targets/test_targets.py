@@ -89,7 +89,8 @@ def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, mon
     code = cli.main(["doctor", str(tiny_folder), "--target", "h100"])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "jaxtune doctor: planning for h100 needs JAX's CUDA plugin, which is not installed: pip install 'jaxtune[gpu-plan]'"
+        "jaxtune doctor: planning for h100 needs JAX's CUDA plugin, "
+        "which is not installed: pip install 'jaxtune[gpu-plan]'"
     ]
 
 
@@ -309,7 +310,8 @@ def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figur
     assert re.search(r"HLO temporaries \((\d+\.\d+)G\) exceeds available HBM \(15\.75G\)", row), row
     advice = next(line for line in out.splitlines() if line.startswith("  to fit")).split(maxsplit=2)[2]
     named = re.match(
-        r"(v5e-\d+) fits: (\d+\.\d+) GiB of 15\.75 GiB per device with (mesh\.data=1, mesh\.fsdp=\d+, mesh\.tensor=\d+) \(compiled\)",
+        r"(v5e-\d+) fits: (\d+\.\d+) GiB of 15\.75 GiB per device with "
+        r"(mesh\.data=1, mesh\.fsdp=\d+, mesh\.tensor=\d+) \(compiled\)",
         advice,
     )
     assert named and "train.optimizer=adafactor" in advice, advice

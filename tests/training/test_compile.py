@@ -234,7 +234,10 @@ def test_a_step_the_compiler_refused_is_refused_again_without_compiling(tmp_path
     refusal is remembered beside the cache, so `train.remat: auto`'s next run skips that candidate."""
     compile_cache.enable(tmp_path / "xla-cache")
     model, optimizer = lora_model(), steps.make_optimizer(TrainConfig())
-    words = "Ran out of memory on HBM, the total memory required for HLO temporaries (17.10G) exceeds available HBM (15.75G)."
+    words = (
+        "Ran out of memory on HBM, the total memory required for "
+        "HLO temporaries (17.10G) exceeds available HBM (15.75G)."
+    )
     compiles = []
 
     def refuse(self):

@@ -149,7 +149,8 @@ def test_automatic_restarts_stuck_at_one_checkpoint_give_up_and_a_run_by_hand_go
     with pytest.raises(TrainingGaveUp) as gave_up:
         run(checkpoint_dir=tmp_path, restart=True)
     assert str(gave_up.value) == (
-        "gave up: 3 automatic restarts in a row resumed from step 4 and none saved a later checkpoint (the last reached "
+        "gave up: 3 automatic restarts in a row resumed from step "
+        "4 and none saved a later checkpoint (the last reached "
         "step 4, killed); not restarting again. Find the cause in those runs' logs, then run it again by hand: it "
         "resumes from step 4"
     )

@@ -109,7 +109,8 @@ def _curve_versions(server, flow_run) -> list:
 
 
 def test_the_live_curve_shows_fewer_steps_mid_run_and_all_at_the_end(run, tmp_path):
-    """What the curve's page showed while training ran (the version made at its first eval, step 2 of 4), and what it shows after."""
+    """What the curve's page showed while training ran (the version
+    made at its first eval, step 2 of 4), and what it shows after."""
     server, flow_run, _, _ = run
     versions = _curve_versions(server, flow_run)
     assert len(versions) >= 2, "the curve was made again as training went"

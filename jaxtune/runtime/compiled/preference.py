@@ -186,8 +186,8 @@ def summed_objective(
     objective: Objective, nll: jax.Array, scored: jax.Array, batch: dict
 ) -> tuple[jax.Array, jax.Array]:
     """(summed loss, count) of one micro-batch, whose ratio is its mean: summed token NLL over scored
-    tokens for sft; summed pair losses over pairs for dpo and simpo; for grpo see `grpo.summed_loss`. Summed over micro-batches, the
-    ratio is the whole step's mean, as one big batch would give.
+    tokens for sft; summed pair losses over pairs for dpo and simpo; for grpo see `grpo.summed_loss`.
+    Summed over micro-batches, the ratio is the whole step's mean, as one big batch would give.
 
     A preference batch carries `reference` (S, M): each segment's reference log-probability (zeros
     for simpo), whose shape says the layout (`pairs_of`): M segments per packed sequence, or M = 1

@@ -489,7 +489,8 @@ def make_token_logp_step(model: JaxModel, fused: bool = True, temperature: float
 
 
 def eval_step_memory(model: JaxModel, rows: int, length: int, fused: bool = True) -> dict:
-    """XLA's memory plan (as `train_step_memory`) of one eval batch of (rows, length), the rows split as `evaluate` splits them."""
+    """XLA's memory plan (as `train_step_memory`) of one eval batch
+    of (rows, length), the rows split as `evaluate` splits them."""
     sharding = model.placement.batch_sharding
     batch = {name: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding) for name in BATCH_KEYS}
     labels = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)

@@ -2,5 +2,6 @@
 each next token (`sampling`), decoding one prompt a token at a time for a chat (`stream`), and
 the host loops that evaluate and generate over a split (`inference`).
 
-May import: jaxtune.config, jaxtune.errors, jaxtune.data, jaxtune.runtime.compat, jaxtune.runtime.devices, jaxtune.runtime.modeling, jaxtune.runtime.compiled
+May import: jaxtune.config, jaxtune.errors, jaxtune.data, jaxtune.runtime.compat, jaxtune.runtime.devices, \
+jaxtune.runtime.modeling, jaxtune.runtime.compiled
 """

@@ -1,5 +1,6 @@
 """Decoding compiled as one XLA program, greedy or sampled: a prefill, then a `while_loop` of one-token
-steps (it stops early once every row has emitted end-of-sequence) over a static KV cache built from transformers 5's `StaticLayer`s.
+steps (it stops early once every row has emitted end-of-sequence) over a static KV cache built from
+transformers 5's `StaticLayer`s.
 
 Every layer gets a full-length `StaticLayer` (sliding-window layers too): the sliding
 window is then applied by the attention mask rather than by rolling the cache, which keeps
@@ -45,7 +46,8 @@ def _static_cache(kv: list[tuple[torch.Tensor, torch.Tensor]], start: torch.Tens
 
 
 def _cache_argument(module: torch.nn.Module) -> str:
-    """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40); models not yet migrated keep the old one."""
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old
+    name goes in 5.40); models not yet migrated keep the old one."""
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 

@@ -120,7 +120,10 @@ def per_pair(
     chosen_tokens, rejected_tokens = arrays(tokens)
     policy = preference.PairLogps(*arrays(logp), chosen_tokens, rejected_tokens)
     ref = None if reference is None else preference.PairLogps(*arrays(reference), chosen_tokens, rejected_tokens)
-    as_f32 = lambda t: None if t is None else preference.PairLogps(*(jnp.asarray(v, jnp.float32) for v in t))
+
+    def as_f32(t):
+        return None if t is None else preference.PairLogps(*(jnp.asarray(v, jnp.float32) for v in t))
+
     figures = {
         k: np.asarray(v, np.float64)
         for k, v in preference.pair_metrics(objective.name, objective.preference, as_f32(policy), as_f32(ref)).items()

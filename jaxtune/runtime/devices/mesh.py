@@ -77,7 +77,8 @@ class Placement:
         return jax.tree.map(lambda a: self.put(a, sharding), arrays)
 
     def prompt_sharding(self, rows: int) -> NamedSharding:
-        """How `shard_prompts` places `rows` prompts: split over the data axis where it divides them, else replicated."""
+        """How `shard_prompts` places `rows` prompts: split over
+        the data axis where it divides them, else replicated."""
         return self.sharding(PartitionSpec("data")) if rows % self.mesh.shape["data"] == 0 else self.replicated
 
     def describe(self) -> str:

@@ -3,5 +3,6 @@ XLA compiles for the train step (`memory`), the batch split and remat policy cho
 plans (`fit`), FLOPs per token against the chip's peak (`flops`), and the JAX path against
 PyTorch eager on the same tensors (`parity`).
 
-May import: jaxtune.config, jaxtune.errors, jaxtune.data, jaxtune.runtime.compat, jaxtune.runtime.devices, jaxtune.runtime.modeling, jaxtune.runtime.compiled, jaxtune.runtime.decoding
+May import: jaxtune.config, jaxtune.errors, jaxtune.data, jaxtune.runtime.compat, jaxtune.runtime.devices, \
+jaxtune.runtime.modeling, jaxtune.runtime.compiled, jaxtune.runtime.decoding
 """

@@ -109,7 +109,8 @@ class Fit:
         }
 
     def describe(self, cfg: TrainConfig) -> str:
-        """'remat auto: none, loss chunks of 1024 tokens, 1 x 8 rows per step (needs 9.81 GiB of 15.28 GiB; tried ...)'."""
+        """'remat auto: none, loss chunks of 1024 tokens, 1 x 8
+        rows per step (needs 9.81 GiB of 15.28 GiB; tried ...)'."""
         run = self.train_config(cfg)
         needed = _needed(self.plan)
         limit = f" of {_gib(self.budget)} ({HEADROOM:.0%} of the device kept free)" if self.budget else ""
@@ -327,7 +328,10 @@ def _what_would_fit(last: dict, length: int, budget: int) -> str:
     """A length and a number of fsdp devices that would fit by estimate, from the last plan that compiled:
     its activations shrink with the length (about linearly, with attention in tiles), its state
     (weights, gradients, optimizer state) with the devices it is split over."""
-    general = "a shorter data.max_length, or more devices on mesh.fsdp (parameters, gradients and optimizer state split over them)"
+    general = (
+        "a shorter data.max_length, or more devices on mesh.fsdp "
+        "(parameters, gradients and optimizer state split over them)"
+    )
     if "activations" not in last:
         return general
     activations, state = last["activations"], last["needed"] - last["activations"]

@@ -216,7 +216,8 @@ def knobs(cfg: TrainConfig) -> str:
     if cfg.batch_size > 1 and cfg.remat != "auto":  # auto splits the batch itself
         found.append(
             f"a smaller train.batch_size with a larger train.grad_accumulation "
-            f"(e.g. batch_size={max(cfg.batch_size // 2, 1)}, grad_accumulation={cfg.grad_accumulation * 2}: same rows per step)"
+            f"(e.g. batch_size={max(cfg.batch_size // 2, 1)}, "
+            f"grad_accumulation={cfg.grad_accumulation * 2}: same rows per step)"
         )
     return "; ".join(found) or "a shorter data.max_length or a device with more memory"
 

@@ -33,7 +33,8 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     layers = [m for m in base.modules() if type(m).__name__ in names]
     if not layers:
         raise ValueError(
-            f"{type(base).__name__} names no decoder layer class (_no_split_modules); train.remat=layer cannot find its layers"
+            f"{type(base).__name__} names no decoder layer class "
+            "(_no_split_modules); train.remat=layer cannot find its layers"
         )
     return layers
 

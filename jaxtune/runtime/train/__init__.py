@@ -3,5 +3,7 @@ fed by a source of batches: the rows' micro-batches for SFT and preference train
 from `feed`, with rows packed into fixed-length sequences by `packing`) or GRPO's rollouts
 (`rollouts`); checkpoints written atomically (`checkpoint`).
 
-May import: jaxtune.config, jaxtune.errors, jaxtune.records, jaxtune.data, jaxtune.host, jaxtune.runtime.compat, jaxtune.runtime.devices, jaxtune.runtime.modeling, jaxtune.runtime.compiled, jaxtune.runtime.decoding, jaxtune.runtime.measures
+May import: jaxtune.config, jaxtune.errors, jaxtune.records, jaxtune.data, jaxtune.host, jaxtune.runtime.compat, \
+jaxtune.runtime.devices, jaxtune.runtime.modeling, jaxtune.runtime.compiled, jaxtune.runtime.decoding, \
+jaxtune.runtime.measures
 """

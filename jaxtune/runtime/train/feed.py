@@ -103,7 +103,8 @@ def make_feed(
         )
     if cfg.batch_size % batch_shards:
         raise ValueError(
-            f"train.batch_size={cfg.batch_size} must divide over the {batch_shards} devices the batch is split over (mesh data × fsdp)"
+            f"train.batch_size={cfg.batch_size} must divide over the "
+            f"{batch_shards} devices the batch is split over (mesh data × fsdp)"
         )
     if len(lengths) < cfg.batch_size:
         raise ValueError(f"{len(lengths)} training rows is fewer than one batch of {cfg.batch_size}")
