@@ -1,22 +1,31 @@
 """Loading a decoder layer at a time (`runtime.modeling.streaming`): the model is `from_pretrained`'s,
 tensor for tensor, for single-file and sharded checkpoints, tied and untied embeddings and GPT-2's
-unprefixed keys."""
+unprefixed keys; a base quantized on the way holds the codes and scales `quantize_base` makes from
+`from_pretrained`'s model, and `open_model` the same tensors as it did loading whole; and the
+host memory it takes stays well under what loading whole takes."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from jaxtune.config import TinyModelConfig
+from jaxtune.config import LoraConfig, MeshConfig, ModelConfig, TinyModelConfig
 from jaxtune.offline.architectures import tiny_config
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import parity
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.modeling import streaming
+from jaxtune.runtime.modeling import quantize, streaming
 from tests.conftest import BOS, EOS, PAD, VOCAB
 
 pytestmark = pytest.mark.quant
+SCHEMES = ("int8", "int4", "nf4")
 
 
 def config_of(family: str, tied: bool, layers: int = 2, hidden: int = 64, intermediate: int = 128):
@@ -115,3 +124,128 @@ def test_what_cannot_be_mapped_is_loaded_by_from_pretrained(tmp_path, caplog):
     assert "loading" in caplog.text and "whole with from_pretrained: checkpoint keys do not map" in caplog.text
     assert "up_proj" in caplog.text
     assert not ours.training
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_quantized_on_the_way_as_quantize_base_quantizes_the_loaded_model(tmp_path, streamed_only, family, scheme):
+    folder = saved(tmp_path, family, sharded=True)
+    whole = rt_model.load_torch_model(folder, None, False, "bfloat16").requires_grad_(False)
+    names = quantize.quantize_base(whole, scheme)
+    module, (stored, schemes) = rt_model.load_quantized(folder, None, False, "bfloat16", scheme)
+    assert list(schemes) == names and set(schemes.values()) == {scheme}
+    expected = {f"{layer}.{field}": tensor for layer in names for field, tensor in whole.get_submodule(layer).tensors().items()}
+    assert list(stored) == list(expected)
+    for key, tensor in expected.items():
+        assert stored[key].dtype == tensor.dtype and torch.equal(stored[key], tensor), key
+    for layer in names:  # the float weights are gone: one value each
+        assert streaming.is_placeholder(module.get_submodule(layer).weight)
+        assert module.get_submodule(layer).weight.untyped_storage().nbytes() == 2
+
+
+def assert_same_jax_model(ours: rt_model.JaxModel, theirs: rt_model.JaxModel) -> None:
+    for kind in ("weights", "buffers"):
+        ours_t, theirs_t = getattr(ours, kind), getattr(theirs, kind)
+        assert list(ours_t) == list(theirs_t), kind
+        for name, expected in theirs_t.items():
+            assert ours_t[name].dtype == expected.dtype and np.array_equal(np.asarray(ours_t[name]), np.asarray(expected)), name
+    assert ours.casts == theirs.casts and str(ours.module) == str(theirs.module)
+    ids = np.arange(3, 27, dtype=np.int32).reshape(2, 12)
+    inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    np.testing.assert_array_equal(parity.jax_logits(ours, inputs), parity.jax_logits(theirs, inputs))
+
+
+@pytest.mark.parametrize("scheme, lora", [("int4", LoraConfig(r=4, target_modules="all-linear")),
+                                          ("nf4", LoraConfig(r=4, target_modules=("q_proj", "v_proj"),
+                                                             modules_to_save=("up_proj",))),
+                                          ("int8", None)])
+def test_open_model_holds_what_it_held_loading_whole(tmp_path, scheme, lora):
+    """As open_model did before it streamed: load whole, attach LoRA, quantize the frozen base. q and
+    v's LoRA wraps them (`base_layer`); up_proj, saved whole by LoRA, is held quantized as its frozen
+    original and trained in full as its copy."""
+    folder = saved(tmp_path, "llama", sharded=True)
+    cfg = ModelConfig(name=folder, base_quantization=scheme, dtype="bfloat16")
+    placement = make_placement(MeshConfig())
+    module = rt_model.load_torch_model(folder, None, False, "bfloat16")
+    module = rt_model.attach_lora(module, lora) if lora is not None else module.requires_grad_(False)
+    quantize.quantize_base(module, scheme)
+    theirs = rt_model.to_jax(module, placement)
+    ours = rt_model.open_model(folder, None, cfg, placement, lora=lora)
+    assert_same_jax_model(ours, theirs)
+    if lora is not None and lora.modules_to_save:
+        assert any(name.endswith("up_proj.original_module.codes") for name in ours.buffers)
+        assert any(name.endswith("up_proj.modules_to_save.default.weight") for name in ours.weights)
+
+
+def test_open_model_reads_the_stored_base_instead_of_the_layers_it_replaces(tmp_path, streamed_only, monkeypatch):
+    """With the quantize_base stage's tensors, the layers they replace keep no float weight while loading."""
+    folder = saved(tmp_path, "gemma3")
+    whole = rt_model.load_torch_model(folder, None, False, "bfloat16").requires_grad_(False)
+    schemes = dict.fromkeys(quantize.quantize_base(whole, "int4"), "int4")
+    stored = {f"{layer}.{field}": t for layer in schemes for field, t in whole.get_submodule(layer).tensors().items()}
+    lora = LoraConfig(r=4, target_modules="all-linear")
+    placement = make_placement(MeshConfig())
+    module = rt_model.attach_lora(rt_model.load_torch_model(folder, None, False, "bfloat16"), lora)
+    quantize.load_base(module, stored, schemes)
+    theirs = rt_model.to_jax(module, placement)
+
+    dropped = []
+    drop = streaming._drop_weight
+    monkeypatch.setattr(streaming, "_drop_weight", lambda linear: dropped.append(linear) or drop(linear))
+    cfg = ModelConfig(name=folder, base_quantization="int4", dtype="bfloat16")
+    assert_same_jax_model(rt_model.open_model(folder, None, cfg, placement, lora=lora, base=(stored, schemes)), theirs)
+    assert len(dropped) == len(schemes)
+
+
+# The memory bound, measured in a child process: its peak resident memory (VmHWM, reset after a
+# first load of a one-layer model has imported and set up what loading needs) while loading, less
+# its resident memory before. The checkpoint is float32, the compute dtype bfloat16 (a TPU's), so
+# loading whole copies every weight (float32 loaded as float32 would stay mapped from the file,
+# not read, until used).
+MEMORY_CHILD = r"""
+import json, sys, torch
+from jaxtune.runtime.modeling import model as rt_model, quantize
+
+def rss(field):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+def load(folder, how):
+    if how in ("int4", "nf4"):
+        return rt_model.load_quantized(folder, None, False, "bfloat16", how)
+    module = rt_model.load_torch_model(folder, None, False, "bfloat16").requires_grad_(False)
+    if how == "whole_then_int4":  # what open_model and the quantize_base stage did before streaming
+        quantize.quantize_base(module, "int4")
+    return module
+
+folder, warm_up, how = sys.argv[1:]
+torch.set_num_threads(1)
+load(warm_up, how)
+open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
+before = rss("VmRSS")
+loaded = load(folder, how)
+print(json.dumps({"peak": rss("VmHWM") - before}))
+"""
+
+
+def load_peak(folder: str, warm_up: str, how: str) -> int:
+    done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, folder, warm_up, how], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).parents[2])
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak reset")
+def test_a_4_bit_base_loads_in_a_fraction_of_the_memory_that_loading_whole_takes(tmp_path):
+    """A Llama of 32 layers of width 256 and 1024 (attention: 4 heads of 16), in shards of 10 MB:
+    26.8M parameters, 53.6 MB in bfloat16, 14 MB as int4. Loading whole holds every bfloat16 weight at
+    once; streaming, the base as quantized so far, one layer's weights (1.7 MB in bfloat16, read as
+    float32) and the temporaries of quantizing 1024 rows."""
+    folder = saved(tmp_path / "model", "llama", sharded=True, shard="10MB", layers=32, hidden=256, intermediate=1024)
+    warm_up = saved(tmp_path / "warm_up", "llama", layers=1)
+    size = 2 * AutoModelForCausalLM.from_config(config_of("llama", False, 32, 256, 1024), dtype=torch.float32).num_parameters()
+    assert 53e6 < size < 55e6
+    peaks = {how: load_peak(folder, warm_up, how) for how in ("int4", "nf4", "from_pretrained", "whole_then_int4")}
+    print({how: f"{peak / 2**20:.1f} MiB" for how, peak in peaks.items()}, f"bfloat16 model {size / 2**20:.1f} MiB")
+    assert peaks["from_pretrained"] > 0.9 * size
+    for scheme in ("int4", "nf4"):
+        assert peaks[scheme] < 0.7 * size and peaks[scheme] < 0.3 * peaks["from_pretrained"], scheme
+    assert peaks["whole_then_int4"] > 0.9 * size  # what the bound tells apart
