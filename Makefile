@@ -59,7 +59,7 @@ ON_CPU := $(if $(ACCELERATOR)$(JAX_PLATFORMS),,JAX_PLATFORMS=cpu)
 VENV_DOCS := .venv-docs
 DOCS_EXTRA = $$($(1) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))')
 
-.PHONY: demo demo-real test test-latest ui-check gguf-check install clean bench bench-accelerator tpu-check docs
+.PHONY: demo demo-real lint test test-latest ui-check gguf-check install clean bench bench-accelerator tpu-check docs
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,10 @@ demo: $(VENV)/.installed
 demo-real: $(VENV)/.installed
 	$(ON_CPU) $(BIN)/python -m jaxtune.offline.checkpoints
 	$(ON_CPU) $(BIN)/jaxtune run configs/gemma3-270m-offline-lora.yaml
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff format --check --diff .
+	$(BIN)/ruff check .
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder --durations=25

@@ -1,8 +1,8 @@
 """jaxtune: fine-tune Hugging Face causal LMs on JAX through torchax, as a cached Prefect pipeline.
 
-At the root: the `jaxtune` command's package (`cli`), the config and the errors; every other
-module lives in a package named for its concern, whose docstring says which packages it may
-import (tests/test_layering.py checks them).
+At the root: the `jaxtune` command's package (`cli`), the config, the errors and the JSON records
+one stage writes and another reads (`records`); every other module lives in a package named for
+its concern, whose docstring says which packages it may import (tests/test_layering.py checks them).
 
 May import: jaxtune.host
 """

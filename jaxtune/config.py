@@ -39,21 +39,30 @@ _SOURCE_KEYS = ("source", "hub_split", "revision", "format", "columns")  # what 
 class SourceConfig(Section):
     """One source of a mixture (`data.sources`): where its rows are, how they read, and its share."""
 
-    source: str = Field(description="'offline', a hub dataset id, a local .jsonl/.json/.parquet/.csv file, or a "
-                        "folder written by datasets' save_to_disk")
+    source: str = Field(
+        description="'offline', a hub dataset id, a local .jsonl/.json/.parquet/.csv file, or a "
+        "folder written by datasets' save_to_disk"
+    )
     hub_split: str = Field("train", description="split to read from a hub dataset or a saved DatasetDict")
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
     format: Literal[FORMATS] = Field(
-        "dolly", description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
+        "dolly",
+        description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
         "input, output), prompt_completion (prompt, completion), messages (chat turns), preference (prompt or "
         "messages, chosen, rejected: for train.objective dpo or simpo), or prompt_answer (prompt, or messages ending "
-        "before the assistant's turn, and the answer a reward checks: for train.objective grpo)")
+        "before the assistant's turn, and the answer a reward checks: for train.objective grpo)",
+    )
     columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names")
     weight: float = Field(
-        1.0, gt=0.0, description="how often each of this source's train rows is seen per epoch on average: 0.5 keeps a "
-        "seeded half of them, 2 repeats each twice, 1.5 repeats a seeded half. Eval rows are never weighted")
+        1.0,
+        gt=0.0,
+        description="how often each of this source's train rows is seen per epoch on average: 0.5 keeps a "
+        "seeded half of them, 2 repeats each twice, 1.5 repeats a seeded half. Eval rows are never weighted",
+    )
     max_rows: int | None = Field(None, gt=0, description="read only the first max_rows rows of this source (null: all)")
-    name: str | None = Field(None, description="its name in stats.json and the report (default: the file name or hub id)")
+    name: str | None = Field(
+        None, description="its name in stats.json and the report (default: the file name or hub id)"
+    )
 
     @property
     def label(self) -> str:
@@ -67,19 +76,34 @@ class SourceConfig(Section):
 class DataConfig(Section):
     """Where rows come from and how they become token sequences."""
 
-    source: str = Field(OFFLINE, description="'offline' (bundled data), a hub dataset id, a local "
-                        ".jsonl/.json/.parquet/.csv file, or a folder written by datasets' save_to_disk")
-    hub_split: str = Field("train", description="split to read from a hub dataset (also picks one split of a saved DatasetDict)")
+    source: str = Field(
+        OFFLINE,
+        description="'offline' (bundled data), a hub dataset id, a local "
+        ".jsonl/.json/.parquet/.csv file, or a folder written by datasets' save_to_disk",
+    )
+    hub_split: str = Field(
+        "train", description="split to read from a hub dataset (also picks one split of a saved DatasetDict)"
+    )
     revision: str = Field("main", description="hub dataset revision (part of the cache key)")
     format: Literal[FORMATS] = Field(
-        "dolly", description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
+        "dolly",
+        description="row schema: dolly (instruction, context, response, category), alpaca (instruction, "
         "input, output), prompt_completion (prompt, completion), messages (chat turns), preference (prompt or "
         "messages, chosen, rejected: for train.objective dpo or simpo), or prompt_answer (prompt, or messages ending "
-        "before the assistant's turn, and the answer a reward checks: for train.objective grpo)")
-    columns: dict[str, str] = Field(default_factory=dict, description="rename source columns to the format's names, e.g. {instruction: question}")
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="share of rows held out for eval, split with data.seed")
-    max_train_rows: int | None = Field(None, gt=0, description="keep at most this many training rows, after the split (null: all)")
-    max_eval_rows: int | None = Field(None, gt=0, description="keep at most this many eval rows, after the split (null: all)")
+        "before the assistant's turn, and the answer a reward checks: for train.objective grpo)",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="rename source columns to the format's names, e.g. {instruction: question}"
+    )
+    eval_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of rows held out for eval, split with data.seed"
+    )
+    max_train_rows: int | None = Field(
+        None, gt=0, description="keep at most this many training rows, after the split (null: all)"
+    )
+    max_eval_rows: int | None = Field(
+        None, gt=0, description="keep at most this many eval rows, after the split (null: all)"
+    )
     max_length: int = Field(512, ge=8, description="longest row in tokens; what happens to longer ones is `too_long`")
     too_long: Literal["drop", "truncate"] = Field(
         "drop",
@@ -99,19 +123,30 @@ class DataConfig(Section):
     )
     seed: int = Field(0, description="seed of the train/eval split and of the mixture's sampling")
     sources: tuple[SourceConfig, ...] = Field(
-        (), description="a mixture: a list of sources, each with source, format, columns, hub_split, revision, weight, "
+        (),
+        description="a mixture: a list of sources, each with source, format, columns, hub_split, revision, weight, "
         "max_rows and name. Rows of every source are deduplicated and split together. Replaces data.source and its "
-        "settings, which must then be left unset")
+        "settings, which must then be left unset",
+    )
     num_proc: int | None = Field(
-        None, gt=0, description="processes that normalize and tokenize rows (null: one per core, and one per 10,000 "
-        "rows at most). Changes how fast, not what: no cache key hashes it")
+        None,
+        gt=0,
+        description="processes that normalize and tokenize rows (null: one per core, and one per 10,000 "
+        "rows at most). Changes how fast, not what: no cache key hashes it",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_name_sources(self) -> DataConfig:
-        both = [key for key in _SOURCE_KEYS if getattr(self, key) != type(self).model_fields[key].get_default(call_default_factory=True)]
+        both = [
+            key
+            for key in _SOURCE_KEYS
+            if getattr(self, key) != type(self).model_fields[key].get_default(call_default_factory=True)
+        ]
         if self.sources and both:
-            raise ValueError(f"data.sources replaces data.{', data.'.join(both)}: set each source's "
-                             f"{', '.join(both)} inside data.sources")
+            raise ValueError(
+                f"data.sources replaces data.{', data.'.join(both)}: set each source's "
+                f"{', '.join(both)} inside data.sources"
+            )
         return self
 
     def mixture(self) -> tuple[SourceConfig, ...]:
@@ -133,13 +168,17 @@ class TinyModelConfig(Section):
     intermediate_size: int = Field(512, description="width of each MLP's inner layer")
     num_hidden_layers: int = Field(4, description="decoder layers")
     num_attention_heads: int = Field(4, description="query heads per attention layer")
-    num_key_value_heads: int = Field(2, description="key/value heads per attention layer (grouped-query attention when "
-                                     "fewer than the query heads)")
+    num_key_value_heads: int = Field(
+        2, description="key/value heads per attention layer (grouped-query attention when fewer than the query heads)"
+    )
     head_dim: int = Field(32, description="width of each attention head")
-    sliding_window: int = Field(64, description="tokens a sliding-window attention layer sees, in the families that "
-                                "have such layers")
+    sliding_window: int = Field(
+        64, description="tokens a sliding-window attention layer sees, in the families that have such layers"
+    )
     vocab_size: int = Field(1024, description="size of the BPE tokenizer trained on the bundled data")
-    tie_word_embeddings: bool = Field(False, description="untied, so LoRA's modules_to_save can train input and output embeddings apart")
+    tie_word_embeddings: bool = Field(
+        False, description="untied, so LoRA's modules_to_save can train input and output embeddings apart"
+    )
     seed: int = Field(0, description="seed of the random initial weights")
 
 
@@ -187,7 +226,8 @@ class ModelConfig(Section):
         description="LoRA only: hold the frozen base's linear layers (all but the output head) on the device as "
         "int8, int4 or nf4 (QLoRA's NormalFloat4) codes with one bfloat16 scale per block of 64 inputs, dequantized "
         "inside each layer's forward: 0.52x (int8) or 0.27x (int4, nf4) of a bfloat16 base's bytes; gguf (model.name a .gguf file): "
-        "as the file's own Q8_0, Q4_0, Q4_1 and Q5_0 blocks, byte for byte (layers of other types as float weights)")
+        "as the file's own Q8_0, Q4_0, Q4_1 and Q5_0 blocks, byte for byte (layers of other types as float weights)",
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="family and shape of the offline model")
 
     @property
@@ -209,7 +249,8 @@ class LoraConfig(Section):
         "GPT-2's fused c_attn)",
     )
     modules_to_save: tuple[str, ...] = Field(
-        (), description="modules trained in full and saved in the adapter, e.g. [embed_tokens, lm_head]")
+        (), description="modules trained in full and saved in the adapter, e.g. [embed_tokens, lm_head]"
+    )
 
 
 OBJECTIVES = ("sft", "dpo", "simpo", "grpo")
@@ -222,12 +263,15 @@ class TrainConfig(Section):
 
     method: Literal["lora", "full"] = Field("lora", description="LoRA adapters (see `lora`), or every weight")
     objective: Literal[OBJECTIVES] = Field(
-        "sft", description="sft: next-token cross-entropy on the answers; dpo: Direct Preference Optimization against "
+        "sft",
+        description="sft: next-token cross-entropy on the answers; dpo: Direct Preference Optimization against "
         "the reference stage's log-probabilities (data.format: preference, settings in `preference`); simpo: SimPO, "
         "reference-free (no reference stage), on the answers' mean token log-probabilities; grpo: Group Relative "
-        "Policy Optimization, sampling answers and scoring them with rewards (data.format: prompt_answer, settings in `rl`)")
+        "Policy Optimization, sampling answers and scoring them with rewards (data.format: prompt_answer, settings in `rl`)",
+    )
     optimizer: Literal["adamw", "adafactor", "sgd"] = Field(
-        "adamw", description="adamw; adafactor (factored second moments, no first moment: far less state); sgd with momentum 0.9"
+        "adamw",
+        description="adamw; adafactor (factored second moments, no first moment: far less state); sgd with momentum 0.9",
     )
     learning_rate: float = Field(1e-4, gt=0.0, description="peak learning rate, reached after warmup")
     lr_schedule: Literal["warmup_cosine", "linear", "constant"] = Field(
@@ -239,7 +283,9 @@ class TrainConfig(Section):
     max_steps: int | None = Field(100, gt=0, description="optimizer steps; null to train for `epochs` instead")
     epochs: int | None = Field(None, gt=0, description="passes over the training rows (needs max_steps: null)")
     batch_size: int = Field(8, gt=0, description="rows per micro-batch; a multiple of mesh.data x mesh.fsdp")
-    grad_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step, summed inside one compiled step")
+    grad_accumulation: int = Field(
+        1, gt=0, description="micro-batches per optimizer step, summed inside one compiled step"
+    )
     remat: Literal[REMAT_SETTINGS] = Field(
         "auto",
         description="what each decoder layer keeps for the backward pass: none (keep every activation); matmuls "
@@ -250,18 +296,25 @@ class TrainConfig(Section):
         "does not fit; matmuls where the devices report no memory (the CPU). A fixed policy that does not fit is "
         "refused before the first step",
     )
-    eval_every: int | None = Field(None, gt=0, description="steps between eval-loss measurements during training (null: none)")
+    eval_every: int | None = Field(
+        None, gt=0, description="steps between eval-loss measurements during training (null: none)"
+    )
     checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints a crashed run resumes from")
     checkpoint_minutes: float | None = Field(
-        15.0, gt=0.0, description="minutes of training after which a checkpoint is also written, whatever the step: "
-        "the most a hard kill loses (null: by steps alone)")
+        15.0,
+        gt=0.0,
+        description="minutes of training after which a checkpoint is also written, whatever the step: "
+        "the most a hard kill loses (null: by steps alone)",
+    )
     seed: int = Field(0, description="data order and dropout")
     log_every: int = Field(10, gt=0, description="steps between host syncs: log lines, progress, the NaN check")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainConfig:
         if (self.max_steps is None) == (self.epochs is None):
-            raise ValueError("set exactly one of train.max_steps and train.epochs (e.g. --set train.max_steps=null --set train.epochs=2)")
+            raise ValueError(
+                "set exactly one of train.max_steps and train.epochs (e.g. --set train.max_steps=null --set train.epochs=2)"
+            )
         return self
 
 
@@ -269,20 +322,31 @@ class PreferenceConfig(Section):
     """The preference objectives' settings (train.objective dpo or simpo); TRL's names and meanings."""
 
     beta: float = Field(
-        0.1, gt=0.0, description="dpo: how far the policy may move from the reference (the implicit reward is "
-        "beta * log(policy / reference)); ipo: its regularisation tau; simpo: the reward scale (the paper uses 2 to 10)")
+        0.1,
+        gt=0.0,
+        description="dpo: how far the policy may move from the reference (the implicit reward is "
+        "beta * log(policy / reference)); ipo: its regularisation tau; simpo: the reward scale (the paper uses 2 to 10)",
+    )
     loss_type: Literal["sigmoid", "robust", "ipo"] = Field(
-        "sigmoid", description="dpo only: sigmoid (the DPO paper's loss), robust (sigmoid with label_smoothing, for "
-        "noisy labels: rDPO), or ipo (squared, on the answers' mean token log-ratios)")
+        "sigmoid",
+        description="dpo only: sigmoid (the DPO paper's loss), robust (sigmoid with label_smoothing, for "
+        "noisy labels: rDPO), or ipo (squared, on the answers' mean token log-ratios)",
+    )
     label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, description="the assumed share of pairs whose labels are flipped: dpo with "
-        "loss_type robust, or simpo")
+        0.0,
+        ge=0.0,
+        lt=0.5,
+        description="the assumed share of pairs whose labels are flipped: dpo with loss_type robust, or simpo",
+    )
     simpo_gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin gamma")
     sft_weight: float = Field(
-        0.0, ge=0.0, description="dpo or simpo: add this times the chosen answer's mean token NLL to each pair's "
+        0.0,
+        ge=0.0,
+        description="dpo or simpo: add this times the chosen answer's mean token NLL to each pair's "
         "loss (RPO; TRL's loss_type [sigmoid, sft] with loss_weights [1, w]), so the policy keeps the chosen "
         "answers likely while it separates them from the rejected ones; for dpo less the reference's NLL, a "
-        "constant, so the loss still starts at ln 2; 0 turns it off")
+        "constant, so the loss still starts at ln 2; 0 turns it off",
+    )
 
 
 RL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -296,44 +360,70 @@ class RLConfig(Section):
     counts answers, as TRL's does: a step's batch_size x grad_accumulation answers are that many over
     num_generations prompts."""
 
-    num_generations: int = Field(8, ge=2, description="answers sampled per prompt, the group whose mean reward is "
-                                 "each answer's baseline")
+    num_generations: int = Field(
+        8, ge=2, description="answers sampled per prompt, the group whose mean reward is each answer's baseline"
+    )
     max_completion_length: int = Field(256, gt=0, description="most tokens sampled per answer")
     temperature: float = Field(1.0, gt=0.0, description="sampling temperature")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="sample from the most likely tokens whose probabilities "
-                         "reach top_p together (1: all)")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="sample from the most likely tokens whose probabilities reach top_p together (1: all)",
+    )
     top_k: int = Field(0, ge=0, description="sample from the top_k most likely tokens (0: all)")
-    beta: float = Field(0.0, ge=0.0, description="weight of the KL divergence to the reference policy (the base with "
-                        "LoRA's adapters off, or a full fine-tune's starting weights); 0 computes no reference")
+    beta: float = Field(
+        0.0,
+        ge=0.0,
+        description="weight of the KL divergence to the reference policy (the base with "
+        "LoRA's adapters off, or a full fine-tune's starting weights); 0 computes no reference",
+    )
     use_bias_correction_kl: bool = Field(
-        True, description="multiply each token's KL term by its policy ratio, which makes its gradient the unbiased "
-        "reverse-KL gradient (DeepSeek-V3.2); it changes the gradient even where the ratio is 1")
-    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
+        True,
+        description="multiply each token's KL term by its policy ratio, which makes its gradient the unbiased "
+        "reverse-KL gradient (DeepSeek-V3.2); it changes the gradient even where the ratio is 1",
+    )
+    epsilon: float = Field(
+        0.2, gt=0.0, lt=1.0, description="the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]"
+    )
     epsilon_high: float | None = Field(None, gt=0.0, description="the clip's upper side (null: epsilon)")
-    num_iterations: int = Field(1, ge=1, description="optimizer steps taken on each sampled batch (mu); above 1 the "
-                                "policy ratio to the sampling policy and its clip take effect")
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="optimizer steps taken on each sampled batch (mu); above 1 the "
+        "policy ratio to the sampling policy and its clip take effect",
+    )
     loss_type: Literal[RL_LOSS_TYPES] = Field(
-        "dapo", description="how token losses are averaged: grpo (per answer, then over answers), bnpo (over the "
+        "dapo",
+        description="how token losses are averaged: grpo (per answer, then over answers), bnpo (over the "
         "micro-batch's answer tokens), dr_grpo (over answers x max_completion_length: Dr. GRPO), dapo (over the "
-        "step's answer tokens)")
+        "step's answer tokens)",
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="divide each advantage by the standard deviation of its group's rewards (group), of "
-        "the step's rewards (batch), or not at all (none: Dr. GRPO)")
+        "group",
+        description="divide each advantage by the standard deviation of its group's rewards (group), of "
+        "the step's rewards (batch), or not at all (none: Dr. GRPO)",
+    )
     rewards: tuple[str, ...] = Field(
-        ("exact_answer",), min_length=1,
+        ("exact_answer",),
+        min_length=1,
         description="reward functions, summed (weighted by reward_weights): exact_answer (1 when the answer's last "
         "number, or its text, equals the row's answer), exact_answer:MARKER (the text after the last MARKER), "
         "format:REGEX (1 when the whole answer matches REGEX), or package.module:function, called with the "
-        "prompts, completions and rows of a batch and returning one float each")
+        "prompts, completions and rows of a batch and returning one float each",
+    )
     reward_weights: tuple[float, ...] | None = Field(None, description="one weight per reward (null: all 1)")
     mask_truncated_completions: bool = Field(
-        False, description="leave answers cut off at max_completion_length out of the loss")
+        False, description="leave answers cut off at max_completion_length out of the loss"
+    )
 
     @model_validator(mode="after")
     def _one_weight_per_reward(self) -> RLConfig:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            raise ValueError(f"rl.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} "
-                             f"rewards ({', '.join(self.rewards)}): give one each, or null for all 1")
+            raise ValueError(
+                f"rl.reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} "
+                f"rewards ({', '.join(self.rewards)}): give one each, or null for all 1"
+            )
         return self
 
     @property
@@ -345,8 +435,11 @@ class EvalConfig(Section):
     """Loss and perplexity on the held-out rows, before and after training."""
 
     batch_size: int = Field(
-        16, gt=0, description="rows per eval batch; every batch pads to the longest eval row's length bucket, so an "
-        "eval compiles one program")
+        16,
+        gt=0,
+        description="rows per eval batch; every batch pads to the longest eval row's length bucket, so an "
+        "eval compiles one program",
+    )
 
 
 class GenerateConfig(Section):
@@ -355,8 +448,11 @@ class GenerateConfig(Section):
     num_prompts: int = Field(64, gt=0, description="held-out prompts decoded greedily before and after training")
     max_new_tokens: int = Field(32, gt=0, description="most tokens decoded per answer")
     batch_size: int = Field(
-        16, gt=0, description="prompts decoded together, left-padded to the longest prompt's length bucket (one "
-        "decode program per model)")
+        16,
+        gt=0,
+        description="prompts decoded together, left-padded to the longest prompt's length bucket (one "
+        "decode program per model)",
+    )
 
 
 # The GGUF types jaxtune writes: what the gguf package's numpy quantizers implement (no K-quants).
@@ -388,24 +484,40 @@ class MeshConfig(Section):
     None of it is in a cache key: a run computes the same numbers on any mesh.
     """
 
-    data: int = Field(-1, description="devices on the data axis, each holding whole parameters (-1: the remaining devices)")
-    fsdp: int = Field(1, description="devices on the fsdp axis: parameters, gradients and optimizer state are split "
-                      "over it (ZeRO-3), and so is the batch (-1: the remaining devices)")
-    tensor: int = Field(1, description="devices on the tensor axis: each layer's matrices are split over it "
-                        "(column-parallel q/k/v/gate/up, row-parallel o/down) (-1: the remaining devices)")
+    data: int = Field(
+        -1, description="devices on the data axis, each holding whole parameters (-1: the remaining devices)"
+    )
+    fsdp: int = Field(
+        1,
+        description="devices on the fsdp axis: parameters, gradients and optimizer state are split "
+        "over it (ZeRO-3), and so is the batch (-1: the remaining devices)",
+    )
+    tensor: int = Field(
+        1,
+        description="devices on the tensor axis: each layer's matrices are split over it "
+        "(column-parallel q/k/v/gate/up, row-parallel o/down) (-1: the remaining devices)",
+    )
     shardings: dict[str, list[str | None]] = Field(
         default_factory=dict,
         description="regex on a parameter's name -> its PartitionSpec, one entry per dimension (an axis name or null), "
         "e.g. {'lm_head\\\\.weight$': [tensor, null]}; the first pattern that matches wins over the built-in rules",
     )
     coordinator: str | None = Field(
-        None, description="multi-host: host:port of process 0 for jax.distributed (else $JAX_COORDINATOR_ADDRESS, "
-        "or found by JAX on a Cloud TPU pod, SLURM, Open MPI or Kubernetes)")
-    num_processes: int | None = Field(None, ge=1, description="multi-host: processes in the job (else $JAX_NUM_PROCESSES, or found by JAX)")
-    process_id: int | None = Field(None, ge=0, description="multi-host: this process's index (else $JAX_PROCESS_ID, or found by JAX)")
+        None,
+        description="multi-host: host:port of process 0 for jax.distributed (else $JAX_COORDINATOR_ADDRESS, "
+        "or found by JAX on a Cloud TPU pod, SLURM, Open MPI or Kubernetes)",
+    )
+    num_processes: int | None = Field(
+        None, ge=1, description="multi-host: processes in the job (else $JAX_NUM_PROCESSES, or found by JAX)"
+    )
+    process_id: int | None = Field(
+        None, ge=0, description="multi-host: this process's index (else $JAX_PROCESS_ID, or found by JAX)"
+    )
     distributed: bool = Field(
-        False, description="call jax.distributed.initialize even with none of the three settings above (a Cloud TPU "
-        "pod slice, where JAX finds them itself)")
+        False,
+        description="call jax.distributed.initialize even with none of the three settings above (a Cloud TPU "
+        "pod slice, where JAX finds them itself)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -430,8 +542,10 @@ class MeshConfig(Section):
                 raise ValueError(f"mesh.shardings: {pattern!r} is not a regular expression ({error})") from None
             bad = [axis for axis in spec if axis is not None and axis not in MESH_AXES]
             if bad:
-                raise ValueError(f"mesh.shardings[{pattern!r}]: unknown axis {bad[0]!r}; the axes are "
-                                 f"{', '.join(MESH_AXES)} (or null for a dimension that is not split)")
+                raise ValueError(
+                    f"mesh.shardings[{pattern!r}]: unknown axis {bad[0]!r}; the axes are "
+                    f"{', '.join(MESH_AXES)} (or null for a dimension that is not split)"
+                )
         return self
 
     def sizes(self, devices: int) -> dict[str, int]:
@@ -439,8 +553,10 @@ class MeshConfig(Section):
         fixed = math.prod(getattr(self, axis) for axis in MESH_AXES if getattr(self, axis) != -1)
         named = ", ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES)
         if fixed > devices or (-1 in (self.data, self.fsdp, self.tensor) and devices % fixed):
-            raise ValueError(f"mesh {named} does not fit {devices} device{'s' * (devices != 1)}: the fixed axes "
-                             f"take {fixed}{', which does not divide them' if fixed <= devices else ''}")
+            raise ValueError(
+                f"mesh {named} does not fit {devices} device{'s' * (devices != 1)}: the fixed axes "
+                f"take {fixed}{', which does not divide them' if fixed <= devices else ''}"
+            )
         return {axis: devices // fixed if getattr(self, axis) == -1 else getattr(self, axis) for axis in MESH_AXES}
 
 
@@ -449,7 +565,8 @@ class StoreConfig(Section):
 
     root: str = Field(".jaxtune/store", description="artifact store folder; not part of any cache key")
     compile_cache: bool = Field(
-        True, description="keep XLA's compiled programs in <root>/xla-cache (or in $JAXTUNE_COMPILE_CACHE, one folder "
+        True,
+        description="keep XLA's compiled programs in <root>/xla-cache (or in $JAXTUNE_COMPILE_CACHE, one folder "
         "for every store), so a later run with the same shapes skips compiling; not part of any cache key",
     )
 
@@ -458,10 +575,12 @@ class PlanConfig(Section):
     """The accelerator a config is written for; none of it is in a cache key."""
 
     target: str | None = Field(
-        None, description="the chip this config is meant to train on (v5e-1, v5e-8, v6e-1, v5p-8, v4-8, a topology "
+        None,
+        description="the chip this config is meant to train on (v5e-1, v5e-8, v6e-1, v5p-8, v4-8, a topology "
         "such as v5e:2x4, or h100, h200, a100): `jaxtune doctor MODEL --config FILE --target` then compiles its train, "
         "eval and decode steps for it, here, without the chips, and says whether they fit (`--target NAME` plans for "
-        "another); the plan flow does the same before it queues a run on the chips")
+        "another); the plan flow does the same before it queues a run on the chips",
+    )
 
 
 CREDENTIALS_IN_URI = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<userinfo>[^/@\s]+)@", re.IGNORECASE)
@@ -476,21 +595,27 @@ class TrackingConfig(Section):
     """Where a run's curves and numbers also go while and after it trains; none of it is in a cache key."""
 
     tensorboard: bool = Field(
-        False, description="write TensorBoard event files (every train scalar, the config, the final figures) into "
-        "the train stage's artifact, under tensorboard/")
+        False,
+        description="write TensorBoard event files (every train scalar, the config, the final figures) into "
+        "the train stage's artifact, under tensorboard/",
+    )
     mlflow_uri: str | None = Field(
-        None, description="an MLflow tracking server to log the run to (params, metrics per step, the report and "
+        None,
+        description="an MLflow tracking server to log the run to (params, metrics per step, the report and "
         "adapter, the stage keys); unset: $MLFLOW_TRACKING_URI if set, else no MLflow. Credentials belong in "
-        "$MLFLOW_TRACKING_URI or $MLFLOW_TRACKING_USERNAME and $MLFLOW_TRACKING_PASSWORD, not here")
+        "$MLFLOW_TRACKING_URI or $MLFLOW_TRACKING_USERNAME and $MLFLOW_TRACKING_PASSWORD, not here",
+    )
     mlflow_experiment: str = Field("jaxtune", min_length=1, description="the MLflow experiment the runs go to")
 
     @model_validator(mode="after")
     def _no_credentials(self) -> TrackingConfig:
         # The config is a flow parameter, which Prefect records and shows: a password there would leak.
         if self.mlflow_uri and without_credentials(self.mlflow_uri) != self.mlflow_uri:
-            raise ValueError("tracking.mlflow_uri holds a user or password, which the run's recorded parameters would "
-                             "show: give the URI with them in $MLFLOW_TRACKING_URI, or set $MLFLOW_TRACKING_USERNAME "
-                             "and $MLFLOW_TRACKING_PASSWORD")
+            raise ValueError(
+                "tracking.mlflow_uri holds a user or password, which the run's recorded parameters would "
+                "show: give the URI with them in $MLFLOW_TRACKING_URI, or set $MLFLOW_TRACKING_USERNAME "
+                "and $MLFLOW_TRACKING_PASSWORD"
+            )
         return self
 
     def mlflow_target(self) -> str | None:
@@ -518,40 +643,61 @@ class JaxtuneConfig(Section):
         formats = {src.format for src in self.data.mixture()}
         for special in (PREFERENCE_FORMAT, PROMPT_ANSWER_FORMAT):
             if special in formats and len(formats) > 1:
-                raise ValueError(f"data: a mixture cannot mix {special} rows with other formats (got {', '.join(sorted(formats))})")
+                raise ValueError(
+                    f"data: a mixture cannot mix {special} rows with other formats (got {', '.join(sorted(formats))})"
+                )
         pairs, prompts = PREFERENCE_FORMAT in formats, PROMPT_ANSWER_FORMAT in formats
         objective = self.train.objective
         if objective in ("dpo", "simpo") and not pairs:
-            raise ValueError(f"train.objective={objective} trains on pairs of a chosen and a rejected answer: "
-                             "set data.format=preference (rows of prompt, chosen, rejected)")
+            raise ValueError(
+                f"train.objective={objective} trains on pairs of a chosen and a rejected answer: "
+                "set data.format=preference (rows of prompt, chosen, rejected)"
+            )
         if objective == "grpo" and not prompts:
-            raise ValueError("train.objective=grpo samples answers to prompts and scores them: set "
-                             "data.format=prompt_answer (rows of prompt and answer)")
+            raise ValueError(
+                "train.objective=grpo samples answers to prompts and scores them: set "
+                "data.format=prompt_answer (rows of prompt and answer)"
+            )
         if pairs and objective not in ("dpo", "simpo"):
-            raise ValueError("data.format=preference holds pairs for preference tuning: set train.objective=dpo (or simpo)")
+            raise ValueError(
+                "data.format=preference holds pairs for preference tuning: set train.objective=dpo (or simpo)"
+            )
         if prompts and objective != "grpo":
-            raise ValueError("data.format=prompt_answer holds prompts for reinforcement learning: set train.objective=grpo")
+            raise ValueError(
+                "data.format=prompt_answer holds prompts for reinforcement learning: set train.objective=grpo"
+            )
         if objective == "grpo":
             if self.train.max_steps is None:
-                raise ValueError("train.objective=grpo trains for train.max_steps steps, each on answers it samples: "
-                                 "set train.max_steps (train.epochs counts passes over fixed rows)")
+                raise ValueError(
+                    "train.objective=grpo trains for train.max_steps steps, each on answers it samples: "
+                    "set train.max_steps (train.epochs counts passes over fixed rows)"
+                )
             if self.rl.beta and self.train.method == "lora" and self.lora.modules_to_save:
-                raise ValueError("rl.beta > 0 with LoRA takes the base with the adapters off as the reference, which "
-                                 "lora.modules_to_save would change: leave modules_to_save empty, or set rl.beta=0")
+                raise ValueError(
+                    "rl.beta > 0 with LoRA takes the base with the adapters off as the reference, which "
+                    "lora.modules_to_save would change: leave modules_to_save empty, or set rl.beta=0"
+                )
             answers = self.train.batch_size * self.train.grad_accumulation
             if answers % self.rl.num_generations:
-                raise ValueError(f"train.batch_size x train.grad_accumulation ({answers}) counts a step's answers: it "
-                                 f"must be a multiple of rl.num_generations ({self.rl.num_generations})")
+                raise ValueError(
+                    f"train.batch_size x train.grad_accumulation ({answers}) counts a step's answers: it "
+                    f"must be a multiple of rl.num_generations ({self.rl.num_generations})"
+                )
         if self.model.base_quantization != "none" and self.train.method == "full":
-            raise ValueError(f"model.base_quantization={self.model.base_quantization} needs train.method=lora: a full "
-                             "fine-tune trains the base weights, which a quantized base holds frozen")
+            raise ValueError(
+                f"model.base_quantization={self.model.base_quantization} needs train.method=lora: a full "
+                "fine-tune trains the base weights, which a quantized base holds frozen"
+            )
         if self.model.base_quantization == "gguf" and not self.model.name.lower().endswith(".gguf"):
-            raise ValueError(f"model.base_quantization=gguf keeps a GGUF file's own blocks: model.name must be a .gguf "
-                             f"file (got {self.model.name!r}); int8, int4 or nf4 quantize any model")
-        if (self.preference.label_smoothing and self.train.objective == "dpo"
-                and self.preference.loss_type != "robust"):
-            raise ValueError(f"preference.label_smoothing applies to preference.loss_type=robust (got "
-                             f"{self.preference.loss_type}); set loss_type=robust or label_smoothing=0")
+            raise ValueError(
+                f"model.base_quantization=gguf keeps a GGUF file's own blocks: model.name must be a .gguf "
+                f"file (got {self.model.name!r}); int8, int4 or nf4 quantize any model"
+            )
+        if self.preference.label_smoothing and self.train.objective == "dpo" and self.preference.loss_type != "robust":
+            raise ValueError(
+                f"preference.label_smoothing applies to preference.loss_type=robust (got "
+                f"{self.preference.loss_type}); set loss_type=robust or label_smoothing=0"
+            )
         return self
 
 
@@ -615,8 +761,11 @@ def _explain(err: dict) -> tuple[str, str]:
     if err["type"] == "extra_forbidden":
         known = _keys_at(loc[:-1])
         close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
-        hint = (f"did you mean {'.'.join([*loc[:-1], close[0]])}?" if close
-                else f"{'.'.join(loc[:-1]) or 'the top level'} has {', '.join(known)}")
+        hint = (
+            f"did you mean {'.'.join([*loc[:-1], close[0]])}?"
+            if close
+            else f"{'.'.join(loc[:-1]) or 'the top level'} has {', '.join(known)}"
+        )
         return key, f"unknown key; {hint}"
     message = err["msg"].removeprefix("Value error, ")
     if "input" in err and err["type"] not in ("missing", "value_error"):

@@ -62,18 +62,32 @@ PAD, EOS, BOS = 0, 1, 2
 VOCAB = 256
 
 
-def tiny_model(family: str = "gemma3", layers: int = 2, sliding_window: int = 16, seed: int = 0, hidden_size: int = 64,
-               intermediate_size: int = 128):
+def tiny_model(
+    family: str = "gemma3",
+    layers: int = 2,
+    sliding_window: int = 16,
+    seed: int = 0,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+):
     """A random fp32 model of `family` (see jaxtune.offline.architectures), eager attention, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.architectures import tiny_config
 
-    shape = TinyModelConfig(architecture=family, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
-                            vocab_size=VOCAB)
+    shape = TinyModelConfig(
+        architecture=family,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=sliding_window,
+        vocab_size=VOCAB,
+    )
     torch.manual_seed(seed)
     config = tiny_config(family, shape, VOCAB, PAD, BOS, EOS)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
@@ -93,7 +107,6 @@ def shared_compile_cache(tmp_path_factory, worker_id):
     os.environ.pop(SHARED_FOLDER_VARIABLE, None)
 
 
-
 @pytest.fixture(scope="session")
 def real_store(tmp_path_factory, worker_id) -> Path:
     """One artifact store for the real checkpoints' imports and runs, shared by every test module
@@ -111,8 +124,11 @@ def pytest_configure(config):
     """Under xdist, the controller starts the session's one Prefect server while the workers start
     and collect (each would otherwise start its own, about 7 s of CPU on a quiet machine and 20 s
     under the suite's load, before its first flow could run); it stops it once they are done."""
-    if getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None) \
-            and getattr(config.option, "dist", "no") != "no":
+    if (
+        getattr(config, "workerinput", None) is None
+        and getattr(config.option, "numprocesses", None)
+        and getattr(config.option, "dist", "no") != "no"
+    ):
         from tests.session_server import SessionServer
 
         config.stash[SESSION_SERVER] = SessionServer.start_in_background()
@@ -157,7 +173,9 @@ def prefect_server(request):
                 yield
             return
         shared = wait_for_server(Path(url_file))  # its database named as the harness names its own
-        with temporary_settings({PREFECT_API_URL: shared["api"], PREFECT_SERVER_DATABASE_CONNECTION_URL: shared["database"]}):
+        with temporary_settings(
+            {PREFECT_API_URL: shared["api"], PREFECT_SERVER_DATABASE_CONNECTION_URL: shared["database"]}
+        ):
             yield
             drain_to_server()
 

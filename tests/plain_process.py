@@ -42,8 +42,14 @@ def _started() -> subprocess.Popen:
     global _process, _stderr
     if _process is None or _process.poll() is not None:
         _stderr = Path(tempfile.mkstemp(prefix="plain-process-", suffix=".log")[1])
-        _process = subprocess.Popen([sys.executable, "-c", LOOP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=_stderr.open("w"), text=True, bufsize=1)
+        _process = subprocess.Popen(
+            [sys.executable, "-c", LOOP],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=_stderr.open("w"),
+            text=True,
+            bufsize=1,
+        )
         atexit.register(_process.kill)
     return _process
 

@@ -36,9 +36,25 @@ def tunix_site(tmp_path_factory) -> tuple[Path | None, str]:
     if given and (Path(given) / "tunix").is_dir():
         return Path(given), ""
     site = tmp_path_factory.mktemp("tunix-site")
-    run = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-                          "--no-compile", "--target", str(site), "-r", str(ACCELERATOR / "tunix_requirements.txt")],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(site),
+            "-r",
+            str(ACCELERATOR / "tunix_requirements.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if run.returncode != 0:
         return None, f"Tunix's packages did not install: {run.stderr.strip().splitlines()[-1:]}"
     return site, ""
@@ -48,9 +64,17 @@ def tunix_site(tmp_path_factory) -> tuple[Path | None, str]:
 def tiny(tmp_path_factory, tunix_site) -> tuple[dict, str]:
     stem = tmp_path_factory.mktemp("accelerator") / "tiny"
     site, _ = tunix_site
-    env = {**os.environ, "TUNIX_SITE": str(site)} if site else {k: v for k, v in os.environ.items() if k != "TUNIX_SITE"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.accelerator.bench", "--tiny", "--profile", "--out", str(stem)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    env = (
+        {**os.environ, "TUNIX_SITE": str(site)} if site else {k: v for k, v in os.environ.items() if k != "TUNIX_SITE"}
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.accelerator.bench", "--tiny", "--profile", "--out", str(stem)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(Path(f"{stem}.json").read_text()), Path(f"{stem}.md").read_text()
 
@@ -58,7 +82,9 @@ def tiny(tmp_path_factory, tunix_site) -> tuple[dict, str]:
 @pytest.mark.slow
 def test_every_part_runs_and_measures_every_case(tiny):
     report, md = tiny
-    assert {name: part["status"] for name, part in report["parts"].items() if name in PARTS} == dict.fromkeys(PARTS, "done")
+    assert {name: part["status"] for name, part in report["parts"].items() if name in PARTS} == dict.fromkeys(
+        PARTS, "done"
+    )
     assert len(report["train"]) == len(report["settings"]["cases"])
     for case, result in report["train"].items():
         for side in SIDES:
@@ -105,8 +131,13 @@ def test_tunix_runs_every_case_from_the_same_weights(tiny, tunix_site):
     for case, result in report["train"].items():
         figures = result["sides"]["tunix"]
         assert figures["tokens_per_second"] > 0 and len(figures["step_times"]) == report["settings"]["steps"], case
-        assert figures["mfu"] == pytest.approx(figures["tokens_per_second"] * figures["flops_per_token"] / report["peak"]["peak_flops"])
-        assert math.isfinite(figures["step0_loss"]) and result["step0_loss_rel_diff"]["tunix"] < LOSS_TOLERANCE, (case, figures)
+        assert figures["mfu"] == pytest.approx(
+            figures["tokens_per_second"] * figures["flops_per_token"] / report["peak"]["peak_flops"]
+        )
+        assert math.isfinite(figures["step0_loss"]) and result["step0_loss_rel_diff"]["tunix"] < LOSS_TOLERANCE, (
+            case,
+            figures,
+        )
         assert result["ratios"]["jaxtune_vs_tunix"] > 0
         # Its memory plan, as jaxtune's: the step's arguments alone hold every weight of the model.
         assert figures["plan_peak_bytes"] > report["parameters"] * 2, figures
@@ -160,7 +191,11 @@ def test_mfu_follows_from_tokens_per_second_and_the_model_flops(tiny):
         attention = 12 * (length / 2) * shape["num_attention_heads"] * shape["head_dim"] * shape["num_hidden_layers"]
         full = result["sides"]["jaxtune-full"]["flops_per_token"]
         assert full == pytest.approx(6 * shape["matmul_weights"] + attention, rel=1e-12), config["model_type"]
-        assert result["sides"]["torch-eager"]["flops_per_token"] == result["sides"]["jaxtune-lora"]["flops_per_token"] < full
+        assert (
+            result["sides"]["torch-eager"]["flops_per_token"]
+            == result["sides"]["jaxtune-lora"]["flops_per_token"]
+            < full
+        )
 
 
 @pytest.mark.slow
@@ -194,12 +229,26 @@ def test_grpo_figures_sum_the_timed_steps_and_say_what_is_missing():
     from benchmarks.accelerator.grpo import case_figures
 
     def step(i: int, sample: float, update: float, rest: float) -> dict:
-        return {"event": "grpo_step", "case": "2x4x8", "step": i, "sample_seconds": sample, "update_seconds": update,
-                "step_seconds": sample + update + rest, "tokens": 192, "completion_length": 8.0, "truncated": 1.0,
-                "reward": 0.5}
+        return {
+            "event": "grpo_step",
+            "case": "2x4x8",
+            "step": i,
+            "sample_seconds": sample,
+            "update_seconds": update,
+            "step_seconds": sample + update + rest,
+            "tokens": 192,
+            "completion_length": 8.0,
+            "truncated": 1.0,
+            "reward": 0.5,
+        }
 
-    lines = [{"event": "grpo", "case": "2x4x8", "answers": 8, "weight_bytes": 1000},
-             step(1, 5.0, 5.0, 0.0), step(2, 9.0, 9.0, 9.0), step(3, 0.2, 0.5, 0.3), step(4, 0.6, 0.5, 0.1)]
+    lines = [
+        {"event": "grpo", "case": "2x4x8", "answers": 8, "weight_bytes": 1000},
+        step(1, 5.0, 5.0, 0.0),
+        step(2, 9.0, 9.0, 9.0),
+        step(3, 0.2, 0.5, 0.3),
+        step(4, 0.6, 0.5, 0.1),
+    ]
     fig = case_figures(lines, "2x4x8", warmups=1, parts={}, bandwidth=4000.0)
     assert (fig["first_step_seconds"], fig["first_sample_seconds"], fig["first_update_seconds"]) == (10.0, 5.0, 5.0)
     assert fig["timed_steps"] == 2
@@ -209,8 +258,9 @@ def test_grpo_figures_sum_the_timed_steps_and_say_what_is_missing():
     shares = (fig["sample_share"], fig["update_share"], fig["rest_share"])
     assert shares == pytest.approx((0.8 / 2.2, 1.0 / 2.2, 0.4 / 2.2))
     assert fig["weight_read_bound"] == 8 * 4000 / 1000 and fig["sampling_of_bound"] == pytest.approx(160 / 32)
-    cut = case_figures(lines[:3], "2x4x8", warmups=1, parts={"jaxtune": {"status": "cut at its limit of 60 s"}},
-                       bandwidth=None)
+    cut = case_figures(
+        lines[:3], "2x4x8", warmups=1, parts={"jaxtune": {"status": "cut at its limit of 60 s"}}, bandwidth=None
+    )
     assert cut["missing"] == "not measured: jaxtune cut at its limit of 60 s" and cut["first_step_seconds"] == 10.0
 
 
@@ -253,8 +303,12 @@ def tiny_shape(report: dict) -> dict:
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(config)
     linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
-    return {"num_attention_heads": config.num_attention_heads, "head_dim": config.head_dim,
-            "num_hidden_layers": config.num_hidden_layers, "matmul_weights": linear}
+    return {
+        "num_attention_heads": config.num_attention_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": config.num_hidden_layers,
+        "matmul_weights": linear,
+    }
 
 
 def test_shipped_shapes_are_the_published_models():

@@ -26,11 +26,11 @@ import pytest
 from jaxtune.cli.chat import Conversation, Session, chat, open_session, prompt_ids, read_prompts, reply
 from jaxtune.cli.main import main
 from jaxtune.config import MeshConfig
-from jaxtune.runtime.devices.mesh import make_placement
-from jaxtune.runtime.modeling.model import to_jax
-from jaxtune.runtime.measures.parity import jax_logits, torch_greedy
 from jaxtune.runtime.decoding.sampling import Sampling, next_token
 from jaxtune.runtime.decoding.stream import StreamDecoder
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures.parity import jax_logits, torch_greedy
+from jaxtune.runtime.modeling.model import to_jax
 from tests.conftest import PAD, VOCAB, tiny_model
 
 QUESTION, FOLLOW_UP = "Yara has a silver book and Dara has a blue map. Who has the book?", "And who has the map?"
@@ -74,13 +74,16 @@ def test_top_k_1_samples_the_greedy_tokens(tiny):
     assert list(decoder.stream(prompt, 24, seed=7)) == torch_greedy(module, prompt, 24, PAD)
 
 
-@pytest.mark.parametrize(("sampling", "allowed"), [
-    (Sampling(temperature=1.0), {0, 1, 2, 3}),
-    (Sampling(temperature=1.0, top_k=2), {1, 3}),
-    (Sampling(temperature=1.0, top_p=0.8), {1, 3}),  # 0.5 + 0.3 reach 0.8
-    (Sampling(temperature=1.0, top_p=0.81), {1, 3, 2}),
-    (Sampling(temperature=1.0, top_p=0.1), {1}),  # the likeliest token is always kept
-])
+@pytest.mark.parametrize(
+    ("sampling", "allowed"),
+    [
+        (Sampling(temperature=1.0), {0, 1, 2, 3}),
+        (Sampling(temperature=1.0, top_k=2), {1, 3}),
+        (Sampling(temperature=1.0, top_p=0.8), {1, 3}),  # 0.5 + 0.3 reach 0.8
+        (Sampling(temperature=1.0, top_p=0.81), {1, 3, 2}),
+        (Sampling(temperature=1.0, top_p=0.1), {1}),  # the likeliest token is always kept
+    ],
+)
 def test_top_k_and_top_p_sample_only_the_likeliest_tokens(sampling, allowed):
     logits = jnp.log(jnp.asarray([[0.05, 0.5, 0.15, 0.3]]))
     keys = jax.random.split(jax.random.key(0), 1000)
@@ -148,12 +151,20 @@ def test_chat_renders_the_whole_conversation_each_turn_and_reset_forgets_it():
     system, user, assistant = {"role": "system", "content": "Be brief."}, "user", "assistant"
     assert session.tokenizer.rendered == [
         [system, {"role": user, "content": QUESTION}],
-        [system, {"role": user, "content": QUESTION}, {"role": assistant, "content": "Yara."},
-         {"role": user, "content": FOLLOW_UP}],
+        [
+            system,
+            {"role": user, "content": QUESTION},
+            {"role": assistant, "content": "Yara."},
+            {"role": user, "content": FOLLOW_UP},
+        ],
         [system, {"role": user, "content": FOLLOW_UP}],
     ]
-    assert conversation.messages == [system, {"role": user, "content": FOLLOW_UP}, {"role": assistant, "content": "Yara."}]
-    assert out.getvalue() == "you> Yara.\n" "you> you> Yara.\n" "you> you> Yara.\n" "you> "
+    assert conversation.messages == [
+        system,
+        {"role": user, "content": FOLLOW_UP},
+        {"role": assistant, "content": "Yara."},
+    ]
+    assert out.getvalue() == "you> Yara.\nyou> you> Yara.\nyou> you> Yara.\nyou> "
     assert err.getvalue().count("tokens/s") == 3 and "history cleared" in err.getvalue()
 
 
@@ -191,13 +202,21 @@ def bad_sources(tmp_path: Path) -> list[tuple[Path, str]]:
         (tmp_path / "empty", "neither an artifact folder (manifest.json) nor an HF model folder (config.json)"),
         (tmp_path / "notes.txt", "not a folder or a .gguf file"),
         (tmp_path / "missing.gguf", "no such .gguf file"),
-        (_write_manifest(store / "tokenize" / "k1", {"stage": "tokenize", "inputs": {}}),
-         "a 'tokenize' artifact; chat and generate open report, export or train artifacts or a model"),
-        (_write_manifest(store / "report" / "k2", {"stage": "report", "inputs": {"export": "gone"}}),
-         f"the export artifact this report names is missing ({store / 'export' / 'gone'})"),
-        (_write_manifest(store / "train" / "k3",
-                         {"stage": "train", "inputs": {"model": "gone"}, "config": {"model": {"name": "offline"}}}),
-         f"its base model {store / 'build_model' / 'gone'} is missing from the store"),
+        (
+            _write_manifest(store / "tokenize" / "k1", {"stage": "tokenize", "inputs": {}}),
+            "a 'tokenize' artifact; chat and generate open report, export or train artifacts or a model",
+        ),
+        (
+            _write_manifest(store / "report" / "k2", {"stage": "report", "inputs": {"export": "gone"}}),
+            f"the export artifact this report names is missing ({store / 'export' / 'gone'})",
+        ),
+        (
+            _write_manifest(
+                store / "train" / "k3",
+                {"stage": "train", "inputs": {"model": "gone"}, "config": {"model": {"name": "offline"}}},
+            ),
+            f"its base model {store / 'build_model' / 'gone'} is missing from the store",
+        ),
     ]
 
 
@@ -209,8 +228,16 @@ def test_a_bad_source_exits_2_with_one_line_naming_it(tmp_path, capsys, command)
         assert lines == [f"jaxtune {command}: {source}: {message}"]
 
 
-@pytest.mark.parametrize("flags", [["--top-k", "5"], ["--max-new-tokens", "0"], ["--temperature", "-1"],
-                                   ["--temperature", "1", "--top-p", "0"], ["--prompts-file", "no-such-file.txt"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--top-k", "5"],
+        ["--max-new-tokens", "0"],
+        ["--temperature", "-1"],
+        ["--temperature", "1", "--top-p", "0"],
+        ["--prompts-file", "no-such-file.txt"],
+    ],
+)
 def test_bad_flags_exit_2_before_loading_anything(tmp_path, capsys, flags):
     assert main(["generate", str(tmp_path / "never-opened"), "hi", *flags]) == 2
     err = capsys.readouterr().err.strip()
@@ -271,7 +298,9 @@ def test_every_source_of_the_trained_weights_gives_the_same_answer(toy_store, tm
     for name, source in {**sources, "untrained": artifact(toy_store, "build_model")}.items():
         opened = open_source(str(source), toy_store)
         ids = prompt_ids(opened.tokenizer, [{"role": "user", "content": QUESTION}])
-        logits = jax_logits(opened.model, {"input_ids": np.asarray([ids]), "attention_mask": np.ones((1, len(ids)), np.int32)})
+        logits = jax_logits(
+            opened.model, {"input_ids": np.asarray([ids]), "attention_mask": np.ones((1, len(ids)), np.int32)}
+        )
         tokens = list(StreamDecoder(opened.model, stop_ids=[], pad_id=PAD).stream(ids, 16))
         results[name] = ids, logits, tokens
     ids, logits, tokens = results["export"]
@@ -308,7 +337,9 @@ def converse(command: list[str], lines: list[str], timeout: float = 300) -> tupl
                 typed += 1
             ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise AssertionError(f"no reply within {timeout} s; the terminal showed:\n{shown.decode(errors='replace')}")
+                raise AssertionError(
+                    f"no reply within {timeout} s; the terminal showed:\n{shown.decode(errors='replace')}"
+                )
             try:
                 chunk = os.read(master, 4096)
             except OSError:  # EIO: the chat exited and closed the terminal
@@ -327,16 +358,22 @@ def converse(command: list[str], lines: list[str], timeout: float = 300) -> tupl
 def test_chat_on_a_terminal_answers_the_second_turn_with_the_first_in_its_prompt(toy_store, export_session):
     export = artifact(toy_store, "export")
     jaxtune = str(Path(sys.executable).parent / "jaxtune")
-    shown, status = converse([jaxtune, "chat", str(export), "--max-new-tokens", "8", "--show-prompt"],
-                             [QUESTION, FOLLOW_UP, "/exit"])
+    shown, status = converse(
+        [jaxtune, "chat", str(export), "--max-new-tokens", "8", "--show-prompt"], [QUESTION, FOLLOW_UP, "/exit"]
+    )
     assert status == 0, shown
     tokenizer = export_session.tokenizer
     first = [{"role": "user", "content": QUESTION}]
     answer = "".join(reply(export_session, prompt_ids(tokenizer, first)))
-    second = Conversation(None, [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UP}])
+    second = Conversation(
+        None, [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UP}]
+    )
     follow_up_answer = "".join(reply(export_session, prompt_ids(tokenizer, second.messages)))
     prompts = re.findall(r"\[prompt\](.*?)\[/prompt\]", shown, re.S)
-    assert prompts == [tokenizer.decode(prompt_ids(tokenizer, first)), tokenizer.decode(prompt_ids(tokenizer, second.messages))]
+    assert prompts == [
+        tokenizer.decode(prompt_ids(tokenizer, first)),
+        tokenizer.decode(prompt_ids(tokenizer, second.messages)),
+    ]
     assert QUESTION in prompts[1] and answer.strip() in prompts[1] and FOLLOW_UP in prompts[1]
     assert f"[/prompt]\n{answer}\n" in shown.split(FOLLOW_UP)[0]  # streamed right after its prompt
     assert f"[/prompt]\n{follow_up_answer}\n" in shown.split("[prompt]")[-1]
@@ -346,8 +383,10 @@ def test_chat_on_a_terminal_answers_the_second_turn_with_the_first_in_its_prompt
 @pytest.mark.slow
 def test_generate_prints_one_answer_a_line_and_speed_on_stderr(toy_store, export_session, capsys):
     prompts = [QUESTION, "hello"]
-    expected = ["".join(reply(export_session, prompt_ids(export_session.tokenizer, [{"role": "user", "content": p}])))
-                for p in prompts]
+    expected = [
+        "".join(reply(export_session, prompt_ids(export_session.tokenizer, [{"role": "user", "content": p}])))
+        for p in prompts
+    ]
     assert main(["generate", str(artifact(toy_store, "report")), *prompts, "--max-new-tokens", "8"]) == 0
     out, err = capsys.readouterr()
     assert out.splitlines() == [e.replace("\\", "\\\\").replace("\n", "\\n") for e in expected]
@@ -389,7 +428,9 @@ def test_a_gguf_file_opens_as_its_imported_model_and_stops_at_im_end(real_store)
 @pytest.mark.slow
 def test_chat_needs_a_chat_template_and_generate_does_not(toy_store, tmp_path, capsys):
     base = tmp_path / "no-template"
-    shutil.copytree(artifact(toy_store, "build_model"), base, ignore=shutil.ignore_patterns("manifest.json", "chat_template.jinja"))
+    shutil.copytree(
+        artifact(toy_store, "build_model"), base, ignore=shutil.ignore_patterns("manifest.json", "chat_template.jinja")
+    )
     assert main(["chat", str(base)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no chat template" in err and str(base) in err, err

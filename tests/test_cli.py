@@ -96,7 +96,10 @@ def test_serve_builds_the_plan_deployments_with_the_plan_flow_and_the_hub_recipe
     deployments = {d.name: d for d in runner_deployments(read_deployments(PREFECT_YAML))}
     planned = deployments["gemma3-1b-dolly-lora-plan"]
     assert planned.flow_name == "plan" and planned.entrypoint == "jaxtune/flows/plan.py:plan"
-    assert planned.parameters == {"recipe": "configs/gemma3-1b-dolly-lora.yaml", "then": "finetune/gemma3-1b-dolly-lora"}
+    assert planned.parameters == {
+        "recipe": "configs/gemma3-1b-dolly-lora.yaml",
+        "then": "finetune/gemma3-1b-dolly-lora",
+    }
     assert [s.schedule.cron for s in planned.schedules] == ["0 4 * * 6"] and not planned.triggers
     run = deployments["gemma3-1b-dolly-lora"]
     assert run.flow_name == "finetune" and not run.schedules  # queued by its plan, once the plan fits

@@ -70,8 +70,10 @@ def test_an_unknown_key_far_from_any_lists_the_section_keys():
 def test_an_override_whose_value_is_not_yaml_is_one_line_naming_it():
     with pytest.raises(ConfigError) as raised:
         load_config(None, ["train.max_steps=[3"])
-    assert str(raised.value) == ("--set 'train.max_steps=[3': the value is not YAML "
-                                 "(line 1, column 3: expected ',' or ']', but got '<stream end>')")
+    assert str(raised.value) == (
+        "--set 'train.max_steps=[3': the value is not YAML "
+        "(line 1, column 3: expected ',' or ']', but got '<stream end>')"
+    )
 
 
 def test_each_bad_setting_is_one_line_naming_its_key_and_the_value_given():
@@ -129,8 +131,8 @@ def test_architecture_and_optimizer_are_checked():
 
 
 def test_every_family_in_the_config_has_a_tiny_config():
-    from jaxtune.offline.architectures import FAMILIES
     from jaxtune.config import ARCHITECTURES
+    from jaxtune.offline.architectures import FAMILIES
 
     assert tuple(FAMILIES) == ARCHITECTURES
 
@@ -163,11 +165,16 @@ def test_every_recipe_has_a_deployment_that_names_its_file():
         assert {name: validated[name] for name in deployment["parameters"]} == deployment["parameters"]
         assert deployment["entrypoint"] == f"jaxtune/flows/{flow.name}.py:{flow.name}"
     for stem in hub:  # written for accelerators: the schedule runs the plan, which queues the run if it fits
-        assert deployments[f"{stem}-plan"]["parameters"] == {"recipe": f"configs/{stem}.yaml", "then": f"finetune/{stem}"}
+        assert deployments[f"{stem}-plan"]["parameters"] == {
+            "recipe": f"configs/{stem}.yaml",
+            "then": f"finetune/{stem}",
+        }
         assert deployments[f"{stem}-plan"]["schedules"] and not deployments[stem].get("schedules")
+
 
 def test_the_renamed_train_on_prompt_names_its_replacement():
     with pytest.raises(ConfigError) as raised:
         load_config(None, ["data.train_on_prompt=true"])
-    assert str(raised.value) == ("--set: data.train_on_prompt: renamed; use data.loss_on=all (true) "
-                                 "or data.loss_on=all_assistant (false)")
+    assert str(raised.value) == (
+        "--set: data.train_on_prompt: renamed; use data.loss_on=all (true) or data.loss_on=all_assistant (false)"
+    )

@@ -25,8 +25,10 @@ def _hook(name: str):
 
 def _mkdocs_yml() -> dict:
     """mkdocs.yml, its `!!python/...` tags (the toc's slugify) read as nothing."""
+
     class Loader(yaml.SafeLoader):
         pass
+
     Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
     return yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)
 
@@ -75,7 +77,9 @@ def test_readme_links_name_files_that_exist():
 
 def test_config_reference_has_every_key_with_its_meaning():
     reference = _hook("config_reference").reference_markdown()
-    rows = {match.group(1): match.group(2) for match in re.finditer(r"^\| `([^`]+)` \|.*\| ([^|]*) \|$", reference, re.M)}
+    rows = {
+        match.group(1): match.group(2) for match in re.finditer(r"^\| `([^`]+)` \|.*\| ([^|]*) \|$", reference, re.M)
+    }
     keys = _keys(JaxtuneConfig)
     assert len(keys) > 80
     assert [key for key in keys if key not in rows] == []

@@ -139,8 +139,10 @@ def adapter_dir(model_dirs, tmp_path_factory) -> str:
     from jaxtune.offline.tokenizer import texts_for_tokenizer, train_tokenizer
 
     train_tokenizer(texts_for_tokenizer(read_rows(DataConfig())[:50]), 300, model_dirs["llama"])
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dirs["llama"]),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -151,15 +153,17 @@ def adapter_dir(model_dirs, tmp_path_factory) -> str:
     return str(folder)
 
 
-def test_doctor_on_a_lora_adapter_checks_the_model_merged_as_a_run_from_it_starts(adapter_dir, model_dirs, tmp_path, capsys):
+def test_doctor_on_a_lora_adapter_checks_the_model_merged_as_a_run_from_it_starts(
+    adapter_dir, model_dirs, tmp_path, capsys
+):
     """`jaxtune doctor ADAPTER` merges it into its base as the merge_adapter stage does (the folder
     a run from the adapter reads; PEFT's merge_and_unload to 1e-6) and checks that: a fresh LoRA
     on the merged weights, not the adapter left attached beside a second one."""
     from peft import PeftModel
     from safetensors.numpy import load_file
 
-    from jaxtune.config import config_from_dict, load_config
     from jaxtune.checks.doctor import as_trained
+    from jaxtune.config import config_from_dict, load_config
     from jaxtune.flows.finetune import pipeline
     from jaxtune.runtime.modeling.model import load_torch_model
     from jaxtune.tasks.stage import input_keys, stage_key
@@ -187,6 +191,9 @@ def test_doctor_on_a_lora_adapter_checks_the_model_merged_as_a_run_from_it_start
 @pytest.mark.target
 def test_doctor_plans_a_lora_adapter_for_a_target_from_its_base(adapter_dir, model_dirs, capsys):
     """A target's plan reads shapes alone, which merging keeps: the adapter's base is planned."""
-    assert main(["doctor", adapter_dir, "--target", "h100", "--set", "data.max_length=64", "--set", "train.batch_size=2"]) == 0
+    assert (
+        main(["doctor", adapter_dir, "--target", "h100", "--set", "data.max_length=64", "--set", "train.batch_size=2"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith(f"jaxtune doctor: {model_dirs['llama']} (llama, LoRA r=8; XLA:GPU plan"), out

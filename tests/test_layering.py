@@ -41,8 +41,13 @@ def imported_modules(path: Path, modules: set[str], root: Path = PACKAGE) -> set
 
 def imports_torchax(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else []
+        )
         if any(n.split(".")[0] == "torchax" for n in names):
             return True
     return False
@@ -68,8 +73,7 @@ def declared(path: Path) -> set[str] | None:
 
 def units(root: Path = PACKAGE) -> dict[str, Path]:
     """What declares rules: every package (by its `__init__`) and every module at the root."""
-    return {name: path for name, path in sources(root).items()
-            if path.name == "__init__.py" or path.parent == root}
+    return {name: path for name, path in sources(root).items() if path.name == "__init__.py" or path.parent == root}
 
 
 def unit_of(module: str, unit_names: set[str]) -> str:
@@ -132,8 +136,9 @@ def test_every_package_and_root_module_declares_what_it_may_import():
 
 def test_every_declared_name_is_a_package_or_module():
     known = set(sources())
-    unknown = sorted(f"{unit}: {name}" for unit, path in units().items() for name in declared(path) or set()
-                     if name not in known)
+    unknown = sorted(
+        f"{unit}: {name}" for unit, path in units().items() for name in declared(path) or set() if name not in known
+    )
     assert unknown == []
 
 
@@ -142,8 +147,9 @@ def test_every_import_is_one_its_package_declares():
 
 
 def test_only_the_runtime_imports_torchax():
-    outside = sorted(name for name, path in sources().items()
-                     if imports_torchax(path) and not within(name, {"jaxtune.runtime"}))
+    outside = sorted(
+        name for name, path in sources().items() if imports_torchax(path) and not within(name, {"jaxtune.runtime"})
+    )
     assert outside == []
 
 
@@ -174,15 +180,18 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 @pytest.fixture
 def toy(tmp_path: Path) -> Path:
     """A package laid out like jaxtune: low may import errors; high may import low."""
-    return _write(tmp_path / "jaxtune", {
-        "__init__.py": '"""Root.\n\nMay import: nothing from jaxtune\n"""\n',
-        "errors.py": '"""Errors.\n\nMay import: nothing from jaxtune\n"""\n',
-        "low/__init__.py": '"""Low.\n\nMay import: jaxtune.errors\n"""\n',
-        "low/a.py": "from jaxtune.errors import X\nfrom jaxtune.low import b\n",
-        "low/b.py": "",
-        "high/__init__.py": '"""High.\n\nMay import: jaxtune.errors, jaxtune.low\n"""\n',
-        "high/c.py": "def f():\n    from jaxtune.low.a import Y\n",
-    })
+    return _write(
+        tmp_path / "jaxtune",
+        {
+            "__init__.py": '"""Root.\n\nMay import: nothing from jaxtune\n"""\n',
+            "errors.py": '"""Errors.\n\nMay import: nothing from jaxtune\n"""\n',
+            "low/__init__.py": '"""Low.\n\nMay import: jaxtune.errors\n"""\n',
+            "low/a.py": "from jaxtune.errors import X\nfrom jaxtune.low import b\n",
+            "low/b.py": "",
+            "high/__init__.py": '"""High.\n\nMay import: jaxtune.errors, jaxtune.low\n"""\n',
+            "high/c.py": "def f():\n    from jaxtune.low.a import Y\n",
+        },
+    )
 
 
 def test_the_toy_package_keeps_its_rules(toy):

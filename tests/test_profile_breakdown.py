@@ -20,6 +20,7 @@ M, K, N = 512, 256, 384
 @pytest.fixture(scope="module")
 def cpu_trace(tmp_path_factory) -> Path:
     """3 steps of a jitted matmul, elementwise ops and a transpose, profiled as the accelerator benchmark's --profile does."""
+
     @jax.jit
     def f(a, b, c):
         d = jnp.tanh(a @ b) * c + 1.0  # (M, N)
@@ -74,52 +75,154 @@ STEP_STARTS, STEP_US = (1000.0, 1200.0), 100.0
 # while loop of 30: 12 of its own), attention 12, a copy 3, an all-reduce 2, the optimizer 4, an add 3:
 # busy 84 of the step's 100.
 TPU_OPS = [
-    ("fusion.1", 5, 30, {"hlo_category": "convolution fusion", "model_flops": "3000000000",
-                         "long_name": "%fusion.1 = bf16[8,512,1152]{2,1,0:T(8,128)(2,1)} fusion(bf16[8,512,1152]{2,1,0:T(8,128)(2,1)} "
-                                      "%p.1, bf16[1152,1152]{1,0:T(8,128)(2,1)} %p.2), kind=kOutput, calls=%fused_computation.1",
-                         "tf_op": "jit(train_step)/while/body/closed_call/jvp(linear)/dot_general"}),
-    ("while.2", 40, 30, {"hlo_category": "while", "long_name": "%while.2 = (s32[], f32[4096]) while((s32[], f32[4096]) %t.1), "
-                                                               "condition=%region_1.cond, body=%region_0.body"}),
-    ("exp_reduce_fusion", 42, 10, {"hlo_category": "loop fusion",
-                                   "tf_op": "jit(train_step)/while/body/closed_call/jvp(chunked_loss)/exp"}),
-    ("fusion.4", 55, 8, {"hlo_category": "convolution fusion", "model_flops": "1000000000",
-                         "tf_op": "jit(train_step)/while/body/closed_call/transpose(jvp(chunked_loss))/dot_general"}),
-    ("splash_mha_fwd_segmented_no_residuals.3", 72, 12, {
-        "hlo_category": "custom-call", "model_flops": "500000000",
-        "long_name": '%splash_mha_fwd_segmented_no_residuals.3 = bf16[8,4,512,256]{3,2,1,0:T(8,128)(2,1)} '
-                     'custom-call(%q, %k, %v), custom_call_target="tpu_custom_call"',
-        "tf_op": "jit(train_step)/while/body/closed_call/jvp(splash_mha_fwd_segmented_no_residuals)/pallas_call"}),
-    ("copy.5", 85, 3, {"hlo_category": "data formatting", "long_name": "%copy.5 = bf16[512,8,1152]{2,1,0} copy(%fusion.1)"}),
+    (
+        "fusion.1",
+        5,
+        30,
+        {
+            "hlo_category": "convolution fusion",
+            "model_flops": "3000000000",
+            "long_name": "%fusion.1 = bf16[8,512,1152]{2,1,0:T(8,128)(2,1)} fusion(bf16[8,512,1152]{2,1,0:T(8,128)(2,1)} "
+            "%p.1, bf16[1152,1152]{1,0:T(8,128)(2,1)} %p.2), kind=kOutput, calls=%fused_computation.1",
+            "tf_op": "jit(train_step)/while/body/closed_call/jvp(linear)/dot_general",
+        },
+    ),
+    (
+        "while.2",
+        40,
+        30,
+        {
+            "hlo_category": "while",
+            "long_name": "%while.2 = (s32[], f32[4096]) while((s32[], f32[4096]) %t.1), "
+            "condition=%region_1.cond, body=%region_0.body",
+        },
+    ),
+    (
+        "exp_reduce_fusion",
+        42,
+        10,
+        {"hlo_category": "loop fusion", "tf_op": "jit(train_step)/while/body/closed_call/jvp(chunked_loss)/exp"},
+    ),
+    (
+        "fusion.4",
+        55,
+        8,
+        {
+            "hlo_category": "convolution fusion",
+            "model_flops": "1000000000",
+            "tf_op": "jit(train_step)/while/body/closed_call/transpose(jvp(chunked_loss))/dot_general",
+        },
+    ),
+    (
+        "splash_mha_fwd_segmented_no_residuals.3",
+        72,
+        12,
+        {
+            "hlo_category": "custom-call",
+            "model_flops": "500000000",
+            "long_name": "%splash_mha_fwd_segmented_no_residuals.3 = bf16[8,4,512,256]{3,2,1,0:T(8,128)(2,1)} "
+            'custom-call(%q, %k, %v), custom_call_target="tpu_custom_call"',
+            "tf_op": "jit(train_step)/while/body/closed_call/jvp(splash_mha_fwd_segmented_no_residuals)/pallas_call",
+        },
+    ),
+    (
+        "copy.5",
+        85,
+        3,
+        {"hlo_category": "data formatting", "long_name": "%copy.5 = bf16[512,8,1152]{2,1,0} copy(%fusion.1)"},
+    ),
     ("all-reduce.6", 88, 2, {"hlo_category": "all-reduce"}),
     ("multiply_add_fusion", 90, 4, {"hlo_category": "loop fusion", "tf_op": "jit(train_step)/optimizer/mul"}),
-    ("add_fusion", 94, 3, {"hlo_category": "loop fusion",
-                           "tf_op": "jit(train_step)/while/body/closed_call/jvp(aten::add.Tensor)/add"}),
+    (
+        "add_fusion",
+        94,
+        3,
+        {"hlo_category": "loop fusion", "tf_op": "jit(train_step)/while/body/closed_call/jvp(aten::add.Tensor)/add"},
+    ),
 ]
-EXPECTED_US = {pb.MATMULS: 30, pb.LOSS: 18, pb.OTHER: 12, pb.ATTENTION: 12, pb.LAYOUT: 3, pb.COLLECTIVES: 2,
-               pb.OPTIMIZER: 4, pb.ELEMENTWISE: 3, pb.IDLE: 16}
+EXPECTED_US = {
+    pb.MATMULS: 30,
+    pb.LOSS: 18,
+    pb.OTHER: 12,
+    pb.ATTENTION: 12,
+    pb.LAYOUT: 3,
+    pb.COLLECTIVES: 2,
+    pb.OPTIMIZER: 4,
+    pb.ELEMENTWISE: 3,
+    pb.IDLE: 16,
+}
 EXPECTED_FLOPS = {pb.MATMULS: 3e9, pb.LOSS: 1e9, pb.ATTENTION: 5e8}
 
 
 def tpu_trace_events() -> list[dict]:
     def named(kind: str, pid: int, name: str, tid: int | None = None) -> dict:
-        return {"ph": "M", "pid": pid, "name": kind, "args": {"name": name}, **({"tid": tid} if tid is not None else {})}
+        return {
+            "ph": "M",
+            "pid": pid,
+            "name": kind,
+            "args": {"name": name},
+            **({"tid": tid} if tid is not None else {}),
+        }
 
-    events = [named("process_name", HOST, "/host:CPU"), named("thread_name", HOST, "python", PYTHON),
-              named("process_name", TPU0, "/device:TPU:0"), named("process_name", TPU1, "/device:TPU:1")]
-    events += [named("thread_name", pid, line, tid) for pid in (TPU0, TPU1)
-               for tid, line in ((STEPS, "Steps"), (MODULES, "XLA Modules"), (XLA_OPS, "XLA Ops"))]
+    events = [
+        named("process_name", HOST, "/host:CPU"),
+        named("thread_name", HOST, "python", PYTHON),
+        named("process_name", TPU0, "/device:TPU:0"),
+        named("process_name", TPU1, "/device:TPU:1"),
+    ]
+    events += [
+        named("thread_name", pid, line, tid)
+        for pid in (TPU0, TPU1)
+        for tid, line in ((STEPS, "Steps"), (MODULES, "XLA Modules"), (XLA_OPS, "XLA Ops"))
+    ]
     for i, start in enumerate(STEP_STARTS):
-        events.append({"ph": "X", "pid": HOST, "tid": PYTHON, "ts": start, "dur": STEP_US, "name": pb.STEP,
-                       "args": {"step_num": str(i)}})
+        events.append(
+            {
+                "ph": "X",
+                "pid": HOST,
+                "tid": PYTHON,
+                "ts": start,
+                "dur": STEP_US,
+                "name": pb.STEP,
+                "args": {"step_num": str(i)},
+            }
+        )
         events.append({"ph": "X", "pid": TPU0, "tid": STEPS, "ts": start + 5, "dur": 92, "name": str(i)})
-        events.append({"ph": "X", "pid": TPU0, "tid": MODULES, "ts": start + 5, "dur": 92,
-                       "name": "jit_train_step(1234)", "args": {"run_id": str(i)}})
+        events.append(
+            {
+                "ph": "X",
+                "pid": TPU0,
+                "tid": MODULES,
+                "ts": start + 5,
+                "dur": 92,
+                "name": "jit_train_step(1234)",
+                "args": {"run_id": str(i)},
+            }
+        )
         for name, offset, duration, args in TPU_OPS:
-            events.append({"ph": "X", "pid": TPU0, "tid": XLA_OPS, "ts": start + offset, "dur": duration, "name": name,
-                           "args": {"deduplicated_name": "", **args}})
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": TPU0,
+                    "tid": XLA_OPS,
+                    "ts": start + offset,
+                    "dur": duration,
+                    "name": name,
+                    "args": {"deduplicated_name": "", **args},
+                }
+            )
         # another chip's ops (a slice of several): not counted, every chip running the same program
-        events.append({"ph": "X", "pid": TPU1, "tid": XLA_OPS, "ts": start + 5, "dur": 50, "name": "fusion.1",
-                       "args": {"hlo_category": "convolution fusion"}})
+        events.append(
+            {
+                "ph": "X",
+                "pid": TPU1,
+                "tid": XLA_OPS,
+                "ts": start + 5,
+                "dur": 50,
+                "name": "fusion.1",
+                "args": {"hlo_category": "convolution fusion"},
+            }
+        )
     return events
 
 
@@ -158,7 +261,7 @@ def test_a_trace_without_ops_or_steps_says_what_it_lacks(tmp_path):
 
 # XLA:TPU's optimized HLO (libtpu's compile of a splash-attention forward and a matmul's gradient,
 # trimmed): a dot is a convolution with dim_labels, and a Pallas kernel's kernel_metadata spans lines.
-TPU_HLO = '''HloModule jit_train_step, is_scheduled=true
+TPU_HLO = """HloModule jit_train_step, is_scheduled=true
 
 %fused_computation.2 (param_0.4: bf16[512,256], param_1.15: bf16[384,512]) -> bf16[256,384] {
   %param_0.4 = bf16[512,256]{1,0:T(8,128)(2,1)S(1)} parameter(0)
@@ -178,14 +281,16 @@ ENTRY %main.3 (q.1: bf16[2,2,512,128], x.1: bf16[512,256], w.1: bf16[384,512]) -
   %fusion = bf16[256,384]{1,0:T(8,128)(2,1)} fusion(%x.1, %w.1), kind=kOutput, calls=%fused_computation.2, metadata={op_name="jit(train_step)/transpose(jvp())/dot_general" stack_frame_id=7}
   ROOT %tuple.3 = (bf16[2,2,512,128]{2,3,1,0:T(8,128)(2,1)}, bf16[256,384]{1,0:T(8,128)(2,1)}) tuple(%copy, %fusion)
 }
-'''
+"""
 
 
 def test_xla_tpus_hlo_names_each_ops_kind_and_flops():
     ops = pb.hlo_ops(TPU_HLO)
     assert ops["fusion"]["flops"] == 2 * 256 * 384 * 512 and "convolution" in ops["fusion"]["fused"]
     assert ops["splash_mha_fwd_residuals.1"]["op_name"].endswith("splash_mha_fwd_residuals/pallas_call")
-    kinds = {name: pb.classify(pb.describe({"name": name, "args": {}}, ops))
-             for name in ("fusion", "splash_mha_fwd_residuals.1", "copy")}
+    kinds = {
+        name: pb.classify(pb.describe({"name": name, "args": {}}, ops))
+        for name in ("fusion", "splash_mha_fwd_residuals.1", "copy")
+    }
     # the kernel's own op is attention; the copy of its output under the same op_name is a copy
     assert kinds == {"fusion": pb.MATMULS, "splash_mha_fwd_residuals.1": pb.ATTENTION, "copy": pb.LAYOUT}

@@ -19,27 +19,39 @@ import pytest
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
-from jaxtune.host import accelerators
+from benchmarks.tpu import tpu_check
+from benchmarks.tpu import tpu_check_families as families
 from jaxtune.artifacts import ArtifactStore
 from jaxtune.config import OFFLINE
 from jaxtune.flows import finetune
-
-from benchmarks.tpu import tpu_check
-from benchmarks.tpu import tpu_check_families as families
+from jaxtune.host import accelerators
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MACHINE = {"platform": "cpu", "device_kind": "cpu", "devices": 1, "jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": None,
-           "torch": "2.13.0", "python": "3.11"}
+MACHINE = {
+    "platform": "cpu",
+    "device_kind": "cpu",
+    "devices": 1,
+    "jax": "0.10.2",
+    "jaxlib": "0.10.2",
+    "libtpu": None,
+    "torch": "2.13.0",
+    "python": "3.11",
+}
 
 
 def refused_socket_module() -> types.SimpleNamespace:
     """`socket` as a machine without TCP has it: an internet socket cannot even be made."""
+
     def refuse(*args, **kwargs):
         raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
 
-    return types.SimpleNamespace(AF_INET=socket.AF_INET, SOCK_STREAM=socket.SOCK_STREAM, socket=refuse,
-                                 create_connection=socket.create_connection)
+    return types.SimpleNamespace(
+        AF_INET=socket.AF_INET,
+        SOCK_STREAM=socket.SOCK_STREAM,
+        socket=refuse,
+        create_connection=socket.create_connection,
+    )
 
 
 def test_without_a_tcp_socket_the_stages_are_called_directly(monkeypatch):
@@ -47,8 +59,10 @@ def test_without_a_tcp_socket_the_stages_are_called_directly(monkeypatch):
     assert tpu_check.tcp_problem() == "[Errno 97] Address family not supported by protocol"
     use_prefect, note = tpu_check.prefect_route(no_prefect=False)
     assert use_prefect is False
-    assert note == ("Prefect server unavailable here (no TCP socket): stages called directly over the store, without "
-                    "Prefect [[Errno 97] Address family not supported by protocol]")
+    assert note == (
+        "Prefect server unavailable here (no TCP socket): stages called directly over the store, without "
+        "Prefect [[Errno 97] Address family not supported by protocol]"
+    )
 
 
 def test_where_tcp_works_jaxtune_run_runs_the_pipeline_unless_told_not_to():
@@ -59,8 +73,21 @@ def test_where_tcp_works_jaxtune_run_runs_the_pipeline_unless_told_not_to():
 
 def test_the_stages_are_the_flows_own_list_in_its_order():
     config = finetune.load_recipe(OFFLINE)
-    assert tpu_check.stage_names(config) == [step.stage for step in finetune.pipeline(config)] == [
-        "build_tokenizer", "build_model", "tokenize", "baseline_eval", "train", "final_eval", "export", "generate", "report"]
+    assert (
+        tpu_check.stage_names(config)
+        == [step.stage for step in finetune.pipeline(config)]
+        == [
+            "build_tokenizer",
+            "build_model",
+            "tokenize",
+            "baseline_eval",
+            "train",
+            "final_eval",
+            "export",
+            "generate",
+            "report",
+        ]
+    )
 
 
 def test_the_direct_run_calls_the_flows_steps_in_order_over_the_store_without_prefect(tmp_path, monkeypatch, caplog):
@@ -93,8 +120,10 @@ def test_the_comparison_flags_a_loss_outside_the_bound():
 
 
 def test_a_failing_family_fails_the_report_and_the_exit_status(tmp_path, monkeypatch):
-    rows = {"llama": families.compare("llama", 6.94440, 6.94442, [6.9444, 6.877, 6.830], "splash"),
-            "gpt2": families.compare("gpt2", 6.95700, 6.96000, [6.9527, 6.851, 6.893], "splash")}
+    rows = {
+        "llama": families.compare("llama", 6.94440, 6.94442, [6.9444, 6.877, 6.830], "splash"),
+        "gpt2": families.compare("gpt2", 6.95700, 6.96000, [6.9527, 6.851, 6.893], "splash"),
+    }
 
     def check(family):
         if family == "qwen3":
@@ -109,7 +138,11 @@ def test_a_failing_family_fails_the_report_and_the_exit_status(tmp_path, monkeyp
     saved = json.loads((tmp_path / "tpu-check.json").read_text())
     part = saved["parts"]["families"]
     assert (saved["pass"], part["pass"]) == (False, False)
-    assert [(row["family"], row["pass"]) for row in part["rows"]] == [("llama", True), ("gpt2", False), ("qwen3", False)]
+    assert [(row["family"], row["pass"]) for row in part["rows"]] == [
+        ("llama", True),
+        ("gpt2", False),
+        ("qwen3", False),
+    ]
     assert part["rows"][2]["error"] == "RuntimeError: Mosaic failed to compile"
     markdown = (tmp_path / "tpu-check.md").read_text()
     assert "## Families: **FAIL**" in markdown
@@ -152,8 +185,13 @@ def _default_platform() -> str:
     """The platform JAX picks with no JAX_PLATFORMS (which this suite sets to cpu), asked in a process of its
     own: only one process at a time can hold a TPU chip, and the check's must."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    found = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"], env=env,
-                           capture_output=True, text=True, timeout=300)
+    found = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return found.stdout.strip().splitlines()[-1] if found.returncode == 0 and found.stdout.strip() else "none"
 
 
@@ -162,8 +200,14 @@ def test_the_whole_check_passes_on_a_tpu(tmp_path):
     if not accelerators.present() or _default_platform() != "tpu":
         pytest.skip("no TPU here: jax.devices()[0].platform is not tpu")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.tpu.tpu_check", "--out", str(tmp_path)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=3600)
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tpu.tpu_check", "--out", str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     results = json.loads((tmp_path / "tpu-check.json").read_text())
     assert results["pass"] is True and results["machine"]["platform"] == "tpu"

@@ -31,10 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from jaxtune.config import REMAT_SETTINGS
-
 from benchmarks.accelerator.shared import CONFIGS, DEFAULT_MODEL, Settings, build_weights
 from benchmarks.common.harness import RESULTS, ROOT, log, say
+from jaxtune.config import REMAT_SETTINGS
 
 # Parts (child processes) in the order they run, each with the seconds it needs on one H200 for the
 # Gemma 3 1B shape's first cases (from the run: jaxtune's first LoRA step 54 s at 8 x 512,
@@ -79,14 +78,29 @@ def run_part(part: str, work: Path, limit: float) -> dict:
     limit = round(limit)
     start = time.perf_counter()
     tail: collections.deque[str] = collections.deque(maxlen=15)
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.accelerator.bench", "--child", part, "--work", str(work),
-                             "--until", f"{time.time() + limit:.1f}"],
-                            # PYTHONHASHSEED=0 as the `jaxtune` command runs (jaxtune.cli.entry): transformers iterates a
-                            # set of strings while tracing Gemma 3 (its layer types), so under random string hashing a
-                            # second run's program can differ and miss the persistent compilation cache.
-                            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)  # its own group: a kill takes its compile workers too
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.accelerator.bench",
+            "--child",
+            part,
+            "--work",
+            str(work),
+            "--until",
+            f"{time.time() + limit:.1f}",
+        ],
+        # PYTHONHASHSEED=0 as the `jaxtune` command runs (jaxtune.cli.entry): transformers iterates a
+        # set of strings while tracing Gemma 3 (its layer types), so under random string hashing a
+        # second run's program can differ and miss the persistent compilation cache.
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )  # its own group: a kill takes its compile workers too
 
     def relay() -> None:
         for line in proc.stdout:
@@ -109,8 +123,12 @@ def run_part(part: str, work: Path, limit: float) -> dict:
         status = f"cut at its limit of {limit} s"
     else:
         status = f"failed (exit {code}): {next((t for t in reversed(tail) if t.strip()), '')[:300]}"
-    return {"status": status, "seconds": round(seconds, 1), "limit_seconds": limit,
-            **({"output_tail": list(tail)} if code != 0 else {})}
+    return {
+        "status": status,
+        "seconds": round(seconds, 1),
+        "limit_seconds": limit,
+        **({"output_tail": list(tail)} if code != 0 else {}),
+    }
 
 
 def run_parts(parts: list[str], work: Path, deadline: float) -> dict:
@@ -119,7 +137,11 @@ def run_parts(parts: list[str], work: Path, deadline: float) -> dict:
     for i, part in enumerate(parts):
         left = deadline - time.perf_counter()
         if left < MINIMUM_PART_SECONDS:
-            out[part] = {"status": f"not started: {left:.0f} s of the run's time left", "seconds": 0, "limit_seconds": 0}
+            out[part] = {
+                "status": f"not started: {left:.0f} s of the run's time left",
+                "seconds": 0,
+                "limit_seconds": 0,
+            }
             continue
         limit = max(left * PARTS[part] / sum(PARTS[p] for p in parts[i:]), MINIMUM_PART_SECONDS)
         log(f"[bold]{part}[/bold]: up to {limit:.0f} s")
@@ -138,23 +160,58 @@ def parse_case(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(p.name for p in CONFIGS.iterdir()),
-                        help="the shape: a config-only folder of benchmarks/configs")
-    parser.add_argument("--tiny", action="store_true", help="a toy model of the family, on the CPU, in float32 (make test)")
-    parser.add_argument("--parts", action="append", choices=list(PARTS), help="run only these parts (repeatable; default all, Tunix's where TUNIX_SITE holds it)")
-    parser.add_argument("--cases", action="append", type=parse_case,
-                        help="train cases ROWSxLENGTH and GRPO cases PROMPTSxGENERATIONSxNEW_TOKENS, in order (repeatable)")
-    parser.add_argument("--remat", action="append", choices=REMAT_SETTINGS,
-                        help="train.remat of jaxtune's train cases (repeatable: each runs every case; default auto)")
-    parser.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE",
-                        help="a setting of the recipes jaxtune's side runs, as `jaxtune run --set` (repeatable)")
-    parser.add_argument("--section", action="append", choices=["lora", "full", "decode", "grpo"],
-                        help="jaxtune's sections to run (repeatable; default lora, full and decode; --tiny adds grpo)")
-    parser.add_argument("--profile", action="store_true",
-                        help="after each jaxtune train case's timed steps, 3 more inside jax.profiler.trace: the traces in "
-                             "STEM-profile/SIDE-CASE/, their breakdown by kind of op in the report")
-    parser.add_argument("--minutes", type=float, help=f"the whole run's time (default {DEVICE_MINUTES:g}; --tiny {TINY_MINUTES:g})")
-    parser.add_argument("--out", help="output stem (default benchmarks/results/accelerator-latest, or accelerator-tiny)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        choices=sorted(p.name for p in CONFIGS.iterdir()),
+        help="the shape: a config-only folder of benchmarks/configs",
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="a toy model of the family, on the CPU, in float32 (make test)"
+    )
+    parser.add_argument(
+        "--parts",
+        action="append",
+        choices=list(PARTS),
+        help="run only these parts (repeatable; default all, Tunix's where TUNIX_SITE holds it)",
+    )
+    parser.add_argument(
+        "--cases",
+        action="append",
+        type=parse_case,
+        help="train cases ROWSxLENGTH and GRPO cases PROMPTSxGENERATIONSxNEW_TOKENS, in order (repeatable)",
+    )
+    parser.add_argument(
+        "--remat",
+        action="append",
+        choices=REMAT_SETTINGS,
+        help="train.remat of jaxtune's train cases (repeatable: each runs every case; default auto)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="a setting of the recipes jaxtune's side runs, as `jaxtune run --set` (repeatable)",
+    )
+    parser.add_argument(
+        "--section",
+        action="append",
+        choices=["lora", "full", "decode", "grpo"],
+        help="jaxtune's sections to run (repeatable; default lora, full and decode; --tiny adds grpo)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each jaxtune train case's timed steps, 3 more inside jax.profiler.trace: the traces in "
+        "STEM-profile/SIDE-CASE/, their breakdown by kind of op in the report",
+    )
+    parser.add_argument(
+        "--minutes", type=float, help=f"the whole run's time (default {DEVICE_MINUTES:g}; --tiny {TINY_MINUTES:g})"
+    )
+    parser.add_argument(
+        "--out", help="output stem (default benchmarks/results/accelerator-latest, or accelerator-tiny)"
+    )
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--until", type=float, help=argparse.SUPPRESS)
@@ -170,10 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     deadline = began + 60 * minutes
     stem = Path(args.out) if args.out else RESULTS / ("accelerator-tiny" if args.tiny else "accelerator-latest")
     cases = args.cases or []
-    settings = Settings.make(args.model, args.tiny, tuple(c for c in cases if len(c) == 2) or None,
-                             tuple(args.remat or ("auto",)), tuple(args.section) if args.section else None,
-                             tuple(args.overrides or ()), str(Path(f"{stem}-profile").resolve()) if args.profile else "",
-                             tuple(c for c in cases if len(c) == 3) or None)
+    settings = Settings.make(
+        args.model,
+        args.tiny,
+        tuple(c for c in cases if len(c) == 2) or None,
+        tuple(args.remat or ("auto",)),
+        tuple(args.section) if args.section else None,
+        tuple(args.overrides or ()),
+        str(Path(f"{stem}-profile").resolve()) if args.profile else "",
+        tuple(c for c in cases if len(c) == 3) or None,
+    )
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="jaxtune-accelerator-") as folder:
         work = Path(folder)

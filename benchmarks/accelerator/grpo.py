@@ -61,12 +61,24 @@ def grpo_case(settings: Settings, cfg, model, case: tuple[int, int, int], result
 
     n_prompts, generations, new_tokens = case
     name, vocab = case_name(*case), model.config.vocab_size
-    train = cfg.train.model_copy(update={"batch_size": n_prompts * generations, "grad_accumulation": 1,
-                                         "max_steps": 1 + settings.warmups + settings.steps})
+    train = cfg.train.model_copy(
+        update={
+            "batch_size": n_prompts * generations,
+            "grad_accumulation": 1,
+            "max_steps": 1 + settings.warmups + settings.steps,
+        }
+    )
     rl = RLConfig(num_generations=generations, max_completion_length=new_tokens, temperature=1.0)
-    results.add(event="grpo", case=name, answers=n_prompts * generations, new_tokens=new_tokens,
-                prompt_length=settings.grpo_prompt_length, end_token=vocab, weight_bytes=weight_bytes,
-                steps=train.max_steps)
+    results.add(
+        event="grpo",
+        case=name,
+        answers=n_prompts * generations,
+        new_tokens=new_tokens,
+        prompt_length=settings.grpo_prompt_length,
+        end_token=vocab,
+        weight_bytes=weight_bytes,
+        steps=train.max_steps,
+    )
     started, before = time.perf_counter(), dict(COMPILING)
     compiled = lambda: {k: v - before.get(k, 0) for k, v in COMPILING.items() if v != before.get(k, 0)}  # noqa: E731
 
@@ -74,20 +86,36 @@ def grpo_case(settings: Settings, cfg, model, case: tuple[int, int, int], result
         for record in records:
             if "memory_plan" in record:  # logged once train.remat auto has chosen, before the first step
                 plan = record["memory_plan"]
-                results.add(event="grpo_plan", case=name, fit_seconds=time.perf_counter() - started,
-                            compiling=compiled(), plan_peak_bytes=plan["peak"], plan_code_bytes=plan["code"],
-                            **plan["fit"], message=record["message"])
-                log(f"jaxtune grpo {name}: remat {plan['fit']['remat']} chosen after {time.perf_counter() - started:.0f} s "
-                    f"({', '.join(f'{k} {v:.0f}' for k, v in compiled().items())})")
+                results.add(
+                    event="grpo_plan",
+                    case=name,
+                    fit_seconds=time.perf_counter() - started,
+                    compiling=compiled(),
+                    plan_peak_bytes=plan["peak"],
+                    plan_code_bytes=plan["code"],
+                    **plan["fit"],
+                    message=record["message"],
+                )
+                log(
+                    f"jaxtune grpo {name}: remat {plan['fit']['remat']} chosen after {time.perf_counter() - started:.0f} s "
+                    f"({', '.join(f'{k} {v:.0f}' for k, v in compiled().items())})"
+                )
             elif "loss" in record:
                 results.add(event="grpo_step", case=name, **record)
-                log(f"jaxtune grpo {name} step {record['step']}: {record['step_seconds']:.2f} s "
-                    f"(sampling {record['sample_seconds']:.2f} s, update {record['update_seconds']:.2f} s)")
+                log(
+                    f"jaxtune grpo {name} step {record['step']}: {record['step_seconds']:.2f} s "
+                    f"(sampling {record['sample_seconds']:.2f} s, update {record['update_seconds']:.2f} s)"
+                )
 
     batch = prompts(settings, vocab, n_prompts, settings.grpo_prompt_length).tolist()
     rollouts.train_grpo(model, batch, even_share, ["even_ids"], train, rl, pad_id=0, eos_ids=(vocab,), on_log=on_log)
-    results.add(event="grpo", case=name, seconds=time.perf_counter() - started, run_compiling=compiled(),
-                **jax_memory(model.placement.mesh.devices.flat[0]))
+    results.add(
+        event="grpo",
+        case=name,
+        seconds=time.perf_counter() - started,
+        run_compiling=compiled(),
+        **jax_memory(model.placement.mesh.devices.flat[0]),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,8 +125,10 @@ def grpo_case(settings: Settings, cfg, model, case: tuple[int, int, int], result
 
 def grpo_results(settings: Settings, lines: list[dict], parts: dict, bandwidth: float | None) -> dict:
     """{case: figures, or {"missing": why}} of every GRPO case the run asked for."""
-    return {case_name(*case): case_figures(lines, case_name(*case), settings.warmups, parts, bandwidth)
-            for case in settings.grpo_cases}
+    return {
+        case_name(*case): case_figures(lines, case_name(*case), settings.warmups, parts, bandwidth)
+        for case in settings.grpo_cases
+    }
 
 
 def case_figures(lines: list[dict], case: str, warmups: int, parts: dict, bandwidth: float | None) -> dict:
@@ -111,14 +141,20 @@ def case_figures(lines: list[dict], case: str, warmups: int, parts: dict, bandwi
             figures.update({k: v for k, v in line.items() if k not in ("event", "case", "part")})
     steps = sorted((line for line in mine if line["event"] == "grpo_step"), key=lambda line: line["step"])
     if steps and steps[0]["step"] == 1:  # sampling's program and the update's compile in it
-        figures.update(first_step_seconds=steps[0]["step_seconds"], first_sample_seconds=steps[0]["sample_seconds"],
-                       first_update_seconds=steps[0]["update_seconds"])
+        figures.update(
+            first_step_seconds=steps[0]["step_seconds"],
+            first_sample_seconds=steps[0]["sample_seconds"],
+            first_update_seconds=steps[0]["update_seconds"],
+        )
     timed = [s for s in steps if s["step"] > 1 + warmups]
     figures["timed_steps"] = len(timed)
     if not timed:
         part = parts.get("jaxtune", {}).get("status", "not run")
-        figures["missing"] = (f"failed: {figures['error']}" if "error" in figures else figures.get("skipped")
-                              or f"not measured: jaxtune {part}")
+        figures["missing"] = (
+            f"failed: {figures['error']}"
+            if "error" in figures
+            else figures.get("skipped") or f"not measured: jaxtune {part}"
+        )
         return figures
     figures.update(step_figures(timed, figures["answers"]))
     if bandwidth and figures.get("weight_bytes"):
@@ -134,9 +170,18 @@ def step_figures(timed: list[dict], answers: int) -> dict:
     sampled = sum(answers * s["completion_length"] for s in timed)  # no end token emitted: answers x new tokens
     step, sample, update = total("step_seconds"), total("sample_seconds"), total("update_seconds")
     n = len(timed)
-    return {"step_seconds": step / n, "sample_seconds": sample / n, "update_seconds": update / n,
-            "sampled_tokens": sampled / n, "update_tokens": total("tokens") / n,
-            "sampling_tokens_per_second": sampled / sample, "update_tokens_per_second": total("tokens") / update,
-            "sample_share": sample / step, "update_share": update / step, "rest_share": 1 - (sample + update) / step,
-            "completion_length": total("completion_length") / n, "truncated": total("truncated") / n,
-            "reward": total("reward") / n}
+    return {
+        "step_seconds": step / n,
+        "sample_seconds": sample / n,
+        "update_seconds": update / n,
+        "sampled_tokens": sampled / n,
+        "update_tokens": total("tokens") / n,
+        "sampling_tokens_per_second": sampled / sample,
+        "update_tokens_per_second": total("tokens") / update,
+        "sample_share": sample / step,
+        "update_share": update / step,
+        "rest_share": 1 - (sample + update) / step,
+        "completion_length": total("completion_length") / n,
+        "truncated": total("truncated") / n,
+        "reward": total("reward") / n,
+    }

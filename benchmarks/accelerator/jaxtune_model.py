@@ -35,11 +35,14 @@ def open_benchmark_model(settings: Settings, folder: Path, method: str | None):
 # jaxpr, lowering it to StableHLO, XLA's compile, reading the persistent compilation cache, and that
 # cache's hits and misses.
 COMPILING: dict[str, float] = {}
-MONITORED = {"/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
-             "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds",
-             "/jax/core/compile/backend_compile_duration": "compile_seconds",
-             "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read_seconds",
-             "/jax/compilation_cache/cache_hits": "cache_hits", "/jax/compilation_cache/cache_misses": "cache_misses"}
+MONITORED = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds",
+    "/jax/core/compile/backend_compile_duration": "compile_seconds",
+    "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read_seconds",
+    "/jax/compilation_cache/cache_hits": "cache_hits",
+    "/jax/compilation_cache/cache_misses": "cache_misses",
+}
 
 
 def monitor_compiling() -> None:

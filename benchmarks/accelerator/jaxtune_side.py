@@ -11,8 +11,16 @@ from pathlib import Path
 
 from benchmarks.accelerator import grpo
 from benchmarks.accelerator.jaxtune_model import COMPILING, monitor_compiling, open_benchmark_model
-from benchmarks.accelerator.shared import (Results, Settings, case_name, jax_memory, jaxtune_side, measure_cases, prompts,
-                                           train_batch)
+from benchmarks.accelerator.shared import (
+    Results,
+    Settings,
+    case_name,
+    jax_memory,
+    jaxtune_side,
+    measure_cases,
+    prompts,
+    train_batch,
+)
 from benchmarks.common.harness import log
 
 PROFILE_STEPS = 3  # steps profiled after a case's timed ones (--profile)
@@ -27,8 +35,8 @@ def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
     """Every section by `until` (seconds since the epoch: the parent's kill); each line is written as soon as it is known."""
     import os
 
-    from jaxtune.runtime.measures import flops
     from jaxtune.runtime.devices import compile_cache
+    from jaxtune.runtime.measures import flops
 
     results = Results(work, "jaxtune")
     monitor_compiling()
@@ -59,8 +67,12 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
     cfg, model = open_benchmark_model(settings, folder, method)
     results.add(event="loaded", method=method, seconds=time.perf_counter() - start)
     for rows, length in settings.cases:  # counted before any case runs, so a cut case's other sides still get an MFU
-        per_token = flops.train_flops_per_token(model, length / 2)  # causal: a token attends over half the row on average
-        results.add(event="flops", method=method, case=case_name(rows, length), per_token=per_token["total"], detail=per_token)
+        per_token = flops.train_flops_per_token(
+            model, length / 2
+        )  # causal: a token attends over half the row on average
+        results.add(
+            event="flops", method=method, case=case_name(rows, length), per_token=per_token["total"], detail=per_token
+        )
     initial = jax.device_get(model.weights)  # each case starts from these, with one copy on the device at a time
 
     for remat in settings.remats:
@@ -84,19 +96,28 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     import jax
     import numpy as np
 
-    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.train.packing import unpacked_segments
 
     rows, length = case
     model.weights = jax.device_put(initial, jax.tree.map(lambda a: a.sharding, model.weights))
     optimizer = steps.make_optimizer(cfg.train)
     started, before = time.perf_counter(), dict(COMPILING)
-    chosen = fit.choose(model, optimizer, cfg.train.model_copy(update={"batch_size": rows, "grad_accumulation": 1}),
-                        lambda run: (run.batch_size, length, 0))
-    results.add(event="fit", case=case_name(rows, length), side=side, fit_seconds=time.perf_counter() - started,
-                compiling={k: v - before.get(k, 0) for k, v in COMPILING.items() if v != before.get(k, 0)},
-                **chosen.record())
+    chosen = fit.choose(
+        model,
+        optimizer,
+        cfg.train.model_copy(update={"batch_size": rows, "grad_accumulation": 1}),
+        lambda run: (run.batch_size, length, 0),
+    )
+    results.add(
+        event="fit",
+        case=case_name(rows, length),
+        side=side,
+        fit_seconds=time.perf_counter() - started,
+        compiling={k: v - before.get(k, 0) for k, v in COMPILING.items() if v != before.get(k, 0)},
+        **chosen.record(),
+    )
     log(f"{side} {case_name(rows, length)}: {chosen.describe(cfg.train.model_copy(update={'batch_size': rows}))}")
     split = chosen.split
     train_step = steps.make_train_step(model, optimizer, remat=chosen.remat, chunk_tokens=chosen.chunk_tokens)
@@ -106,28 +127,40 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     vocab = model.config.vocab_size
     feed = []
     profiled = PROFILE_STEPS if settings.profile else 0
-    for i in range(1 + settings.warmups + settings.steps + profiled):  # on the device before timing, as the other side's
+    for i in range(
+        1 + settings.warmups + settings.steps + profiled
+    ):  # on the device before timing, as the other side's
         batch = train_batch(settings, vocab, rows, length, i)
         batch = {**batch, **unpacked_segments(batch["attention_mask"])}
-        feed.append(model.placement.shard_micro_batches(
-            {k: np.asarray(v, np.int32).reshape(split, rows // split, length) for k, v in batch.items()}))
+        feed.append(
+            model.placement.shard_micro_batches(
+                {k: np.asarray(v, np.int32).reshape(split, rows // split, length) for k, v in batch.items()}
+            )
+        )
 
     def step(i: int):
         batch = dict(feed[i])
         labels = batch.pop("labels")
-        loss, state["weights"], state["opt"] = train_step(state["weights"], model.buffers, state["opt"], batch, labels,
-                                                          steps.step_key(cfg.train.seed, i), schedule(i))
+        loss, state["weights"], state["opt"] = train_step(
+            state["weights"], model.buffers, state["opt"], batch, labels, steps.step_key(cfg.train.seed, i), schedule(i)
+        )
         jax.block_until_ready((loss, state["weights"], state["opt"]))
         return float(loss) if i == 0 else None
 
     def plan() -> dict:
-        return {"plan_peak_bytes": chosen.plan["peak"], "plan_code_bytes": chosen.plan["code"], "remat": chosen.remat,
-                "loss_chunk_tokens": chosen.chunk_tokens, "split": split}
+        return {
+            "plan_peak_bytes": chosen.plan["peak"],
+            "plan_code_bytes": chosen.plan["code"],
+            "remat": chosen.remat,
+            "loss_chunk_tokens": chosen.chunk_tokens,
+            "split": split,
+        }
 
     def profile(first: int) -> dict:
         # The program fit.choose compiled for these shapes: JAX still holds it, so this compiles nothing.
-        compiled = steps.compiled_train_step(model, optimizer, split, rows // split, length, chosen.remat,
-                                             chunk_tokens=chosen.chunk_tokens)
+        compiled = steps.compiled_train_step(
+            model, optimizer, split, rows // split, length, chosen.remat, chunk_tokens=chosen.chunk_tokens
+        )
         folder = Path(settings.profile) / f"{side}-{case_name(rows, length)}"
         found = profile_steps(step, first, folder, compiled.as_text())
         log(f"{side} {case_name(rows, length)}: profiled {PROFILE_STEPS} steps into {folder}")
@@ -159,8 +192,13 @@ def device_info() -> dict:
     import jax
 
     device = jax.devices()[0]
-    return {"platform": device.platform, "device_kind": device.device_kind, "devices": jax.device_count(),
-            "jax": jax.__version__, "hbm_bandwidth": hbm_bandwidth(device)}
+    return {
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "hbm_bandwidth": hbm_bandwidth(device),
+    }
 
 
 def hbm_bandwidth(device) -> float | None:
@@ -220,14 +258,29 @@ def run_decode(settings: Settings, folder: Path, results: Results) -> None:
         return tokens, seconds[0], seconds[1:]
 
     for count in (settings.prompts, *settings.decode_batches):
-        tokens, first, times = timed(batch if count == settings.prompts else
-                                     prompts(settings, model.config.vocab_size, count).tolist())
+        tokens, first, times = timed(
+            batch if count == settings.prompts else prompts(settings, model.config.vocab_size, count).tolist()
+        )
         seconds = statistics.median(times)
         new = count * settings.new_tokens
         if count == settings.prompts:  # the batch compared with `generate`
             results.add(event="decode", side="jaxtune", first_call_seconds=first, tokens=tokens)
-            results.add(event="decode", side="jaxtune", seconds=seconds, times=times, new_tokens_per_second=new / seconds,
-                        weight_bytes=weight_bytes, **jax_memory(model.placement.mesh.devices.flat[0]))
-        results.add(event="decode_batch", side="jaxtune", prompts=count, first_call_seconds=first, seconds=seconds,
-                    new_tokens_per_second=new / seconds, weight_bytes=weight_bytes)
+            results.add(
+                event="decode",
+                side="jaxtune",
+                seconds=seconds,
+                times=times,
+                new_tokens_per_second=new / seconds,
+                weight_bytes=weight_bytes,
+                **jax_memory(model.placement.mesh.devices.flat[0]),
+            )
+        results.add(
+            event="decode_batch",
+            side="jaxtune",
+            prompts=count,
+            first_call_seconds=first,
+            seconds=seconds,
+            new_tokens_per_second=new / seconds,
+            weight_bytes=weight_bytes,
+        )
         log(f"jaxtune decode, {count} prompts: {new / seconds:,.0f} new tokens/s (first call {first:.1f} s)")

@@ -12,19 +12,34 @@ from benchmarks.accelerator.shared import Results, Settings, case_name, jaxtune_
 from benchmarks.analysis import profile_breakdown
 from benchmarks.common.harness import fmt, machine_info
 
-SIDES = {"jaxtune-lora": "lora", "jaxtune-full": "full", "torch-eager": "lora", "torch-compile": "lora", "tunix": "lora"}
-PART_OF = {"jaxtune-lora": "jaxtune", "jaxtune-full": "jaxtune", "torch-eager": "torch-eager", "torch-compile": "torch-compile",
-           "tunix": "tunix"}
+SIDES = {
+    "jaxtune-lora": "lora",
+    "jaxtune-full": "full",
+    "torch-eager": "lora",
+    "torch-compile": "lora",
+    "tunix": "lora",
+}
+PART_OF = {
+    "jaxtune-lora": "jaxtune",
+    "jaxtune-full": "jaxtune",
+    "torch-eager": "torch-eager",
+    "torch-compile": "torch-compile",
+    "tunix": "tunix",
+}
 BASELINES = ("torch-eager", "torch-compile", "tunix")  # each compared with jaxtune-lora, case by case
 COLUMNS = ("jaxtune", "PyTorch eager", "torch.compile", "Tunix")
 # The column a PyTorch-on-TPU side would fill, and why it is not there.
-TORCH_XLA = ("PyTorch/XLA: not measured. torch_xla cannot be installed on the TPU machine: it has no network, and its "
-             "package index holds no torch_xla wheel (none for its Python 3.11 with its torch and libtpu).")
+TORCH_XLA = (
+    "PyTorch/XLA: not measured. torch_xla cannot be installed on the TPU machine: it has no network, and its "
+    "package index holds no torch_xla wheel (none for its Python 3.11 with its torch and libtpu)."
+)
 GiB = 2**30
 # What Tunix's LoRA step does otherwise than jaxtune's (tunix_side.py's docstring says why).
-TUNIX_DIFFERS = ("what differs: no rematerialisation (Tunix's default), its einsum attention over a (rows, length, length) "
-                 "mask, the loss over all logits at once (jaxtune's is chunked), one qwix LoRA A shared by Gemma's fused "
-                 "k and v projections, LoRA weights and AdamW state in the weights' dtype (jaxtune's: float32), and no llama3 RoPE scaling in its Llama 3.")
+TUNIX_DIFFERS = (
+    "what differs: no rematerialisation (Tunix's default), its einsum attention over a (rows, length, length) "
+    "mask, the loss over all logits at once (jaxtune's is chunked), one qwix LoRA A shared by Gemma's fused "
+    "k and v projections, LoRA weights and AdamW state in the weights' dtype (jaxtune's: float32), and no llama3 RoPE scaling in its Llama 3."
+)
 
 
 def gather(work: Path, parts: dict) -> list[dict]:
@@ -45,8 +60,9 @@ def flops_per_token(lines: list[dict]) -> dict:
     return out
 
 
-def side_figures(lines: list[dict], side: str, case: str, per_token: float | None, peak: float | None,
-                 matmul: float | None) -> dict:
+def side_figures(
+    lines: list[dict], side: str, case: str, per_token: float | None, peak: float | None, matmul: float | None
+) -> dict:
     """One side's figures for one case, its lines merged; MFU = tokens/s x FLOPs per token / peak FLOP/s."""
     merged: dict = {}
     for line in lines:
@@ -110,7 +126,12 @@ def comparisons(sides: dict) -> dict:
 
 def decode_results(lines: list[dict], parts: dict) -> dict:
     def merged(side: str, part: str) -> dict:
-        found = {k: v for line in lines if line.get("event") == "decode" and line.get("side") == side for k, v in line.items()}
+        found = {
+            k: v
+            for line in lines
+            if line.get("event") == "decode" and line.get("side") == side
+            for k, v in line.items()
+        }
         found.pop("part", None)
         return found or {"missing": f"not measured: {part} {parts.get(part, {}).get('status', 'not run')}"}
 
@@ -126,31 +147,49 @@ def decode_results(lines: list[dict], parts: dict) -> dict:
     return out
 
 
-def build_report(settings: Settings, weights: dict, parts: dict, work: Path, date: str, seconds: float, minutes: float) -> dict:
+def build_report(
+    settings: Settings, weights: dict, parts: dict, work: Path, date: str, seconds: float, minutes: float
+) -> dict:
     lines = gather(work, parts)
     device = first_event(lines, "device", "jaxtune") or {}
     torch_device = first_event(lines, "device", "torch-eager") or first_event(lines, "device", "torch-compile") or {}
     peak = device.get("peak", {}).get("peak_flops")
     matmul = first_event(lines, "matmul") or {}
     return {
-        "date": date, "seconds": round(seconds, 1), "time_limit_minutes": minutes, "tiny": settings.tiny,
-        "model": settings.model, "parameters": weights["parameters"], "vocab_size": weights["vocab_size"],
-        "settings": {**settings.__dict__, "weights": f"random {settings.dtype}, torch.manual_seed({settings.seed}), "
-                                                      "AutoModelForCausalLM.from_config"},
-        "machine": {**machine_info(), "jax_device": device, "torch_device": torch_device,
-                    "tunix_device": first_event(lines, "device", "tunix") or {}},
-        "peak": device.get("peak"), "measured_matmul": matmul or None,
+        "date": date,
+        "seconds": round(seconds, 1),
+        "time_limit_minutes": minutes,
+        "tiny": settings.tiny,
+        "model": settings.model,
+        "parameters": weights["parameters"],
+        "vocab_size": weights["vocab_size"],
+        "settings": {
+            **settings.__dict__,
+            "weights": f"random {settings.dtype}, torch.manual_seed({settings.seed}), AutoModelForCausalLM.from_config",
+        },
+        "machine": {
+            **machine_info(),
+            "jax_device": device,
+            "torch_device": torch_device,
+            "tunix_device": first_event(lines, "device", "tunix") or {},
+        },
+        "peak": device.get("peak"),
+        "measured_matmul": matmul or None,
         "mfu_derivation": "tokens/s x flops.train_flops_per_token (attention over half the row) / peak FLOP/s of one device",
         "parts": parts,
         "train": train_results(settings, lines, parts, peak, matmul.get("flops_per_second")),
         "decode": decode_results(lines, parts),
-        **({"grpo": grpo_results(settings, lines, parts, device.get("hbm_bandwidth"))}
-           if "grpo" in settings.sections else {}),
+        **(
+            {"grpo": grpo_results(settings, lines, parts, device.get("hbm_bandwidth"))}
+            if "grpo" in settings.sections
+            else {}
+        ),
     }
 
 
-def write_report(stem: Path, settings: Settings, weights: dict, parts: dict, work: Path, date: str, seconds: float,
-                 minutes: float) -> str:
+def write_report(
+    stem: Path, settings: Settings, weights: dict, parts: dict, work: Path, date: str, seconds: float, minutes: float
+) -> str:
     report = build_report(settings, weights, parts, work, date, seconds, minutes)
     md = markdown(report)
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -171,8 +210,12 @@ def percent(x) -> str:
 def throughput(fig: dict, ours: dict | None = None) -> str:
     if "tokens_per_second" not in fig:
         ran = fig.get("first_step_seconds") is not None  # a case cut during its timed steps still ran its first
-        return (f"first step ran in {first_step(fig)}, loss {fmt(fig.get('step0_loss'))}"
-                f"{'; ' + chosen(fig) if chosen(fig) else ''}; then " if ran else "") + fig.get("missing", "")
+        return (
+            f"first step ran in {first_step(fig)}, loss {fmt(fig.get('step0_loss'))}"
+            f"{'; ' + chosen(fig) if chosen(fig) else ''}; then "
+            if ran
+            else ""
+        ) + fig.get("missing", "")
     text = f"{fig['tokens_per_second']:,.0f} ({fig['step_seconds'] * 1e3:,.1f} ms"
     text += f", MFU {percent(fig.get('mfu'))}, {percent(fig.get('mfu_vs_matmul'))} of the matmul)"
     if ours and ours.get("tokens_per_second"):
@@ -208,11 +251,13 @@ def train_rows(report: dict) -> list[str]:
         sides = result["sides"]
         ours = sides.get("jaxtune-lora", {})
         cells = lambda f: [f(sides.get(s, {})) for s in ("jaxtune-lora", *BASELINES)]  # noqa: E731
-        rows.append(f"| LoRA {case}: tokens/s | {throughput(ours)} | "
-                    + " | ".join(throughput(sides.get(s, {}), ours) for s in BASELINES) + " |")
+        rows.append(
+            f"| LoRA {case}: tokens/s | {throughput(ours)} | "
+            + " | ".join(throughput(sides.get(s, {}), ours) for s in BASELINES)
+            + " |"
+        )
         rows.append(f"| LoRA {case}: peak memory | " + " | ".join(cells(memory)) + " |")
-        rows.append(f"| LoRA {case}: first step (trace + compile + run) | "
-                    + " | ".join(cells(first_step)) + " |")
+        rows.append(f"| LoRA {case}: first step (trace + compile + run) | " + " | ".join(cells(first_step)) + " |")
         losses = [fmt(sides.get(s, {}).get("step0_loss")) for s in ("jaxtune-lora", *BASELINES)]
         for i, side in enumerate(BASELINES, start=1):
             diff = result["step0_loss_rel_diff"].get(side)
@@ -232,12 +277,22 @@ def first_step(fig: dict) -> str:
         return ""
     fit = fig.get("fit_seconds") or 0.0
     parts = fig.get("compiling") or {}
-    named = {"trace": "trace_seconds", "lower": "lower_seconds", "compile": "compile_seconds", "cache read": "cache_read_seconds"}
+    named = {
+        "trace": "trace_seconds",
+        "lower": "lower_seconds",
+        "compile": "compile_seconds",
+        "cache read": "cache_read_seconds",
+    }
     spent = ", ".join(f"{name} {fmt_seconds(parts[key])}" for name, key in named.items() if parts.get(key))
-    hits = f", {parts.get('cache_hits', 0):.0f} cache hits of {parts.get('cache_hits', 0) + parts.get('cache_misses', 0):.0f}" \
-        if "cache_hits" in parts or "cache_misses" in parts else ""
+    hits = (
+        f", {parts.get('cache_hits', 0):.0f} cache hits of {parts.get('cache_hits', 0) + parts.get('cache_misses', 0):.0f}"
+        if "cache_hits" in parts or "cache_misses" in parts
+        else ""
+    )
     within = f": {spent}{hits}" if spent or hits else ""
-    return fmt_seconds(fig["first_step_seconds"] + fit) + (f" (of which choosing {fmt_seconds(fit)}{within})" if fit > 1 else "")
+    return fmt_seconds(fig["first_step_seconds"] + fit) + (
+        f" (of which choosing {fmt_seconds(fit)}{within})" if fit > 1 else ""
+    )
 
 
 def chosen(fig: dict) -> str:
@@ -255,8 +310,11 @@ def remat_rows(report: dict) -> list[str]:
     if not fixed:
         return []
     auto_column = ["auto (chosen)"] if asked_auto(report) else []
-    rows = ["", "| case | " + " | ".join(auto_column + [f"remat {r}" for r in fixed]) + " |",
-            "|---|" + "---|" * (len(auto_column) + len(fixed))]
+    rows = [
+        "",
+        "| case | " + " | ".join(auto_column + [f"remat {r}" for r in fixed]) + " |",
+        "|---|" + "---|" * (len(auto_column) + len(fixed)),
+    ]
     for case, result in report["train"].items():
         for method in (m for m in ("lora", "full") if m in sections(report)):
             sides = result["sides"]
@@ -264,8 +322,11 @@ def remat_rows(report: dict) -> list[str]:
             cells = [f"{throughput(auto)}; {chosen(auto)}; {memory(auto)}".strip("; ")] if auto_column else []
             for remat in fixed:
                 fig = sides.get(jaxtune_side(method, remat), {})
-                cells.append(f"{throughput(fig)}; {chosen(fig)}; {memory(fig)}".strip("; ") if "tokens_per_second" in fig
-                             else throughput(fig))
+                cells.append(
+                    f"{throughput(fig)}; {chosen(fig)}; {memory(fig)}".strip("; ")
+                    if "tokens_per_second" in fig
+                    else throughput(fig)
+                )
             rows.append(f"| {method} {case} | " + " | ".join(cells) + " |")
     return rows
 
@@ -277,7 +338,10 @@ def fmt_seconds(x) -> str:
 def decode_row(report: dict) -> str:
     d, s = report["decode"], report["settings"]
     ours, theirs = d["jaxtune"], d["torch_generate"]
-    left = ours.get("missing") or f"{ours['new_tokens_per_second']:,.0f} new tokens/s (first call {ours['first_call_seconds']:.1f} s)"
+    left = (
+        ours.get("missing")
+        or f"{ours['new_tokens_per_second']:,.0f} new tokens/s (first call {ours['first_call_seconds']:.1f} s)"
+    )
     right = theirs.get("missing") or f"`generate`: {theirs['new_tokens_per_second']:,.0f}"
     if "jaxtune_vs_generate" in d:
         right += f" (jaxtune {d['jaxtune_vs_generate']:.2f}x)"
@@ -292,27 +356,48 @@ def decode_batch_rows(report: dict) -> list[str]:
     if not batches:
         return []
     bandwidth = (report["machine"].get("jax_device") or {}).get("hbm_bandwidth")
-    rows = ["", "| greedy decode (jaxtune) | new tokens/s | of the weight-read bound | first call |", "|---|---|---|---|"]
+    rows = [
+        "",
+        "| greedy decode (jaxtune) | new tokens/s | of the weight-read bound | first call |",
+        "|---|---|---|---|",
+    ]
     for b in batches:
         bound = b["prompts"] * bandwidth / b["weight_bytes"] if bandwidth and b.get("weight_bytes") else None
-        share = f"{b['new_tokens_per_second'] / bound:.1%} of {bound:,.0f}" if bound else "- (no bandwidth known for the device)"
-        rows.append(f"| {b['prompts']} prompts x {report['settings']['new_tokens']} new tokens | "
-                    f"{b['new_tokens_per_second']:,.0f} | {share} | {fmt_seconds(b['first_call_seconds'])} |")
-    rows += ["", "The weight-read bound: prompts x the device's memory bandwidth / the bytes of the model's weights, "
-                 "which each decoding step reads at least once (the KV cache's reads not counted)."]
+        share = (
+            f"{b['new_tokens_per_second'] / bound:.1%} of {bound:,.0f}"
+            if bound
+            else "- (no bandwidth known for the device)"
+        )
+        rows.append(
+            f"| {b['prompts']} prompts x {report['settings']['new_tokens']} new tokens | "
+            f"{b['new_tokens_per_second']:,.0f} | {share} | {fmt_seconds(b['first_call_seconds'])} |"
+        )
+    rows += [
+        "",
+        "The weight-read bound: prompts x the device's memory bandwidth / the bytes of the model's weights, "
+        "which each decoding step reads at least once (the KV cache's reads not counted).",
+    ]
     return rows
 
 
 def profile_sections(report: dict) -> list[str]:
     """Where a step's device time went, per jaxtune side and case the run profiled (--profile)."""
-    profiled = [(case, side, fig) for case, result in report["train"].items() for side, fig in result["sides"].items()
-                if fig.get("profile")]
+    profiled = [
+        (case, side, fig)
+        for case, result in report["train"].items()
+        for side, fig in result["sides"].items()
+        if fig.get("profile")
+    ]
     if not profiled:
         return []
-    rows = ["", "## Step breakdown: where a step's device time goes (jax.profiler, after the timed steps)", "",
-            f"Each case's trace (jax.profiler's .xplane.pb, which XProf reads, and .trace.json.gz, the events read here) "
-            f"and its program's optimized HLO are in SIDE-CASE/ under {report['settings'].get('profile')}; "
-            "`python -m benchmarks.analysis.profile_breakdown FOLDER` breaks one down again."]
+    rows = [
+        "",
+        "## Step breakdown: where a step's device time goes (jax.profiler, after the timed steps)",
+        "",
+        f"Each case's trace (jax.profiler's .xplane.pb, which XProf reads, and .trace.json.gz, the events read here) "
+        f"and its program's optimized HLO are in SIDE-CASE/ under {report['settings'].get('profile')}; "
+        "`python -m benchmarks.analysis.profile_breakdown FOLDER` breaks one down again.",
+    ]
     for case, side, fig in profiled:
         found = fig["profile"]
         timed = f": the timed steps' median {fig['step_seconds'] * 1e3:,.3f} ms" if fig.get("step_seconds") else ""
@@ -320,8 +405,11 @@ def profile_sections(report: dict) -> list[str]:
         if "error" in found:
             rows.append(f"Not profiled: {found['error']}")
             continue
-        rows += [profile_breakdown.markdown(found).rstrip(), "",
-                 matmul_summary(found, fig, (report["measured_matmul"] or {}).get("flops_per_second"))]
+        rows += [
+            profile_breakdown.markdown(found).rstrip(),
+            "",
+            matmul_summary(found, fig, (report["measured_matmul"] or {}).get("flops_per_second")),
+        ]
     return rows
 
 
@@ -337,11 +425,15 @@ def matmul_summary(found: dict, fig: dict, peak: float | None) -> str:
             at_peak = found["step_seconds"] - row["seconds"] + row["flops"] / peak
             text += f", {rate / peak:.0%} of the measured matmul's {peak / 1e12:,.3g}"
             if fig.get("mfu"):
-                text += (f"; at that rate the step would take {at_peak * 1e3:,.3f} ms, MFU "
-                         f"{fig['mfu'] * found['step_seconds'] / at_peak:.1%} (now {fig['mfu']:.1%})")
+                text += (
+                    f"; at that rate the step would take {at_peak * 1e3:,.3f} ms, MFU "
+                    f"{fig['mfu'] * found['step_seconds'] / at_peak:.1%} (now {fig['mfu']:.1%})"
+                )
     if found.get("program_flops"):
-        text += (f". XLA's cost analysis counts {found['program_flops'] / 1e12:,.4g} TFLOP in a step, the matmul ops "
-                 f"{row['flops'] / found['program_flops']:.0%} of it")
+        text += (
+            f". XLA's cost analysis counts {found['program_flops'] / 1e12:,.4g} TFLOP in a step, the matmul ops "
+            f"{row['flops'] / found['program_flops']:.0%} of it"
+        )
     return text + "."
 
 
@@ -354,9 +446,11 @@ def grpo_rows(report: dict) -> list[str]:
 def grpo_step(fig: dict) -> str:
     if "missing" in fig:
         return (f"first step ran in {first_step(fig)}; then " if fig.get("first_step_seconds") else "") + fig["missing"]
-    return (f"{fmt_seconds(fig['step_seconds'])}: sampling {fig['sampling_tokens_per_second']:,.0f} tokens/s "
-            f"({percent(fig['sample_share'])}), update {fig['update_tokens_per_second']:,.0f} tokens/s "
-            f"({percent(fig['update_share'])}), the rest {percent(fig['rest_share'])}")
+    return (
+        f"{fmt_seconds(fig['step_seconds'])}: sampling {fig['sampling_tokens_per_second']:,.0f} tokens/s "
+        f"({percent(fig['sample_share'])}), update {fig['update_tokens_per_second']:,.0f} tokens/s "
+        f"({percent(fig['update_share'])}), the rest {percent(fig['rest_share'])}"
+    )
 
 
 def grpo_section(report: dict) -> list[str]:
@@ -364,34 +458,49 @@ def grpo_section(report: dict) -> list[str]:
     results, s = report.get("grpo") or {}, report["settings"]
     if not results:
         return []
-    rows = ["", "## A GRPO step (jaxtune)", "",
-            f"`rollouts.train_grpo` on the LoRA recipe. A case PxGxN samples G answers of N new tokens to each of P "
-            f"prompts of {s['grpo_prompt_length']} random tokens (temperature 1, no KL term, one optimizer step per "
-            "sampled batch), then takes one optimizer step on the P x G answers (train.remat auto). The end token is an "
-            "id past the vocabulary: no answer ends early, every one runs all N tokens, the worst case for sampling. "
-            f"Figures over the timed steps after the first (which compiles) and {s['warmups']} warm-up(s): sampling "
-            "tokens/s = the answers' tokens / sampling's seconds (its prefill and the answers' fetch included); update "
-            "tokens/s = the rows' real tokens (prompt and answer) / the update's seconds; the rest: the step's other "
-            "seconds (scoring, building and placing the rows, reading the loss; no reference or old-policy pass here).",
-            "", "| case | a step | sampling | update | the rest | first step | memory plan | "
-                "sampling, of the weight-read bound |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "",
+        "## A GRPO step (jaxtune)",
+        "",
+        f"`rollouts.train_grpo` on the LoRA recipe. A case PxGxN samples G answers of N new tokens to each of P "
+        f"prompts of {s['grpo_prompt_length']} random tokens (temperature 1, no KL term, one optimizer step per "
+        "sampled batch), then takes one optimizer step on the P x G answers (train.remat auto). The end token is an "
+        "id past the vocabulary: no answer ends early, every one runs all N tokens, the worst case for sampling. "
+        f"Figures over the timed steps after the first (which compiles) and {s['warmups']} warm-up(s): sampling "
+        "tokens/s = the answers' tokens / sampling's seconds (its prefill and the answers' fetch included); update "
+        "tokens/s = the rows' real tokens (prompt and answer) / the update's seconds; the rest: the step's other "
+        "seconds (scoring, building and placing the rows, reading the loss; no reference or old-policy pass here).",
+        "",
+        "| case | a step | sampling | update | the rest | first step | memory plan | "
+        "sampling, of the weight-read bound |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for case, fig in results.items():
         if "missing" in fig:
             rows.append(f"| {case} | {grpo_step(fig)} | | | | {first_step(fig)} | {chosen(fig)} | |")
             continue
         cut = f" ({fig['timed_steps']} of {s['steps']} timed steps)" if fig["timed_steps"] < s["steps"] else ""
-        bound = (f"{fig['sampling_of_bound']:.1%} of {fig['weight_read_bound']:,.0f}" if fig.get("weight_read_bound")
-                 else "- (no bandwidth known for the device)")
-        rows.append(f"| {case} | {fmt_seconds(fig['step_seconds'])}{cut} | {fig['sampled_tokens']:,.0f} tokens in "
-                    f"{fmt_seconds(fig['sample_seconds'])}: {fig['sampling_tokens_per_second']:,.0f} tokens/s "
-                    f"({percent(fig['sample_share'])}) | {fig['update_tokens']:,.0f} tokens in "
-                    f"{fmt_seconds(fig['update_seconds'])}: {fig['update_tokens_per_second']:,.0f} tokens/s "
-                    f"({percent(fig['update_share'])}) | {percent(fig['rest_share'])} | {first_step(fig)}; in the step, "
-                    f"sampling {fmt_seconds(fig['first_sample_seconds'])}, update {fmt_seconds(fig['first_update_seconds'])} | "
-                    f"{chosen(fig)}; {memory(fig)} | {bound} |")
-    rows += ["", "The weight-read bound: answers x the device's memory bandwidth / the bytes of the model's weights, "
-                 "which each decoding step reads at least once (the KV cache's reads not counted). The memory plans "
-                 "as the loop logged them:", ""]
+        bound = (
+            f"{fig['sampling_of_bound']:.1%} of {fig['weight_read_bound']:,.0f}"
+            if fig.get("weight_read_bound")
+            else "- (no bandwidth known for the device)"
+        )
+        rows.append(
+            f"| {case} | {fmt_seconds(fig['step_seconds'])}{cut} | {fig['sampled_tokens']:,.0f} tokens in "
+            f"{fmt_seconds(fig['sample_seconds'])}: {fig['sampling_tokens_per_second']:,.0f} tokens/s "
+            f"({percent(fig['sample_share'])}) | {fig['update_tokens']:,.0f} tokens in "
+            f"{fmt_seconds(fig['update_seconds'])}: {fig['update_tokens_per_second']:,.0f} tokens/s "
+            f"({percent(fig['update_share'])}) | {percent(fig['rest_share'])} | {first_step(fig)}; in the step, "
+            f"sampling {fmt_seconds(fig['first_sample_seconds'])}, update {fmt_seconds(fig['first_update_seconds'])} | "
+            f"{chosen(fig)}; {memory(fig)} | {bound} |"
+        )
+    rows += [
+        "",
+        "The weight-read bound: answers x the device's memory bandwidth / the bytes of the model's weights, "
+        "which each decoding step reads at least once (the KV cache's reads not counted). The memory plans "
+        "as the loop logged them:",
+        "",
+    ]
     rows += [f"- {case}: {fig['message']}" for case, fig in results.items() if fig.get("message")]
     return rows
 
@@ -400,8 +509,15 @@ def tunix_versions(machine: dict) -> str:
     """Tunix's packages, where its side ran (reports from before it had one have no such entry)."""
     found = machine.get("tunix_device") or {}
     names = ("google-tunix", "qwix", "flax", "jax", "safetensors")
-    return (" Tunix's side: " + ", ".join(f"{n} {found[n]}" for n in names if n in found)
-            + f", from its own site folder; {TUNIX_DIFFERS}") if found else ""
+    return (
+        (
+            " Tunix's side: "
+            + ", ".join(f"{n} {found[n]}" for n in names if n in found)
+            + f", from its own site folder; {TUNIX_DIFFERS}"
+        )
+        if found
+        else ""
+    )
 
 
 def markdown(report: dict) -> str:
@@ -410,26 +526,42 @@ def markdown(report: dict) -> str:
     peak, matmul = report["peak"] or {}, report["measured_matmul"] or {}
     versions = m["versions"]
     header = [
-        f"# jaxtune on {device}: {report['model']}{' (TINY: a toy model of its family)' if report['tiny'] else ''} ({report['date']})", "",
+        f"# jaxtune on {device}: {report['model']}{' (TINY: a toy model of its family)' if report['tiny'] else ''} ({report['date']})",
+        "",
         f"{report['parameters']:,} parameters, {s['weights']}, the same on every side; random tokens, "
         f"{s['steps']} timed synchronised steps (median) after {s['warmups']} warm-ups. jax {versions.get('jax')}, "
         f"torch {versions.get('torch')}, transformers {versions.get('transformers')}, torchax {versions.get('torchax')}; "
         f"torch.compile backend {s['compile_backend']}.{tunix_versions(m)}"
-        + (f" jaxtune's recipes with {', '.join(s['overrides'])}." if s.get("overrides") else ""), "",
+        + (f" jaxtune's recipes with {', '.join(s['overrides'])}." if s.get("overrides") else ""),
+        "",
         f"MFU: {report['mfu_derivation']}; peak {peak.get('derivation', 'unknown')}. Measured matmul: "
-        + (f"{matmul['n']}^3 {matmul['dtype']} at {matmul['flops_per_second'] / 1e12:,.3g} TFLOP/s." if matmul else "not measured."),
+        + (
+            f"{matmul['n']}^3 {matmul['dtype']} at {matmul['flops_per_second'] / 1e12:,.3g} TFLOP/s."
+            if matmul
+            else "not measured."
+        ),
         "",
     ]
-    sources = {side: fig.get("memory_source") for result in report["train"].values() for side, fig in result["sides"].items()}
+    sources = {
+        side: fig.get("memory_source") for result in report["train"].values() for side, fig in result["sides"].items()
+    }
     measured = "; ".join(f"{side}: {source}" for side, source in sources.items() if source)
-    notes = ["Peak memory: jaxtune's and Tunix's are XLA's memory plan of the step (arguments + outputs + temporaries - "
-             "donated), then in parentheses the process's measured peak so far (its cases run one after another, its "
-             "weights' loading included)"
-             + (f"; {measured}." if measured else ".")]
+    notes = [
+        "Peak memory: jaxtune's and Tunix's are XLA's memory plan of the step (arguments + outputs + temporaries - "
+        "donated), then in parentheses the process's measured peak so far (its cases run one after another, its "
+        "weights' loading included)" + (f"; {measured}." if measured else ".")
+    ]
     parts = ["", *notes, "", TORCH_XLA, "", "| part | status | seconds | limit |", "|---|---|---|---|"]
-    parts += [f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |" for name, p in report["parts"].items()]
+    parts += [
+        f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['limit_seconds']:.0f} |"
+        for name, p in report["parts"].items()
+    ]
     rows = train_rows(report) + ([decode_row(report)] if "decode" in sections(report) else []) + grpo_rows(report)
     table = ["| case | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS), *rows] if rows else []
     batches = decode_batch_rows(report) if "decode" in sections(report) else []
-    return "\n".join(header + table + batches + grpo_section(report) + remat_rows(report) + profile_sections(report)
-                     + parts) + "\n"
+    return (
+        "\n".join(
+            header + table + batches + grpo_section(report) + remat_rows(report) + profile_sections(report) + parts
+        )
+        + "\n"
+    )

@@ -15,11 +15,21 @@ import numpy as np
 from benchmarks.common.harness import ROOT
 
 CONFIGS = ROOT / "benchmarks" / "configs"  # config.json of each published shape; no weights, no tokenizer
-RECIPES = {"lora": ROOT / "configs" / "gemma3-1b-dolly-lora.yaml", "full": ROOT / "configs" / "gemma3-1b-dolly-full-adafactor.yaml"}
+RECIPES = {
+    "lora": ROOT / "configs" / "gemma3-1b-dolly-lora.yaml",
+    "full": ROOT / "configs" / "gemma3-1b-dolly-full-adafactor.yaml",
+}
 DEFAULT_MODEL = "gemma-3-1b"
 # --tiny: a few layers of the chosen family at toy sizes, so every part runs on a CPU in seconds.
-TINY_SIZES = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+TINY_SIZES = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+}
 TINY_WINDOW = 16  # shorter than the tiny cases' rows, so sliding-window layers mask something
 
 
@@ -41,18 +51,33 @@ class Settings:
     compile_backend: str  # torch.compile's backend
     seed: int = 0
     remats: tuple[str, ...] = ("auto",)  # train.remat settings jaxtune's train cases run with, side by side
-    sections: tuple[str, ...] = ("lora", "full", "decode")  # jaxtune's sections that run, in this order (grpo: asked for)
+    sections: tuple[str, ...] = (
+        "lora",
+        "full",
+        "decode",
+    )  # jaxtune's sections that run, in this order (grpo: asked for)
     decode_batches: tuple[int, ...] = ()  # jaxtune's greedy decoding again at these batches (prompts), after `prompts`
-    overrides: tuple[str, ...] = ()  # KEY=VALUE settings of the recipes jaxtune's side runs, as `jaxtune run --set` takes them
-    profile: str = ""  # the folder jaxtune's train cases are profiled into after their timed steps (--profile); "": none
+    overrides: tuple[
+        str, ...
+    ] = ()  # KEY=VALUE settings of the recipes jaxtune's side runs, as `jaxtune run --set` takes them
+    profile: str = (
+        ""  # the folder jaxtune's train cases are profiled into after their timed steps (--profile); "": none
+    )
     grpo_cases: tuple[tuple[int, int, int], ...] = ((8, 8, 256),)  # (prompts, generations, new tokens) of a GRPO step
     grpo_prompt_length: int = 128  # tokens of every GRPO prompt (random ids, no padding)
 
     @classmethod
-    def make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None = None,
-             remats: tuple[str, ...] = ("auto",), sections: tuple[str, ...] | None = None,
-             overrides: tuple[str, ...] = (), profile: str = "",
-             grpo_cases: tuple[tuple[int, int, int], ...] | None = None) -> "Settings":
+    def make(
+        cls,
+        model: str,
+        tiny: bool,
+        cases: tuple[tuple[int, int], ...] | None = None,
+        remats: tuple[str, ...] = ("auto",),
+        sections: tuple[str, ...] | None = None,
+        overrides: tuple[str, ...] = (),
+        profile: str = "",
+        grpo_cases: tuple[tuple[int, int, int], ...] | None = None,
+    ) -> "Settings":
         made = dataclasses.replace(cls._make(model, tiny, cases), remats=remats, overrides=overrides, profile=profile)
         made = dataclasses.replace(made, grpo_cases=grpo_cases) if grpo_cases else made
         return dataclasses.replace(made, sections=sections) if sections else made
@@ -60,13 +85,39 @@ class Settings:
     @classmethod
     def _make(cls, model: str, tiny: bool, cases: tuple[tuple[int, int], ...] | None) -> "Settings":
         if tiny:  # inductor needs 35-45 s a shape for the tiny model on 2 CPU cores; aot_eager 4 s
-            return cls(model, True, "float32", cases or ((8, 32), (8, 64)), steps=2, warmups=1, prompts=8,
-                       prompt_length=8, new_tokens=8, decode_repeats=1, matmul_n=256, compile_backend="aot_eager",
-                       decode_batches=(16,), sections=("lora", "full", "decode", "grpo"), grpo_cases=((2, 4, 8),),
-                       grpo_prompt_length=16)
-        return cls(model, False, "bfloat16", cases or ((8, 512), (8, 2048), (16, 512)), steps=10, warmups=2, prompts=8,
-                   prompt_length=64, new_tokens=64, decode_repeats=3, matmul_n=8192, compile_backend="inductor",
-                   decode_batches=(32, 64))
+            return cls(
+                model,
+                True,
+                "float32",
+                cases or ((8, 32), (8, 64)),
+                steps=2,
+                warmups=1,
+                prompts=8,
+                prompt_length=8,
+                new_tokens=8,
+                decode_repeats=1,
+                matmul_n=256,
+                compile_backend="aot_eager",
+                decode_batches=(16,),
+                sections=("lora", "full", "decode", "grpo"),
+                grpo_cases=((2, 4, 8),),
+                grpo_prompt_length=16,
+            )
+        return cls(
+            model,
+            False,
+            "bfloat16",
+            cases or ((8, 512), (8, 2048), (16, 512)),
+            steps=10,
+            warmups=2,
+            prompts=8,
+            prompt_length=64,
+            new_tokens=64,
+            decode_repeats=3,
+            matmul_n=8192,
+            compile_backend="inductor",
+            decode_batches=(32, 64),
+        )
 
     def save(self, work: Path) -> None:
         (work / "settings.json").write_text(json.dumps(dataclasses.asdict(self)))
@@ -74,11 +125,17 @@ class Settings:
     @classmethod
     def load(cls, work: Path) -> "Settings":
         raw = json.loads((work / "settings.json").read_text())
-        return cls(**{**raw, "cases": tuple(tuple(c) for c in raw["cases"]), "remats": tuple(raw.get("remats", ("auto",))),
-                      "sections": tuple(raw.get("sections", cls.sections)),
-                      "decode_batches": tuple(raw.get("decode_batches", ())),
-                      "grpo_cases": tuple(tuple(c) for c in raw.get("grpo_cases", cls.grpo_cases)),
-                      "overrides": tuple(raw.get("overrides", ()))})
+        return cls(
+            **{
+                **raw,
+                "cases": tuple(tuple(c) for c in raw["cases"]),
+                "remats": tuple(raw.get("remats", ("auto",))),
+                "sections": tuple(raw.get("sections", cls.sections)),
+                "decode_batches": tuple(raw.get("decode_batches", ())),
+                "grpo_cases": tuple(tuple(c) for c in raw.get("grpo_cases", cls.grpo_cases)),
+                "overrides": tuple(raw.get("overrides", ())),
+            }
+        )
 
 
 def case_name(*sizes: int) -> str:
@@ -117,8 +174,11 @@ def build_weights(settings: Settings, folder: Path) -> dict:
     torch.manual_seed(settings.seed)
     module = AutoModelForCausalLM.from_config(model_config(settings), dtype=getattr(torch, settings.dtype))
     module.save_pretrained(folder)
-    return {"parameters": sum(p.numel() for p in module.parameters()), "vocab_size": module.config.vocab_size,
-            "seconds": time.perf_counter() - start}
+    return {
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "vocab_size": module.config.vocab_size,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def train_batch(settings: Settings, vocab: int, rows: int, length: int, index: int) -> dict[str, np.ndarray]:
@@ -183,8 +243,9 @@ def measure_cases(results: Results, settings: Settings, side: str, prepare, dead
         gc.collect()
 
 
-def measure_case(results: Results, settings: Settings, side: str, case: tuple[int, int], step, memory,
-                 profile=None) -> None:
+def measure_case(
+    results: Results, settings: Settings, side: str, case: tuple[int, int], step, memory, profile=None
+) -> None:
     """Time one train case on one side: `step(i)` runs synchronously on batch i (returning the loss
     as a float at i = 0). The first step's time is trace + compile + run; then `warmups` untimed
     steps and the median of `steps` timed ones. `memory()` is the side's peak-memory reading;
@@ -205,7 +266,9 @@ def measure_case(results: Results, settings: Settings, side: str, case: tuple[in
     seconds, times = median_time(lambda: step(next(index)), settings.steps, settings.warmups)
     results.add(case=name, side=side, step_seconds=seconds, step_times=times, tokens_per_second=rows * length / seconds)
     log(f"{side} {name}: {seconds * 1e3:.1f} ms a step, {rows * length / seconds:,.0f} tokens/s")
-    results.add(case=name, side=side, **memory())  # a line of its own: a side cut while reading its plan keeps its times
+    results.add(
+        case=name, side=side, **memory()
+    )  # a line of its own: a side cut while reading its plan keeps its times
     if profile is not None:
         try:
             found = profile(1 + settings.warmups + settings.steps)
@@ -220,7 +283,10 @@ def jax_memory(device) -> dict:
     less than an earlier one shows the earlier peak), or the process's peak RSS where JAX keeps no count (CPU)."""
     stats = device.memory_stats()
     if stats and "peak_bytes_in_use" in stats:
-        return {"peak_bytes": int(stats["peak_bytes_in_use"]), "memory_source": "jax peak_bytes_in_use (process so far)"}
+        return {
+            "peak_bytes": int(stats["peak_bytes_in_use"]),
+            "memory_source": "jax peak_bytes_in_use (process so far)",
+        }
     return process_rss()
 
 
@@ -228,4 +294,7 @@ def process_rss() -> dict:
     """This process's peak resident memory: the memory figure on a CPU, where neither side counts its own."""
     import resource
 
-    return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "memory_source": "process peak RSS (CPU)"}
+    return {
+        "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "memory_source": "process peak RSS (CPU)",
+    }

@@ -23,8 +23,12 @@ def device_info() -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    return {"platform": "cuda" if cuda else "cpu", "device_kind": torch.cuda.get_device_name() if cuda else "cpu",
-            "torch": torch.__version__, "cuda": torch.version.cuda}
+    return {
+        "platform": "cuda" if cuda else "cpu",
+        "device_kind": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
 
 
 def run_train(settings: Settings, folder: Path, work: Path, compiled: bool) -> None:
@@ -64,8 +68,14 @@ def peft_model(folder: Path, lora, dtype: str):
     from transformers import AutoModelForCausalLM
 
     module = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype), attn_implementation="sdpa")
-    settings = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
-                          modules_to_save=list(lora.modules_to_save) or None, task_type="CAUSAL_LM")
+    settings = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        modules_to_save=list(lora.modules_to_save) or None,
+        task_type="CAUSAL_LM",
+    )
     torch.manual_seed(0)
     return get_peft_model(module, settings).train()
 
@@ -78,11 +88,18 @@ def train_case(settings: Settings, train, module, case: tuple[int, int]):
 
     rows, length = case
     on = device()
-    trainer = TorchTrainer(module, lr=train.learning_rate, weight_decay=train.weight_decay,
-                           max_grad_norm=train.max_grad_norm, fused=on.type == "cuda")
+    trainer = TorchTrainer(
+        module,
+        lr=train.learning_rate,
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm,
+        fused=on.type == "cuda",
+    )
     vocab = module.config.vocab_size
-    feed = [{k: torch.from_numpy(v).long().to(on) for k, v in train_batch(settings, vocab, rows, length, i).items()}
-            for i in range(1 + settings.warmups + settings.steps)]
+    feed = [
+        {k: torch.from_numpy(v).long().to(on) for k, v in train_batch(settings, vocab, rows, length, i).items()}
+        for i in range(1 + settings.warmups + settings.steps)
+    ]
     if on.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
@@ -97,7 +114,10 @@ def torch_memory() -> dict:
     import torch
 
     if torch.cuda.is_available():
-        return {"peak_bytes": torch.cuda.max_memory_allocated(), "memory_source": "torch.cuda.max_memory_allocated (this case)"}
+        return {
+            "peak_bytes": torch.cuda.max_memory_allocated(),
+            "memory_source": "torch.cuda.max_memory_allocated (this case)",
+        }
     return process_rss()
 
 
@@ -110,8 +130,13 @@ def run_generate(settings: Settings, folder: Path, results: Results) -> None:
 
     from benchmarks.common.generate import torch_generate
 
-    module = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, settings.dtype),
-                                                  attn_implementation="sdpa").to(device()).eval()
+    module = (
+        AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=getattr(torch, settings.dtype), attn_implementation="sdpa"
+        )
+        .to(device())
+        .eval()
+    )
     batch = prompts(settings, module.config.vocab_size).tolist()
     start = time.perf_counter()
     tokens = torch_generate(module, batch, settings.new_tokens, pad=0)

@@ -23,14 +23,18 @@ import types
 from pathlib import Path
 
 from benchmarks.accelerator.shared import RECIPES, Results, Settings, jax_memory, measure_cases, train_batch
-from benchmarks.common.harness import ROOT, log
+from benchmarks.common.harness import ROOT
 
 SITE_VARIABLE = "TUNIX_SITE"
 DEFAULT_SITE = ROOT / ".tunix-site"  # benchmarks/accelerator/tunix_wheels.sh install's default
 # jaxtune's (and PEFT's) LoRA target names -> the modules of Tunix's models they correspond to.
 TARGETS = {
-    "gemma3_text": {"q_proj": ("q_einsum", "qkv_einsum"), "k_proj": ("kv_einsum", "qkv_einsum"),
-                    "v_proj": ("kv_einsum", "qkv_einsum"), "o_proj": ("attn_vec_einsum",)},
+    "gemma3_text": {
+        "q_proj": ("q_einsum", "qkv_einsum"),
+        "k_proj": ("kv_einsum", "qkv_einsum"),
+        "v_proj": ("kv_einsum", "qkv_einsum"),
+        "o_proj": ("attn_vec_einsum",),
+    },
     "llama": {"q_proj": ("q_proj",), "k_proj": ("k_proj",), "v_proj": ("v_proj",), "o_proj": ("o_proj",)},
 }
 
@@ -44,7 +48,9 @@ def import_tunix() -> None:
     every trainer and RL learner, and with them grain, TensorFlow Datasets and orbax; its model modules do not."""
     folder = site()
     if not (folder / "tunix").is_dir():
-        raise ModuleNotFoundError(f"no tunix in {folder} (set {SITE_VARIABLE}, or run benchmarks/accelerator/tunix_wheels.sh install)")
+        raise ModuleNotFoundError(
+            f"no tunix in {folder} (set {SITE_VARIABLE}, or run benchmarks/accelerator/tunix_wheels.sh install)"
+        )
     sys.path.insert(0, str(folder))
     package = types.ModuleType("tunix")
     package.__path__ = [str(folder / "tunix")]
@@ -70,22 +76,38 @@ def tunix_config(raw: dict, dtype: str):
         if raw["query_pre_attn_scalar"] != raw["head_dim"]:  # Tunix scales queries by 1/sqrt(head_dim) (as the 1B)
             raise ValueError(f"Tunix's Gemma 3 cannot scale queries by 1/sqrt({raw['query_pre_attn_scalar']})")
         config = gemma3.ModelConfig(
-            num_layers=raw["num_hidden_layers"], num_embed=raw["vocab_size"], embed_dim=raw["hidden_size"],
-            hidden_dim=raw["intermediate_size"], num_heads=raw["num_attention_heads"], head_dim=raw["head_dim"],
-            num_kv_heads=raw["num_key_value_heads"], sliding_window_size=raw["sliding_window"],
+            num_layers=raw["num_hidden_layers"],
+            num_embed=raw["vocab_size"],
+            embed_dim=raw["hidden_size"],
+            hidden_dim=raw["intermediate_size"],
+            num_heads=raw["num_attention_heads"],
+            head_dim=raw["head_dim"],
+            num_kv_heads=raw["num_key_value_heads"],
+            sliding_window_size=raw["sliding_window"],
             local_base_frequency=rope["sliding_attention"]["rope_theta"],
-            global_base_frequency=rope["full_attention"]["rope_theta"], param_dtype=jnp.dtype(dtype))
-        kinds = tuple(gemma3.AttentionType.LOCAL_SLIDING if t == "sliding_attention" else gemma3.AttentionType.GLOBAL
-                      for t in raw["layer_types"])
+            global_base_frequency=rope["full_attention"]["rope_theta"],
+            param_dtype=jnp.dtype(dtype),
+        )
+        kinds = tuple(
+            gemma3.AttentionType.LOCAL_SLIDING if t == "sliding_attention" else gemma3.AttentionType.GLOBAL
+            for t in raw["layer_types"]
+        )
         return config, kinds
     if kind == "llama":
         from tunix.models.llama3 import model as llama3
 
         return llama3.ModelConfig(
-            num_layers=raw["num_hidden_layers"], vocab_size=raw["vocab_size"], embed_dim=raw["hidden_size"],
-            hidden_dim=raw["intermediate_size"], num_heads=raw["num_attention_heads"], head_dim=raw["head_dim"],
-            num_kv_heads=raw["num_key_value_heads"], rope_theta=int(raw["rope_parameters"]["rope_theta"]),
-            norm_eps=raw["rms_norm_eps"], weight_tying=raw.get("tie_word_embeddings", False)), None
+            num_layers=raw["num_hidden_layers"],
+            vocab_size=raw["vocab_size"],
+            embed_dim=raw["hidden_size"],
+            hidden_dim=raw["intermediate_size"],
+            num_heads=raw["num_attention_heads"],
+            head_dim=raw["head_dim"],
+            num_kv_heads=raw["num_key_value_heads"],
+            rope_theta=int(raw["rope_parameters"]["rope_theta"]),
+            norm_eps=raw["rms_norm_eps"],
+            weight_tying=raw.get("tie_word_embeddings", False),
+        ), None
     raise ValueError(f"the Tunix side runs Gemma 3 and Llama 3 shapes, not {kind}")
 
 
@@ -117,7 +139,9 @@ def with_lora(model, kind: str, lora):
     from flax import nnx
 
     names = sorted({name for target in lora.target_modules for name in TARGETS[kind][target]})
-    provider = qwix.LoraProvider(module_path="|".join(f".*{name}" for name in names), rank=lora.r, alpha=float(lora.alpha))
+    provider = qwix.LoraProvider(
+        module_path="|".join(f".*{name}" for name in names), rank=lora.r, alpha=float(lora.alpha)
+    )
     return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(0), **model.get_model_input())
 
 
@@ -127,11 +151,16 @@ def make_optimizer(train):
     import optax
 
     warmup = min(train.warmup_steps, train.max_steps - 1)
-    schedule = optax.join_schedules([optax.linear_schedule(0.0, train.learning_rate, warmup),
-                                     optax.cosine_decay_schedule(train.learning_rate, train.max_steps - warmup, alpha=0.1)],
-                                    [warmup])
-    return optax.chain(optax.clip_by_global_norm(train.max_grad_norm),
-                       optax.adamw(schedule, weight_decay=train.weight_decay))
+    schedule = optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, train.learning_rate, warmup),
+            optax.cosine_decay_schedule(train.learning_rate, train.max_steps - warmup, alpha=0.1),
+        ],
+        [warmup],
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(train.max_grad_norm), optax.adamw(schedule, weight_decay=train.weight_decay)
+    )
 
 
 def token_nll(model, tokens):
@@ -158,14 +187,20 @@ def run(settings: Settings, folder: Path, work: Path) -> None:
 
     results = Results(work, "tunix")
     device = jax.devices()[0]
-    results.add(event="device", platform=device.platform, device_kind=device.device_kind, **versions(), site=str(site()))
+    results.add(
+        event="device", platform=device.platform, device_kind=device.device_kind, **versions(), site=str(site())
+    )
     cfg = load_config(RECIPES["lora"])
     start = time.perf_counter()
     base, raw = tunix_model(folder, settings.dtype)
     model = with_lora(base, raw["model_type"], cfg.lora)
     initial = jax.device_get(nnx.state(model, nnx.LoRAParam))
-    results.add(event="loaded", seconds=time.perf_counter() - start, remat="none (Tunix's RematConfig.NONE)",
-                lora_parameters=sum(x.size for x in jax.tree.leaves(initial)))
+    results.add(
+        event="loaded",
+        seconds=time.perf_counter() - start,
+        remat="none (Tunix's RematConfig.NONE)",
+        lora_parameters=sum(x.size for x in jax.tree.leaves(initial)),
+    )
 
     def prepare(case):
         nnx.update(model, jax.device_put(initial))
@@ -185,8 +220,10 @@ def train_case(settings: Settings, train, model, vocab: int, case: tuple[int, in
 
     rows, length = case
     optimizer = nnx.Optimizer(model, make_optimizer(train), wrt=nnx.LoRAParam)
-    feed = [jnp.asarray(train_batch(settings, vocab, rows, length, i)["input_ids"])
-            for i in range(1 + settings.warmups + settings.steps)]
+    feed = [
+        jnp.asarray(train_batch(settings, vocab, rows, length, i)["input_ids"])
+        for i in range(1 + settings.warmups + settings.steps)
+    ]
 
     @nnx.jit
     def update(model, optimizer, tokens):
@@ -205,9 +242,16 @@ def train_case(settings: Settings, train, model, vocab: int, case: tuple[int, in
             stats = update.lower(model, optimizer, feed[0]).compile().memory_analysis()
         except Exception as e:  # noqa: BLE001  (the case's figures stand without its plan)
             return {"plan_error": f"{type(e).__name__}: {e}"[:300]}
-        peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-                - stats.alias_size_in_bytes)
-        return {"plan_peak_bytes": int(peak), "plan_code_bytes": int(stats.generated_code_size_in_bytes),
-                "plan_seconds": time.perf_counter() - started}
+        peak = (
+            stats.argument_size_in_bytes
+            + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes
+            - stats.alias_size_in_bytes
+        )
+        return {
+            "plan_peak_bytes": int(peak),
+            "plan_code_bytes": int(stats.generated_code_size_in_bytes),
+            "plan_seconds": time.perf_counter() - started,
+        }
 
     return step, plan

@@ -62,16 +62,53 @@ STEP = "train"  # the StepTraceAnnotation around each profiled step
 # jaxtune.runtime.compiled.steps.OPTIMIZER_SCOPE), here as text so that reading a trace needs no JAX.
 LOSS_SCOPE, OPTIMIZER_SCOPE = "chunked_loss", "optimizer"
 
-MATMULS, ATTENTION, LOSS, ELEMENTWISE, LAYOUT = "matmuls", "attention kernel", "loss", "elementwise / reduce", "copies / layout"
+MATMULS, ATTENTION, LOSS, ELEMENTWISE, LAYOUT = (
+    "matmuls",
+    "attention kernel",
+    "loss",
+    "elementwise / reduce",
+    "copies / layout",
+)
 COLLECTIVES, OPTIMIZER, TRANSFER, OTHER, IDLE = "collectives", "optimizer", "host transfer", "other", "idle"
-CATEGORIES = (MATMULS, ATTENTION, LOSS, ELEMENTWISE, LAYOUT, COLLECTIVES, OPTIMIZER, TRANSFER, OTHER, IDLE)  # table order
+CATEGORIES = (
+    MATMULS,
+    ATTENTION,
+    LOSS,
+    ELEMENTWISE,
+    LAYOUT,
+    COLLECTIVES,
+    OPTIMIZER,
+    TRANSFER,
+    OTHER,
+    IDLE,
+)  # table order
 
 MATMUL_OPS = frozenset({"dot", "convolution"})
 COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute")
 TRANSFER_OPS = frozenset({"infeed", "outfeed", "send", "send-done", "recv", "recv-done"})
-LAYOUT_OPS = frozenset({"copy", "copy-start", "copy-done", "transpose", "bitcast", "bitcast-convert", "reshape", "broadcast",
-                        "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "reverse", "iota",
-                        "parameter", "constant", "tuple", "get-tuple-element"})
+LAYOUT_OPS = frozenset(
+    {
+        "copy",
+        "copy-start",
+        "copy-done",
+        "transpose",
+        "bitcast",
+        "bitcast-convert",
+        "reshape",
+        "broadcast",
+        "slice",
+        "dynamic-slice",
+        "dynamic-update-slice",
+        "concatenate",
+        "pad",
+        "reverse",
+        "iota",
+        "parameter",
+        "constant",
+        "tuple",
+        "get-tuple-element",
+    }
+)
 OTHER_OPS = frozenset({"while", "call", "conditional", "custom-call", "sort", "rng", "rng-bit-generator", "after-all"})
 TOP_OPS = 8  # the ops with the most time, kept with the breakdown
 
@@ -104,8 +141,11 @@ def classify(op: Op) -> str:
         return OPTIMIZER
     if op.opcode in MATMUL_OPS or op.fused & MATMUL_OPS or re.search("convolution|dot", op.category):
         return MATMULS
-    if (op.opcode in LAYOUT_OPS or op.category == "data formatting"
-            or (op.opcode == "fusion" and op.fused and op.fused <= LAYOUT_OPS)):
+    if (
+        op.opcode in LAYOUT_OPS
+        or op.category == "data formatting"
+        or (op.opcode == "fusion" and op.fused and op.fused <= LAYOUT_OPS)
+    ):
         return LAYOUT
     if op.opcode in OTHER_OPS:
         return OTHER
@@ -131,9 +171,14 @@ def hlo_ops(text: str) -> dict[str, dict]:
             calls = step_hlo.called(instruction, "calls")
             fused = frozenset().union(*(step_hlo.opcodes(computations, c) for c in calls))
             op_name = re.search(r'op_name="([^"]*)"', instruction.attributes)
-            out[instruction.name] = {"module": module[1] if module else "", "opcode": instruction.opcode, "fused": fused,
-                                     "op_name": op_name[1] if op_name else "", "attributes": instruction.attributes,
-                                     "flops": sum(step_hlo.dot_flops(computations, c)[0] for c in calls)}
+            out[instruction.name] = {
+                "module": module[1] if module else "",
+                "opcode": instruction.opcode,
+                "fused": fused,
+                "op_name": op_name[1] if op_name else "",
+                "attributes": instruction.attributes,
+                "flops": sum(step_hlo.dot_flops(computations, c)[0] for c in calls),
+            }
     return out
 
 
@@ -147,13 +192,27 @@ def describe(event: dict, hlo: dict[str, dict]) -> Op:
         known = None
     flops = float(args.get("model_flops") or 0) or (known["flops"] if known else 0.0)
     if known:
-        return Op(name, known["opcode"], known["fused"], args.get("hlo_category", ""), known["op_name"],
-                  known["attributes"], flops)
+        return Op(
+            name,
+            known["opcode"],
+            known["fused"],
+            args.get("hlo_category", ""),
+            known["op_name"],
+            known["attributes"],
+            flops,
+        )
     parsed = _step_hlo().INSTRUCTION.match(args.get("long_name", ""))  # "%fusion.3 = bf16[..] fusion(..), kind=.."
     base = re.sub(r"\.\d+$", "", name)
     opcode = parsed[3] if parsed else "fusion" if base.endswith("fusion") else base
-    return Op(name, opcode, frozenset(), args.get("hlo_category", ""), args.get("tf_op", ""),
-              (parsed[5] or "") if parsed else "", flops)
+    return Op(
+        name,
+        opcode,
+        frozenset(),
+        args.get("hlo_category", ""),
+        args.get("tf_op", ""),
+        (parsed[5] or "") if parsed else "",
+        flops,
+    )
 
 
 def read_trace(path: Path) -> tuple[Path, list[dict]]:
@@ -172,16 +231,22 @@ def processes(events: list[dict]) -> dict[int, str]:
 def step_events(events: list[dict]) -> list[dict]:
     """The host's `STEP` annotations, one per profiled step."""
     names = processes(events)
-    return [e for e in events if e.get("ph") == "X" and e["name"] == STEP
-            and not names.get(e["pid"], "").startswith("/device:")]
+    return [
+        e
+        for e in events
+        if e.get("ph") == "X" and e["name"] == STEP and not names.get(e["pid"], "").startswith("/device:")
+    ]
 
 
 def op_events(events: list[dict]) -> list[dict]:
     """The op runs: those on the first device's "XLA Ops" thread where the trace has one (TPU), else
     the events that name an HLO op (CPU)."""
     names = processes(events)
-    threads = [(e["pid"], e["tid"]) for e in events
-               if e.get("ph") == "M" and e["name"] == "thread_name" and e["args"]["name"] == "XLA Ops"]
+    threads = [
+        (e["pid"], e["tid"])
+        for e in events
+        if e.get("ph") == "M" and e["name"] == "thread_name" and e["args"]["name"] == "XLA Ops"
+    ]
     if threads:
         device = min(threads, key=lambda thread: names.get(thread[0], ""))
         return [e for e in events if e.get("ph") == "X" and (e["pid"], e.get("tid")) == device]
@@ -231,8 +296,10 @@ def breakdown(path: Path) -> dict:
     file, events = read_trace(path)
     steps = step_events(events)
     if not steps:
-        raise ValueError(f"{file}: no {STEP!r} events; profile each step inside "
-                         f"jax.profiler.StepTraceAnnotation({STEP!r}, step_num=i)")
+        raise ValueError(
+            f"{file}: no {STEP!r} events; profile each step inside "
+            f"jax.profiler.StepTraceAnnotation({STEP!r}, step_num=i)"
+        )
     hlo: dict[str, dict] = {}
     hlo_files = sorted((path if path.is_dir() else file.parent).glob("*.hlo"))
     for text in hlo_files:
@@ -240,7 +307,9 @@ def breakdown(path: Path) -> dict:
     ops = op_events(events)
     if not ops:
         threads = sorted({e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"})
-        raise ValueError(f"{file}: no XLA op events (no \"XLA Ops\" thread, no event naming an hlo_op); threads: {threads}")
+        raise ValueError(
+            f'{file}: no XLA op events (no "XLA Ops" thread, no event naming an hlo_op); threads: {threads}'
+        )
     n, wall = len(steps), sum(e["dur"] for e in steps) * 1e-6
     seconds, runs, flops = defaultdict(float), defaultdict(int), defaultdict(float)
     by_op: dict[tuple[str, str], float] = defaultdict(float)
@@ -254,39 +323,66 @@ def breakdown(path: Path) -> dict:
     busy = busy_seconds(ops)
     seconds[IDLE] = max(wall - busy, 0.0)
     total = sum(seconds.values())
-    rows = [{"category": c, "seconds": seconds[c] / n, "share": seconds[c] / total, "ops": runs[c] / n,
-             "flops": flops[c] / n} for c in CATEGORIES if seconds[c] > 0 or runs[c]]
+    rows = [
+        {
+            "category": c,
+            "seconds": seconds[c] / n,
+            "share": seconds[c] / total,
+            "ops": runs[c] / n,
+            "flops": flops[c] / n,
+        }
+        for c in CATEGORIES
+        if seconds[c] > 0 or runs[c]
+    ]
     top = sorted(by_op.items(), key=lambda item: -item[1])[:TOP_OPS]
-    return {"trace": str(file), "steps": n, "step_seconds": wall / n, "busy_seconds": busy / n,
-            "hlo": [f.name for f in hlo_files], "rows": rows,
-            "top_ops": [{"op": name, "category": c, "seconds": s / n} for (name, c), s in top]}
+    return {
+        "trace": str(file),
+        "steps": n,
+        "step_seconds": wall / n,
+        "busy_seconds": busy / n,
+        "hlo": [f.name for f in hlo_files],
+        "rows": rows,
+        "top_ops": [{"op": name, "category": c, "seconds": s / n} for (name, c), s in top],
+    }
 
 
 def row(found: dict, category: str) -> dict:
     """The row of `category` (zeros where the steps ran none of its ops)."""
-    return next((r for r in found["rows"] if r["category"] == category),
-                {"category": category, "seconds": 0.0, "share": 0.0, "ops": 0.0, "flops": 0.0})
+    return next(
+        (r for r in found["rows"] if r["category"] == category),
+        {"category": category, "seconds": 0.0, "share": 0.0, "ops": 0.0, "flops": 0.0},
+    )
 
 
 def markdown(found: dict) -> str:
     """The breakdown as a Markdown table, then its top ops."""
     wall, busy = found["step_seconds"], found["busy_seconds"]
-    lines = [f"{found['steps']} profiled steps of {wall * 1e3:,.3f} ms; an op ran {min(busy / wall, 1):.1%} of that time.", "",
-             "| category | ms / step | share | ops / step | TFLOP/s |", "|---|---|---|---|---|"]
+    lines = [
+        f"{found['steps']} profiled steps of {wall * 1e3:,.3f} ms; an op ran {min(busy / wall, 1):.1%} of that time.",
+        "",
+        "| category | ms / step | share | ops / step | TFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
     for r in found["rows"]:
         rate = f"{r['flops'] / r['seconds'] / 1e12:,.3g}" if r["flops"] and r["seconds"] else ""
         runs = f"{r['ops']:,.0f}" if r["category"] != IDLE else ""
         lines.append(f"| {r['category']} | {r['seconds'] * 1e3:,.3f} | {r['share']:.1%} | {runs} | {rate} |")
     total = sum(r["seconds"] for r in found["rows"])
     lines.append(f"| **all** | {total * 1e3:,.3f} | 100% | {sum(r['ops'] for r in found['rows']):,.0f} | |")
-    lines += ["", "Ops with the most time: " + "; ".join(
-        f"{t['op']} ({t['category']}) {t['seconds'] * 1e3:,.3f} ms" for t in found["top_ops"]) + "."]
+    lines += [
+        "",
+        "Ops with the most time: "
+        + "; ".join(f"{t['op']} ({t['category']}) {t['seconds'] * 1e3:,.3f} ms" for t in found["top_ops"])
+        + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", type=Path, help="a folder jax.profiler.trace wrote (its *.hlo beside), or a *.trace.json.gz")
+    parser.add_argument(
+        "trace", type=Path, help="a folder jax.profiler.trace wrote (its *.hlo beside), or a *.trace.json.gz"
+    )
     args = parser.parse_args(argv)
     print(markdown(breakdown(args.trace)), end="")
     return 0

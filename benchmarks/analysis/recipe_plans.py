@@ -26,9 +26,9 @@ TARGETS = ("v5e-1", "v5e-8", "v6e-1", "v5p-8", "h100", "h200")
 
 
 def row(recipe: Path, target: str, models: Path) -> str:
-    from jaxtune.config import load_config
     from jaxtune.checks.doctor import MEMORY_CHECK
     from jaxtune.checks.target_plan import plan_for_target
+    from jaxtune.config import load_config
     from tests.targets.recipes import checkpoint
 
     config = load_config(recipe)
@@ -37,11 +37,23 @@ def row(recipe: Path, target: str, models: Path) -> str:
     rows = {r.check.strip(): r for r in diagnosis.rows}
     train = rows[MEMORY_CHECK]
     peak = train.value.split(" with its code")[0] if train.value[0].isdigit() else "does not compile"
-    fits = "yes" if train.ok else "no" + (f": {rows['to fit'].value.split('. Or try')[0]}" if "fits:" in rows["to fit"].value else "")
-    roofline = rows["roofline (estimate)"].value.split(", <= ")[1] if "roofline (estimate)" in rows else "(no flop count)"
+    fits = (
+        "yes"
+        if train.ok
+        else "no" + (f": {rows['to fit'].value.split('. Or try')[0]}" if "fits:" in rows["to fit"].value else "")
+    )
+    roofline = (
+        rows["roofline (estimate)"].value.split(", <= ")[1] if "roofline (estimate)" in rows else "(no flop count)"
+    )
     declared = " (`plan.target`)" if config.plan.target == target else ""
-    cells = (f"`{recipe.stem}`", f"{target}{declared}", rows["mesh"].value, f"{peak} / {train.limit.removesuffix(' HBM')}",
-             fits, roofline)
+    cells = (
+        f"`{recipe.stem}`",
+        f"{target}{declared}",
+        rows["mesh"].value,
+        f"{peak} / {train.limit.removesuffix(' HBM')}",
+        fits,
+        roofline,
+    )
     print(f"  {recipe.stem} on {target}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return "| " + " | ".join(cells) + " |"
 
@@ -51,9 +63,14 @@ def main() -> None:
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--recipes", default="", help="recipe names (configs/NAME.yaml), comma-separated; default all")
     args = parser.parse_args()
-    recipes = ([ROOT / "configs" / f"{name}.yaml" for name in args.recipes.split(",")] if args.recipes
-               else sorted(ROOT.joinpath("configs").glob("*.yaml")))
-    print("| recipe | target | mesh | train step peak with its code / per device | fits | roofline (compiler's estimate) |")
+    recipes = (
+        [ROOT / "configs" / f"{name}.yaml" for name in args.recipes.split(",")]
+        if args.recipes
+        else sorted(ROOT.joinpath("configs").glob("*.yaml"))
+    )
+    print(
+        "| recipe | target | mesh | train step peak with its code / per device | fits | roofline (compiler's estimate) |"
+    )
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as models:
         for recipe in recipes:

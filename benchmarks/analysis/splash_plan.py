@@ -21,9 +21,17 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 GEMMA3_1B = {
-    "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
-    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
-    "query_pre_attn_scalar": 256, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "vocab_size": 262144,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+    "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
     "tie_word_embeddings": True,
 }
 
@@ -33,11 +41,11 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxtune.config import load_config
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.devices import compile_cache, targets
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.modeling.model import attach_lora, to_jax
 
     parser = argparse.ArgumentParser()
@@ -46,22 +54,32 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--remat", default="layer", help="train.remat, a fixed policy (the recipe's is auto)")
     args = parser.parse_args()
-    config = load_config("configs/gemma3-1b-dolly-lora.yaml", [f"train.batch_size={args.batch}", f"train.remat={args.remat}"])
+    config = load_config(
+        "configs/gemma3-1b-dolly-lora.yaml", [f"train.batch_size={args.batch}", f"train.remat={args.remat}"]
+    )
     target = targets.resolve(args.target)
     with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3_text", **GEMMA3_1B),
-                                                  dtype=torch.bfloat16, attn_implementation="eager")
-    model = to_jax(attach_lora(module, config.lora), make_placement(config.mesh, targets.devices(target)), shapes_only=True)
-    print(f"Gemma 3 1B, LoRA r={config.lora.r}, remat {config.train.remat}, {args.batch} x {args.length}, "
-          f"{target.describe(model.placement.mesh.size)}")
+        module = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("gemma3_text", **GEMMA3_1B), dtype=torch.bfloat16, attn_implementation="eager"
+        )
+    model = to_jax(
+        attach_lora(module, config.lora), make_placement(config.mesh, targets.devices(target)), shapes_only=True
+    )
+    print(
+        f"Gemma 3 1B, LoRA r={config.lora.r}, remat {config.train.remat}, {args.batch} x {args.length}, "
+        f"{target.describe(model.placement.mesh.size)}"
+    )
     for core in ("splash", "xla"):
         started = time.perf_counter()
         try:
             with attention.choose(core):
-                plan = memory.memory_plan(model, steps.make_optimizer(config.train), config.train, args.length,
-                                          limit=target.chip.hbm)
-            found = (f"peak {plan['peak'] / 2**30:.2f} GiB + code {plan['code'] / 2**20:.1f} MiB of "
-                     f"{target.chip.hbm / 2**30:.2f} GiB")
+                plan = memory.memory_plan(
+                    model, steps.make_optimizer(config.train), config.train, args.length, limit=target.chip.hbm
+                )
+            found = (
+                f"peak {plan['peak'] / 2**30:.2f} GiB + code {plan['code'] / 2**20:.1f} MiB of "
+                f"{target.chip.hbm / 2**30:.2f} GiB"
+            )
         except Exception as e:
             refused = compile_cache.refusal(e)
             if not refused:

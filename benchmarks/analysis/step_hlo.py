@@ -35,16 +35,46 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_SECONDS = 4e-6  # a kernel launch and its tail on a Hopper GPU, roughly
-BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-         "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1}
+BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "s4": 0.5,
+    "u4": 0.5,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 HEADER = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9-]*)\((.*?)\)(, .*)?$")
 # A line break inside an instruction (XLA:TPU prints a Pallas kernel's kernel_metadata over several
 # lines): every line that starts no instruction, computation or closing brace continues the one before.
 CONTINUED = re.compile(r"\n(?![ \t]*(?:ROOT |%|ENTRY |\}[ \t]*$|$))", re.MULTILINE)
-NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call", "conditional",
-               "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
+NOT_KERNELS = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+}
 
 
 @dataclass
@@ -84,7 +114,9 @@ def parse(text: str) -> dict[str, Computation]:
 
 
 def array_bytes(shape: str) -> float:
-    return sum(BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in ARRAY.findall(shape))
+    return sum(
+        BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in ARRAY.findall(shape)
+    )
 
 
 def dims_of(shape: str) -> list[int]:
@@ -115,7 +147,12 @@ def executed(computations: dict[str, Computation]) -> dict[str, int]:
             elif instruction.opcode == "call":
                 targets = [(c, 1) for c in called(instruction, "to_apply")]
             elif instruction.opcode == "conditional":
-                targets = [(c, 1) for c in re.findall(r"%([\w.\-]+)", instruction.attributes.split("branch_computations=")[-1].split("}")[0])]
+                targets = [
+                    (c, 1)
+                    for c in re.findall(
+                        r"%([\w.\-]+)", instruction.attributes.split("branch_computations=")[-1].split("}")[0]
+                    )
+                ]
             for target, times in targets:
                 if target in computations:
                     runs[target] = runs.get(target, 0) + runs[name] * times
@@ -137,7 +174,9 @@ def contracted(instruction: Instruction, lhs: list[int]) -> int:
     return lhs[labels[1].index("f")] * (math.prod(int(n) for n in window[1].split("x")) if window else 1)
 
 
-def dot_flops(computations: dict[str, Computation], name: str, seen: set | None = None) -> tuple[float, list[list[int]]]:
+def dot_flops(
+    computations: dict[str, Computation], name: str, seen: set | None = None
+) -> tuple[float, list[list[int]]]:
     """The flops of every dot in a fused computation (and the fusions it nests), and their operands' dims."""
     seen = seen if seen is not None else set()
     if name in seen or name not in computations:
@@ -178,7 +217,9 @@ def attention_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
     """A flash kernel's matmuls over the causal half: 2 in the forward pass, 3 for dq, 4 for dk and dv."""
     b, t, n, h = dims_of(shapes.get(instruction.operands[0], ""))[:4]
     kernel = re.search(r'name = \\?"(jaxtune_flash_\w+)', instruction.attributes)
-    matmuls = {"jaxtune_flash_forward": 2, "jaxtune_flash_dq": 3, "jaxtune_flash_dkdv": 4}.get(kernel[1] if kernel else "", 2)
+    matmuls = {"jaxtune_flash_forward": 2, "jaxtune_flash_dq": 3, "jaxtune_flash_dkdv": 4}.get(
+        kernel[1] if kernel else "", 2
+    )
     return matmuls * 2 * b * n * t * t * h / 2
 
 
@@ -211,8 +252,22 @@ def kernels(text: str, rank: int | None, vocabulary: int) -> list[dict]:
                 ops = opcodes(computations, inner[0]) if inner else set()
                 if flops:
                     group = "matmul"
-                elif ops <= {"parameter", "transpose", "copy", "bitcast", "reshape", "broadcast", "slice", "concatenate",
-                             "dynamic-slice", "dynamic-update-slice", "pad", "tuple", "get-tuple-element", "constant"}:
+                elif ops <= {
+                    "parameter",
+                    "transpose",
+                    "copy",
+                    "bitcast",
+                    "reshape",
+                    "broadcast",
+                    "slice",
+                    "concatenate",
+                    "dynamic-slice",
+                    "dynamic-update-slice",
+                    "pad",
+                    "tuple",
+                    "get-tuple-element",
+                    "constant",
+                }:
                     group = "copy / transpose / slice"
                 elif "reduce" in ops:
                     group = "reduction (norms, softmax, sums)"
@@ -220,7 +275,13 @@ def kernels(text: str, rank: int | None, vocabulary: int) -> list[dict]:
                     group = "elementwise"
             elif instruction.opcode in ("copy", "transpose", "copy-start", "copy-done"):
                 group = "copy / transpose / slice"
-            elif instruction.opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+            elif instruction.opcode in (
+                "all-reduce",
+                "all-gather",
+                "reduce-scatter",
+                "all-to-all",
+                "collective-permute",
+            ):
                 group = "collective"
             if group == "matmul":
                 if rank and any(len(d) == 2 and rank in d for d in dims):  # a LoRA factor, (r, in) or (out, r)
@@ -229,8 +290,9 @@ def kernels(text: str, rank: int | None, vocabulary: int) -> list[dict]:
                     group = "matmul: vocabulary (head and loss)"
                 else:
                     group = "matmul: model"
-            found.append({"name": instruction.name, "group": group, "runs": runs, "bytes": moved * runs,
-                          "flops": flops * runs})
+            found.append(
+                {"name": instruction.name, "group": group, "runs": runs, "bytes": moved * runs, "flops": flops * runs}
+            )
     return found
 
 
@@ -241,7 +303,9 @@ def breakdown(found: list[dict], peak_flops: float, bandwidth: float) -> list[di
         group["kernels"] += kernel["runs"]
         group["bytes"] += kernel["bytes"]
         group["flops"] += kernel["flops"]
-        group["seconds"] += max(kernel["flops"] / peak_flops, kernel["bytes"] / bandwidth) + kernel["runs"] * LAUNCH_SECONDS
+        group["seconds"] += (
+            max(kernel["flops"] / peak_flops, kernel["bytes"] / bandwidth) + kernel["runs"] * LAUNCH_SECONDS
+        )
     return sorted(({"group": name, **figures} for name, figures in groups.items()), key=lambda g: -g["seconds"])
 
 
@@ -249,36 +313,45 @@ def table(groups: list[dict]) -> str:
     total = sum(g["seconds"] for g in groups)
     lines = ["| group | kernels | GB moved | TFLOP | estimate, ms | share |", "|---|---|---|---|---|---|"]
     for g in groups:
-        lines.append(f"| {g['group']} | {g['kernels']:,} | {g['bytes'] / 1e9:.2f} | {g['flops'] / 1e12:.3f} | "
-                     f"{g['seconds'] * 1e3:.2f} | {g['seconds'] / total:.0%} |")
-    lines.append(f"| **all** | {sum(g['kernels'] for g in groups):,} | {sum(g['bytes'] for g in groups) / 1e9:.2f} | "
-                 f"{sum(g['flops'] for g in groups) / 1e12:.3f} | {total * 1e3:.2f} | |")
+        lines.append(
+            f"| {g['group']} | {g['kernels']:,} | {g['bytes'] / 1e9:.2f} | {g['flops'] / 1e12:.3f} | "
+            f"{g['seconds'] * 1e3:.2f} | {g['seconds'] / total:.0%} |"
+        )
+    lines.append(
+        f"| **all** | {sum(g['kernels'] for g in groups):,} | {sum(g['bytes'] for g in groups) / 1e9:.2f} | "
+        f"{sum(g['flops'] for g in groups) / 1e12:.3f} | {total * 1e3:.2f} | |"
+    )
     return "\n".join(lines)
 
 
-def compile_step(recipe: Path, target_name: str, rows: int, length: int, attention_core: str | None,
-                 scan_layers: bool = False):
-    from jaxtune.config import load_config
+def compile_step(
+    recipe: Path, target_name: str, rows: int, length: int, attention_core: str | None, scan_layers: bool = False
+):
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime.measures import fit
+    from jaxtune.checks.target_plan import meta_model
+    from jaxtune.config import load_config
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.devices import targets
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import fit
+    from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.modeling.model import to_jax
-    from jaxtune.checks.target_plan import meta_model
     from tests.targets.recipes import checkpoint
 
     config = load_config(recipe)
     dtype = config.model.compute_dtype
-    module = as_trained(meta_model(str(checkpoint(config.model.name, ROOT / ".jaxtune" / "models")), None, False, dtype),
-                        config, randomize_lora=False)
+    module = as_trained(
+        meta_model(str(checkpoint(config.model.name, ROOT / ".jaxtune" / "models")), None, False, dtype),
+        config,
+        randomize_lora=False,
+    )
     target = targets.resolve(target_name)
     model = to_jax(module, make_placement(config.mesh, targets.devices(target)), shapes_only=True)
     model.scan_layers = scan_layers or config.model.scan_layers
     with attention.choose(attention_core) if attention_core else _nothing():
-        compiled = steps.compiled_train_step(model, steps.make_optimizer(config.train), 1, rows, length,
-                                              fit.fixed(config.train.remat))
+        compiled = steps.compiled_train_step(
+            model, steps.make_optimizer(config.train), 1, rows, length, fit.fixed(config.train.remat)
+        )
     rank = config.lora.r if config.train.method == "lora" else None
     return compiled, target, rank, module.config.get_text_config().vocab_size
 
@@ -300,15 +373,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scan-layers", action="store_true", help="the decoder layers as one scan (model.scan_layers)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    compiled, target, rank, vocabulary = compile_step(ROOT / args.recipe, args.target, args.rows, args.length, args.attention,
-                                                      args.scan_layers)
+    compiled, target, rank, vocabulary = compile_step(
+        ROOT / args.recipe, args.target, args.rows, args.length, args.attention, args.scan_layers
+    )
     text = compiled.as_text()
     if args.hlo:
         args.hlo.write_text(text)
     memory = compiled.memory_analysis()
-    print(f"{args.recipe} on {args.target}, {args.rows} x {args.length}, attention {args.attention or 'default'}"
-          f"{', layers scanned' if args.scan_layers else ''}: "
-          f"compiled in {time.perf_counter() - started:.0f} s; temporaries {memory.temp_size_in_bytes / 2**30:.2f} GiB")
+    print(
+        f"{args.recipe} on {args.target}, {args.rows} x {args.length}, attention {args.attention or 'default'}"
+        f"{', layers scanned' if args.scan_layers else ''}: "
+        f"compiled in {time.perf_counter() - started:.0f} s; temporaries {memory.temp_size_in_bytes / 2**30:.2f} GiB"
+    )
     groups = breakdown(kernels(text, rank, vocabulary), target.chip.peak_flops, target.chip.hbm_bandwidth)
     print(table(groups))
 

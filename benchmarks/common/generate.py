@@ -17,6 +17,7 @@ def torch_generate(module, prompts: list[list[int]], n: int, pad: int) -> list[l
         mask[r, longest - len(p) :] = 1
     config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=[], pad_token_id=pad)
     with torch.no_grad():
-        out = module.generate(input_ids=ids.to(module.device), attention_mask=mask.to(module.device),
-                              generation_config=config)
+        out = module.generate(
+            input_ids=ids.to(module.device), attention_mask=mask.to(module.device), generation_config=config
+        )
     return out[:, longest:].tolist()

@@ -58,8 +58,20 @@ class Context:
     @classmethod
     def make(cls, quick: bool, model: str, store: str) -> "Context":
         if quick:
-            return cls(quick=True, model=model, store=store, reps=3, train_rows=16, same_shape_steps=3, recipe_steps=3,
-                       decode_tokens=16, recipe_tokens=4, rerun_steps=10, rerun_reps=1, compile_reps=1)
+            return cls(
+                quick=True,
+                model=model,
+                store=store,
+                reps=3,
+                train_rows=16,
+                same_shape_steps=3,
+                recipe_steps=3,
+                decode_tokens=16,
+                recipe_tokens=4,
+                rerun_steps=10,
+                rerun_reps=1,
+                compile_reps=1,
+            )
         return cls(quick=False, model=model, store=store)
 
 
@@ -139,8 +151,16 @@ def torch_threads(count: int):
 
 def entry(ratio, ours, theirs, unit: str, ours_label: str, theirs_label: str, better: str, **details) -> dict:
     """One ratio with the two absolute figures it divides."""
-    return {"ratio": None if ratio is None else float(ratio), "jaxtune": ours, "baseline": theirs, "unit": unit,
-            "jaxtune_is": ours_label, "baseline_is": theirs_label, "better": better, **details}
+    return {
+        "ratio": None if ratio is None else float(ratio),
+        "jaxtune": ours,
+        "baseline": theirs,
+        "unit": unit,
+        "jaxtune_is": ours_label,
+        "baseline_is": theirs_label,
+        "better": better,
+        **details,
+    }
 
 
 def skipped(reason: str, **details) -> dict:
@@ -156,8 +176,10 @@ def show(name: str, e: dict) -> None:
     if e.get("jaxtune") is None:
         say(f"{name}: {e['ratio']:.4g}")
         return
-    say(f"{name}: jaxtune {fmt(e['jaxtune'])} {e['unit']} ({e['jaxtune_is']}) vs {fmt(e['baseline'])} {e['unit']} "
-        f"({e['baseline_is']}) -> ratio {e['ratio']:.3g} ({e['better']})")
+    say(
+        f"{name}: jaxtune {fmt(e['jaxtune'])} {e['unit']} ({e['jaxtune_is']}) vs {fmt(e['baseline'])} {e['unit']} "
+        f"({e['baseline_is']}) -> ratio {e['ratio']:.3g} ({e['better']})"
+    )
 
 
 def fmt(x) -> str:
@@ -183,7 +205,9 @@ def free_memory() -> None:
 
 def machine_info() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    field_of = lambda name: next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith(name)), None)  # noqa: E731
+    field_of = lambda name: next(
+        (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith(name)), None
+    )  # noqa: E731
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout if shutil.which("lscpu") else ""
     max_mhz = re.search(r"CPU max MHz:\s*([\d.]+)", lscpu)
     flags = (field_of("flags") or "").split()
@@ -195,7 +219,16 @@ def machine_info() -> dict:
 
             versions[name] = version(name)
     mhz = float(max_mhz.group(1)) if max_mhz else float(field_of("cpu MHz") or 0)
-    return {"cpu_model": field_of("model name"), "cpu_family": field_of("cpu family"), "cpu_model_number": field_of("model"),
-            "cores": os.cpu_count(), "cpu_mhz": mhz, "cpu_mhz_source": "lscpu max MHz" if max_mhz else "/proc/cpuinfo cpu MHz",
-            "flags": [f for f in wanted if f in flags], "amx": any(f.startswith("amx") for f in flags),
-            "platform": platform.platform(), "python": platform.python_version(), "versions": versions}
+    return {
+        "cpu_model": field_of("model name"),
+        "cpu_family": field_of("cpu family"),
+        "cpu_model_number": field_of("model"),
+        "cores": os.cpu_count(),
+        "cpu_mhz": mhz,
+        "cpu_mhz_source": "lscpu max MHz" if max_mhz else "/proc/cpuinfo cpu MHz",
+        "flags": [f for f in wanted if f in flags],
+        "amx": any(f.startswith("amx") for f in flags),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
+    }

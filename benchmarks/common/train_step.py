@@ -43,8 +43,10 @@ def api_state(step=None) -> str:
     else:
         step_new = step_takes_lr(step)
     fused = "fused" in inspect.signature(steps.train_step_memory).parameters
-    return f"train step: {'new (lr input, segment ids)' if step_new else 'pre-change (no lr input, input_ids/attention_mask only)'}; " \
-           f"train_step_memory fused flag: {'present' if fused else 'absent (TODO)'}"
+    return (
+        f"train step: {'new (lr input, segment ids)' if step_new else 'pre-change (no lr input, input_ids/attention_mask only)'}; "
+        f"train_step_memory fused flag: {'present' if fused else 'absent (TODO)'}"
+    )
 
 
 def make_optimizer(cfg, total_steps: int):
@@ -74,12 +76,18 @@ class JaxtuneTrainer:
 
     def __init__(self, model, lr: float = 1e-4):
         from jaxtune.config import TrainConfig
-        from jaxtune.runtime.measures import fit
         from jaxtune.runtime.compiled import steps
+        from jaxtune.runtime.measures import fit
 
         self.model, self.lr = model, lr
-        cfg = TrainConfig(learning_rate=lr, warmup_steps=0, lr_schedule="constant", max_steps=1000, max_grad_norm=1.0,
-                          weight_decay=0.01)
+        cfg = TrainConfig(
+            learning_rate=lr,
+            warmup_steps=0,
+            lr_schedule="constant",
+            max_steps=1000,
+            max_grad_norm=1.0,
+            weight_decay=0.01,
+        )
         self.optimizer = make_optimizer(cfg, 1000)
         self.step_fn = steps.make_train_step(model, self.optimizer, remat=fit.WITHOUT_LIMIT)  # auto on the CPU
         self.weights = model.weights
@@ -92,8 +100,16 @@ class JaxtuneTrainer:
         self.n += 1
         placed = self.model.placement.shard_micro_batches({**batch, "labels": labels})
         placed_labels = placed.pop("labels")
-        loss, self.weights, self.opt_state = call_train_step(self.step_fn, self.weights, self.model.buffers, self.opt_state,
-                                                             placed, placed_labels, steps.step_key(0, self.n), self.lr)
+        loss, self.weights, self.opt_state = call_train_step(
+            self.step_fn,
+            self.weights,
+            self.model.buffers,
+            self.opt_state,
+            placed,
+            placed_labels,
+            steps.step_key(0, self.n),
+            self.lr,
+        )
         return loss
 
 
@@ -101,13 +117,16 @@ class TorchTrainer:
     """PyTorch eager (or a compiled module): model(**batch).loss, backward, clip, AdamW (`fused`: one
     kernel for all parameters, CUDA's fastest AdamW)."""
 
-    def __init__(self, module, lr: float = 1e-4, weight_decay: float = 0.01, max_grad_norm: float = 1.0,
-                 fused: bool = False):
+    def __init__(
+        self, module, lr: float = 1e-4, weight_decay: float = 0.01, max_grad_norm: float = 1.0, fused: bool = False
+    ):
         import torch
 
         self.module, self.max_grad_norm = module, max_grad_norm
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {})
+        )
 
     def step(self, batch: dict):
         import torch

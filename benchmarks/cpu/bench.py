@@ -46,7 +46,11 @@ from benchmarks.cpu.compare_memory import bench_activation_memory_vs_eager  # no
 from benchmarks.cpu.compare_quant import bench_quantized_base  # noqa: E402
 from benchmarks.cpu.compare_rerun import bench_rerun_vs_first, child_rerun  # noqa: E402
 from benchmarks.cpu.compare_train import (  # noqa: E402
-    bench_mfu, bench_train_vs_recipe, bench_train_vs_torch_fp32, bench_train_vs_torch_fp32_same_shape)
+    bench_mfu,
+    bench_train_vs_recipe,
+    bench_train_vs_torch_fp32,
+    bench_train_vs_torch_fp32_same_shape,
+)
 from benchmarks.cpu.models import SKIP_SMOLLM2, model_label, smollm2_gguf  # noqa: E402
 
 COMPARISONS: dict[str, Callable[[Context], dict]] = {
@@ -61,10 +65,23 @@ COMPARISONS: dict[str, Callable[[Context], dict]] = {
     "warm_vs_cold_compile": bench_warm_vs_cold_compile,
     "quantized_base": bench_quantized_base,
 }
-RATIO_KEYS = ["train_vs_torch_fp32", "train_vs_torch_fp32_same_shape", "train_vs_recipe", "nonpad_fraction",
-              "activation_memory_vs_eager", "decode_vs_torch_b1", "decode_vs_torch_b8", "decode_vs_torch", "decode_vs_recipe",
-              "rerun_vs_first", "warm_vs_cold_compile", "mfu", "mfu_vs_measured_peak", "quantized_base_int8",
-              "quantized_base_int4"]
+RATIO_KEYS = [
+    "train_vs_torch_fp32",
+    "train_vs_torch_fp32_same_shape",
+    "train_vs_recipe",
+    "nonpad_fraction",
+    "activation_memory_vs_eager",
+    "decode_vs_torch_b1",
+    "decode_vs_torch_b8",
+    "decode_vs_torch",
+    "decode_vs_recipe",
+    "rerun_vs_first",
+    "warm_vs_cold_compile",
+    "mfu",
+    "mfu_vs_measured_peak",
+    "quantized_base_int8",
+    "quantized_base_int4",
+]
 
 
 def table(results: dict) -> str:
@@ -82,17 +99,25 @@ def table(results: dict) -> str:
         for name in ("model", "same_tokens", "packed_shape", "shape", "note"):
             if name in e:
                 note.append(f"{name}: {e[name]}")
-        lines.append(f"| {key} | {fmt(e['jaxtune'])} ({e['jaxtune_is']}) | {fmt(e['baseline'])} ({e['baseline_is']}) | "
-                     f"{e['unit']} | {e['ratio']:.3g} | {e['better']} | {'; '.join(note)[:300]} |")
+        lines.append(
+            f"| {key} | {fmt(e['jaxtune'])} ({e['jaxtune_is']}) | {fmt(e['baseline'])} ({e['baseline_is']}) | "
+            f"{e['unit']} | {e['ratio']:.3g} | {e['better']} | {'; '.join(note)[:300]} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", choices=sorted(COMPARISONS), help="run this comparison only (repeatable)")
+    parser.add_argument(
+        "--only", action="append", choices=sorted(COMPARISONS), help="run this comparison only (repeatable)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rows, tokens and repetitions (development)")
-    parser.add_argument("--model", choices=("smollm2", "demo"), default="smollm2",
-                        help="model of the SmolLM2 comparisons; demo: the offline demo model (development)")
+    parser.add_argument(
+        "--model",
+        choices=("smollm2", "demo"),
+        default="smollm2",
+        help="model of the SmolLM2 comparisons; demo: the offline demo model (development)",
+    )
     parser.add_argument("--store", default=".jaxtune/store", help="store the SmolLM2 GGUF is imported into (once)")
     parser.add_argument("--out", help="output stem (default benchmarks/results/latest for a full run, else .../dev)")
     parser.add_argument("--child", choices=("rerun", "compile"), help=argparse.SUPPRESS)
@@ -152,13 +177,19 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "seconds_per_comparison": timings,
     }
-    md = "\n".join([
-        f"# jaxtune benchmarks ({report['date']})", "",
-        f"{report['machine']['cpu_model']}, {report['machine']['cores']} cores, flags {' '.join(report['machine']['flags'])}; "
-        f"jax {report['machine']['versions'].get('jax')}, torch {report['machine']['versions'].get('torch')}, "
-        f"transformers {report['machine']['versions'].get('transformers')}; load average {load_before[0]:.2f} before, "
-        f"{os.getloadavg()[0]:.2f} after; {report['api']}{'; QUICK run' if ctx.quick else ''}", "",
-        table(results), ""])
+    md = "\n".join(
+        [
+            f"# jaxtune benchmarks ({report['date']})",
+            "",
+            f"{report['machine']['cpu_model']}, {report['machine']['cores']} cores, flags {' '.join(report['machine']['flags'])}; "
+            f"jax {report['machine']['versions'].get('jax')}, torch {report['machine']['versions'].get('torch')}, "
+            f"transformers {report['machine']['versions'].get('transformers')}; load average {load_before[0]:.2f} before, "
+            f"{os.getloadavg()[0]:.2f} after; {report['api']}{'; QUICK run' if ctx.quick else ''}",
+            "",
+            table(results),
+            "",
+        ]
+    )
     stem.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{stem}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     Path(f"{stem}.md").write_text(md)

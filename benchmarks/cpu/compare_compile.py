@@ -34,8 +34,13 @@ def bench_warm_vs_cold_compile(ctx: Context) -> dict:
                 pair = {}
                 for which in ("cold", "warm"):
                     log(f"warm_vs_cold_compile ({variant}): {which} child {rep + 1}/{ctx.compile_reps}")
-                    child = subprocess.run([sys.executable, "-m", BENCH, "--child", "compile", "--child-dir", cache],
-                                           env=env, cwd=ROOT, capture_output=True, text=True)
+                    child = subprocess.run(
+                        [sys.executable, "-m", BENCH, "--child", "compile", "--child-dir", cache],
+                        env=env,
+                        cwd=ROOT,
+                        capture_output=True,
+                        text=True,
+                    )
                     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
                     if child.returncode != 0 or not lines:
                         return {key: skipped(f"child failed (exit {child.returncode}): {child.stderr[-2000:]}")}
@@ -44,21 +49,40 @@ def bench_warm_vs_cold_compile(ctx: Context) -> dict:
                 pairs.append(pair)
         cold = statistics.median(p["cold"]["first_call_seconds"] for p in pairs)
         warm = statistics.median(p["warm"]["first_call_seconds"] for p in pairs)
-        variants[variant] = {"cold_seconds": cold, "warm_seconds": warm, "ratio": warm / cold,
-                             "warm_hits": sum(p["warm_hit"] for p in pairs), "pairs": pairs}
-        log(f"warm_vs_cold_compile ({variant}): cold {cold:.2f} s, warm {warm:.2f} s, "
-            f"{variants[variant]['warm_hits']}/{len(pairs)} warm children hit the cache")
+        variants[variant] = {
+            "cold_seconds": cold,
+            "warm_seconds": warm,
+            "ratio": warm / cold,
+            "warm_hits": sum(p["warm_hit"] for p in pairs),
+            "pairs": pairs,
+        }
+        log(
+            f"warm_vs_cold_compile ({variant}): cold {cold:.2f} s, warm {warm:.2f} s, "
+            f"{variants[variant]['warm_hits']}/{len(pairs)} warm children hit the cache"
+        )
     # The `jaxtune` command runs under PYTHONHASHSEED=0 (jaxtune.cli.main.entry): that is the headline.
     fixed, main = variants["default"], variants["PYTHONHASHSEED=0"]
     first = main["pairs"][0]["cold"]
-    return {key: entry(main["ratio"], main["warm_seconds"], main["cold_seconds"], "s to first result",
-                       "fresh process, filled cache", "fresh process, empty cache", "lower: warm cache faster",
-                       how=first["how"], shape=first["shape"], model="demo model (offline default shape and LoRA)",
-                       warm_hits=f"{main['warm_hits']}/{len(main['pairs'])}", variants=variants,
-                       ratio_with_random_hash_seed=fixed["ratio"],
-                       note=f"warm children that hit the cache: {main['warm_hits']}/{len(main['pairs'])} with "
-                            f"PYTHONHASHSEED=0 (as the jaxtune command runs), {fixed['warm_hits']}/{len(fixed['pairs'])} "
-                            f"with it unset (ratio {fixed['ratio']:.3g} there)")}
+    return {
+        key: entry(
+            main["ratio"],
+            main["warm_seconds"],
+            main["cold_seconds"],
+            "s to first result",
+            "fresh process, filled cache",
+            "fresh process, empty cache",
+            "lower: warm cache faster",
+            how=first["how"],
+            shape=first["shape"],
+            model="demo model (offline default shape and LoRA)",
+            warm_hits=f"{main['warm_hits']}/{len(main['pairs'])}",
+            variants=variants,
+            ratio_with_random_hash_seed=fixed["ratio"],
+            note=f"warm children that hit the cache: {main['warm_hits']}/{len(main['pairs'])} with "
+            f"PYTHONHASHSEED=0 (as the jaxtune command runs), {fixed['warm_hits']}/{len(fixed['pairs'])} "
+            f"with it unset (ratio {fixed['ratio']:.3g} there)",
+        )
+    }
 
 
 def child_compile(cache_dir: str) -> None:
@@ -97,8 +121,15 @@ def child_compile(cache_dir: str) -> None:
         batch, labels = feed
         placed = model.placement.shard_micro_batches({**batch, "labels": labels})
         placed_labels = placed.pop("labels")
-        args = (trainer.weights, model.buffers, trainer.opt_state, placed, placed_labels, steps.step_key(0, 1),
-                jnp.float32(trainer.lr))
+        args = (
+            trainer.weights,
+            model.buffers,
+            trainer.opt_state,
+            placed,
+            placed_labels,
+            steps.step_key(0, 1),
+            jnp.float32(trainer.lr),
+        )
         with model.env:
             start = time.perf_counter()
             lowered = jitted.lower(*args)
@@ -113,5 +144,16 @@ def child_compile(cache_dir: str) -> None:
         jax.block_until_ready(trainer.step(*feed))
         seconds = time.perf_counter() - start
     after = sum(1 for _ in Path(cache_dir).rglob("*") if _.is_file())
-    print(json.dumps({"first_call_seconds": seconds, "phases": phases, "cache_files_before": before, "cache_files_after": after,
-                      "how": how, "shape": [1, b, t], "api": api_state(trainer.step_fn)}))
+    print(
+        json.dumps(
+            {
+                "first_call_seconds": seconds,
+                "phases": phases,
+                "cache_files_before": before,
+                "cache_files_after": after,
+                "how": how,
+                "shape": [1, b, t],
+                "api": api_state(trainer.step_fn),
+            }
+        )
+    )

@@ -13,8 +13,17 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common.generate import torch_generate
-from benchmarks.common.harness import (Context, entry, fastest, free_memory, log, rounds, skipped, torch_thread_counts,
-                                       torch_threads)
+from benchmarks.common.harness import (
+    Context,
+    entry,
+    fastest,
+    free_memory,
+    log,
+    rounds,
+    skipped,
+    torch_thread_counts,
+    torch_threads,
+)
 from benchmarks.cpu.models import SKIP_SMOLLM2, model_label, pad_id_of, real_model_folder, vocab_of
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
@@ -37,8 +46,12 @@ def chat_prompts(folder: str, texts: list[str]) -> list[list[int]]:
         rng = np.random.default_rng(2)
         return [rng.integers(3, vocab_of(folder), size=10 + 3 * i).tolist() for i in range(len(texts))]
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                          return_dict=False) for t in texts]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for t in texts
+    ]
 
 
 def bench_decode_vs_torch(ctx: Context) -> dict:
@@ -50,9 +63,9 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
 
     from jaxtune.config import MeshConfig
     from jaxtune.runtime.decoding import decode
+    from jaxtune.runtime.decoding.stream import StreamDecoder
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
-    from jaxtune.runtime.decoding.stream import StreamDecoder
 
     n, pad = ctx.decode_tokens, pad_id_of(folder)
     prompts = chat_prompts(folder, PROMPTS)
@@ -89,7 +102,9 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
         if case == "b1":
             got[("jaxtune", case)] = [list(decoder.stream(prompts[0], n))]
         else:
-            got[("jaxtune", case)] = np.asarray(jax.block_until_ready(generate(model, model.weights, model.buffers, ids, mask))).tolist()
+            got[("jaxtune", case)] = np.asarray(
+                jax.block_until_ready(generate(model, model.weights, model.buffers, ids, mask))
+            ).tolist()
 
     def theirs(case: str, threads: int) -> None:
         torch_module.set_attn_implementation(attention_of[case])
@@ -98,7 +113,9 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
 
     out = {}
     for case, rows in (("b1", 1), ("b8", 8)):
-        runs = {f"PyTorch, {t} thread{'s' * (t > 1)}": functools.partial(theirs, case, t) for t in torch_thread_counts()}
+        runs = {
+            f"PyTorch, {t} thread{'s' * (t > 1)}": functools.partial(theirs, case, t) for t in torch_thread_counts()
+        }
         runs["jaxtune"] = functools.partial(ours, case)
         times = rounds(runs, ctx.reps, f"decode {case}")
         ours_times = times.pop("jaxtune")
@@ -108,17 +125,28 @@ def bench_decode_vs_torch(ctx: Context) -> dict:
         ours_tokens, their_tokens = got[("jaxtune", case)], got[(threads, case)]
         ours_tps, theirs_tps = rows * n / ours_s, rows * n / theirs_s
         out[f"decode_vs_torch_{case}"] = entry(
-            ours_tps / theirs_tps, ours_tps, theirs_tps, "new tokens/s",
+            ours_tps / theirs_tps,
+            ours_tps,
+            theirs_tps,
+            "new tokens/s",
             "StreamDecoder" if case == "b1" else "make_generate, left-padded",
-            f"model.generate(do_sample=False), {attention_of[case]} attention, {setting[9:]}", "higher: jaxtune faster",
-            model=model_label(ctx), batch=rows, new_tokens=n, prompt_lengths=[len(p) for p in cases[case]],
-            same_tokens=their_tokens == ours_tokens, rows_with_same_tokens=sum(x == y for x, y in zip(their_tokens, ours_tokens)),
+            f"model.generate(do_sample=False), {attention_of[case]} attention, {setting[9:]}",
+            "higher: jaxtune faster",
+            model=model_label(ctx),
+            batch=rows,
+            new_tokens=n,
+            prompt_lengths=[len(p) for p in cases[case]],
+            same_tokens=their_tokens == ours_tokens,
+            rows_with_same_tokens=sum(x == y for x, y in zip(their_tokens, ours_tokens)),
             same_tokens_every_thread_count=all(got[(t, case)] == ours_tokens for t in torch_thread_counts()),
-            torch_attention_probe_seconds={k: v for k, v in probes.items() if k.startswith(case)}, torch_times=times,
-            jaxtune_times=ours_times, round_ratios=[t / o for t, o in zip(times[setting], ours_times)],
+            torch_attention_probe_seconds={k: v for k, v in probes.items() if k.startswith(case)},
+            torch_times=times,
+            jaxtune_times=ours_times,
+            round_ratios=[t / o for t, o in zip(times[setting], ours_times)],
             jaxtune_compile_seconds=decoder.last.compile_seconds if case == "b1" else b8_compile,
             note="runs in alternating rounds (PyTorch on each thread count, then jaxtune); PyTorch's figure is its "
-                 "faster setting")
+            "faster setting",
+        )
     out["decode_vs_torch"] = {**out["decode_vs_torch_b8"], "alias_of": "decode_vs_torch_b8"}
     del model, decoder, generate, module, torch_module
     free_memory()
@@ -145,9 +173,9 @@ def bench_decode_vs_recipe(ctx: Context) -> dict:
     from jaxtune.config import MeshConfig
     from jaxtune.runtime.compat import torchax_env
     from jaxtune.runtime.decoding.decode import _cache_argument
+    from jaxtune.runtime.decoding.stream import StreamDecoder
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
-    from jaxtune.runtime.decoding.stream import StreamDecoder
 
     pad = pad_id_of(folder)
     prompt = chat_prompts(folder, [PROMPT])[0]
@@ -169,28 +197,51 @@ def bench_decode_vs_recipe(ctx: Context) -> dict:
     with env, torch.no_grad():
         recipe.to("jax")
         cache = StaticCache(config=recipe.config, max_cache_len=p + n + warm + 1)
-        out = recipe(input_ids=torch.tensor([prompt], device="jax"), use_cache=True,
-                     cache_position=torch.arange(p, device="jax"), **{argument: cache})
+        out = recipe(
+            input_ids=torch.tensor([prompt], device="jax"),
+            use_cache=True,
+            cache_position=torch.arange(p, device="jax"),
+            **{argument: cache},
+        )
         token = out.logits[0, -1].argmax().item()
         recipe_tokens.append(token)
         for i in range(warm + n):
             start = time.perf_counter()
-            out = recipe(input_ids=torch.tensor([[token]], device="jax"), use_cache=True,
-                         cache_position=torch.tensor([p + i], device="jax"), **{argument: cache})
+            out = recipe(
+                input_ids=torch.tensor([[token]], device="jax"),
+                use_cache=True,
+                cache_position=torch.tensor([p + i], device="jax"),
+                **{argument: cache},
+            )
             token = out.logits[0, -1].argmax().item()
             times.append(time.perf_counter() - start)
             recipe_tokens.append(token)
             log(f"recipe token {i}: {times[-1]:.2f} s{' (warm-up)' if i < warm else ''}")
     del recipe, cache, out
     recipe_s = statistics.median(times[warm:])
-    intervals += [statistics.median(stream_token_intervals(decoder, prompt, ctx.decode_tokens)) for _ in range(ctx.reps)]
+    intervals += [
+        statistics.median(stream_token_intervals(decoder, prompt, ctx.decode_tokens)) for _ in range(ctx.reps)
+    ]
     ours_s = statistics.median(intervals)
     same = ours_tokens[: len(recipe_tokens)] == recipe_tokens
     del decoder, module
     free_memory()
-    return {key: entry(recipe_s / ours_s, 1 / ours_s, 1 / recipe_s, "tokens/s (per-token step)",
-                       "StreamDecoder one-token step", f"torchax eager, static KV cache, .item() per token ({attention} attention)",
-                       "higher: jaxtune faster", model=model_label(ctx), batch=1, recipe_token_times=times,
-                       recipe_warmup_tokens=warm, jaxtune_median_intervals=intervals, same_tokens=same,
-                       note=f"both per-token: median time between consecutive tokens, prefill excluded; jaxtune's from "
-                            f"{ctx.reps} answers just before and {ctx.reps} just after the recipe's {n} tokens")}
+    return {
+        key: entry(
+            recipe_s / ours_s,
+            1 / ours_s,
+            1 / recipe_s,
+            "tokens/s (per-token step)",
+            "StreamDecoder one-token step",
+            f"torchax eager, static KV cache, .item() per token ({attention} attention)",
+            "higher: jaxtune faster",
+            model=model_label(ctx),
+            batch=1,
+            recipe_token_times=times,
+            recipe_warmup_tokens=warm,
+            jaxtune_median_intervals=intervals,
+            same_tokens=same,
+            note=f"both per-token: median time between consecutive tokens, prefill excluded; jaxtune's from "
+            f"{ctx.reps} answers just before and {ctx.reps} just after the recipe's {n} tokens",
+        )
+    }

@@ -18,8 +18,8 @@ def bench_activation_memory_vs_eager(ctx: Context) -> dict:
     if folder is None:
         return {key: skipped(SKIP_SMOLLM2)}
     from jaxtune.config import TrainConfig
-    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures import fit
 
     model = jaxtune_model(folder, "bfloat16", recipe_lora())
     optimizer = make_optimizer(TrainConfig(), 100)
@@ -40,15 +40,38 @@ def bench_activation_memory_vs_eager(ctx: Context) -> dict:
         eager = plan(None)
         del model
         free_memory()
-        return {key: skipped("TODO: steps.train_step_memory has no `fused` flag yet; only the current step's plan is recorded",
-                             model=model_label(ctx), shape=[1, 8, 512], dtype="bfloat16", current_plan=eager,
-                             current_activations_gib=eager["activations"] / 2**30, gradient_bytes=gradients)}
+        return {
+            key: skipped(
+                "TODO: steps.train_step_memory has no `fused` flag yet; only the current step's plan is recorded",
+                model=model_label(ctx),
+                shape=[1, 8, 512],
+                dtype="bfloat16",
+                current_plan=eager,
+                current_activations_gib=eager["activations"] / 2**30,
+                gradient_bytes=gradients,
+            )
+        }
     eager, fused = plan(False), plan(True)
     del model
     free_memory()
     gib = fused["activations"] / 2**30
-    return {key: entry(fused["activations"] / eager["activations"], gib, eager["activations"] / 2**30, "GiB activations",
-                       "fused attention + chunked loss, remat matmuls", "eager attention + full logits, no remat",
-                       "lower: jaxtune smaller",
-                       model=model_label(ctx), shape=[1, 8, 512], dtype="bfloat16", fused_plan=fused, eager_plan=eager,
-                       gradient_bytes=gradients, fused_activations_gib=gib, target_gib=3.0, within_target=gib <= 3.0)}
+    return {
+        key: entry(
+            fused["activations"] / eager["activations"],
+            gib,
+            eager["activations"] / 2**30,
+            "GiB activations",
+            "fused attention + chunked loss, remat matmuls",
+            "eager attention + full logits, no remat",
+            "lower: jaxtune smaller",
+            model=model_label(ctx),
+            shape=[1, 8, 512],
+            dtype="bfloat16",
+            fused_plan=fused,
+            eager_plan=eager,
+            gradient_bytes=gradients,
+            fused_activations_gib=gib,
+            target_gib=3.0,
+            within_target=gib <= 3.0,
+        )
+    }

@@ -33,8 +33,12 @@ def bench_quantized_base(ctx: Context) -> dict:
     real = sum(len(r) for r in ids)
     passes = {}
     for scheme in ("none", "int8", "int4"):
-        model = jaxtune_model(folder, "float32", recipe_lora(), before_jax=None if scheme == "none" else
-                              lambda module, scheme=scheme: quantize_base(module, scheme))
+        model = jaxtune_model(
+            folder,
+            "float32",
+            recipe_lora(),
+            before_jax=None if scheme == "none" else lambda module, scheme=scheme: quantize_base(module, scheme),
+        )
         trainer = JaxtuneTrainer(model)
         jax.block_until_ready(trainer.step(*feed[0]))  # compiles
         log(f"{scheme}: compiled")
@@ -52,9 +56,23 @@ def bench_quantized_base(ctx: Context) -> dict:
     import statistics
 
     tps = {scheme: real / statistics.median(t) for scheme, t in times.items()}
-    common = {"model": model_label(ctx), "real_tokens": real, "packed_shape": [shape.sequences, shape.length],
-              "note": "float32 compute; the base's linear layers held as int8/int4 blocks of 64, dequantized in each layer"}
-    return {f"quantized_base_{scheme}": entry(tps[scheme] / tps["none"], tps[scheme], tps["none"], "real tokens/s",
-                                              f"jaxtune, {scheme} base", "jaxtune, float32 base",
-                                              "higher: the quantized base faster", pass_times=times, **common)
-            for scheme in ("int8", "int4")}
+    common = {
+        "model": model_label(ctx),
+        "real_tokens": real,
+        "packed_shape": [shape.sequences, shape.length],
+        "note": "float32 compute; the base's linear layers held as int8/int4 blocks of 64, dequantized in each layer",
+    }
+    return {
+        f"quantized_base_{scheme}": entry(
+            tps[scheme] / tps["none"],
+            tps[scheme],
+            tps["none"],
+            "real tokens/s",
+            f"jaxtune, {scheme} base",
+            "jaxtune, float32 base",
+            "higher: the quantized base faster",
+            pass_times=times,
+            **common,
+        )
+        for scheme in ("int8", "int4")
+    }

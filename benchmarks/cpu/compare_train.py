@@ -8,11 +8,35 @@ import statistics
 import time
 from typing import Callable
 
-from benchmarks.common.harness import (Context, entry, fastest, free_memory, log, machine_info, matmul_run, rounds, say,
-                                       skipped, torch_thread_counts, torch_threads)
+from benchmarks.common.harness import (
+    Context,
+    entry,
+    fastest,
+    free_memory,
+    log,
+    machine_info,
+    matmul_run,
+    rounds,
+    say,
+    skipped,
+    torch_thread_counts,
+    torch_threads,
+)
 from benchmarks.common.train_step import JaxtuneTrainer, TorchTrainer, api_state, micro_batch, with_segments
-from benchmarks.cpu.models import (IGNORE_INDEX, SKIP_SMOLLM2, dolly_rows, jaxtune_model, model_label, pad_id_of,
-                                   real_model_folder, recipe_lora, right_pad, torch_batch, torch_lora_model, vocab_of)
+from benchmarks.cpu.models import (
+    IGNORE_INDEX,
+    SKIP_SMOLLM2,
+    dolly_rows,
+    jaxtune_model,
+    model_label,
+    pad_id_of,
+    real_model_folder,
+    recipe_lora,
+    right_pad,
+    torch_batch,
+    torch_lora_model,
+    vocab_of,
+)
 from benchmarks.cpu.training import PackedJaxtune, PaddedTorch, jaxtune_packed_training, matmul_n, training_rows
 
 
@@ -31,22 +55,41 @@ def bench_train_vs_torch_fp32(ctx: Context) -> dict:
         ctx.memo["jaxtune_packed"] = result
     setting, torch_s = fastest(times)
     torch_tps = theirs.real / torch_s
-    round_ratios = [t / j for t, j in zip(times[setting], result["pass_times"])]  # same rows: time ratio = throughput ratio
+    round_ratios = [
+        t / j for t, j in zip(times[setting], result["pass_times"])
+    ]  # same rows: time ratio = throughput ratio
     common = {"model": model_label(ctx), "rows": result["rows"], "real_tokens": result["real_tokens"], "batch_size": 8}
     torch_lengths, torch_nonpad = theirs.lengths, theirs.nonpad
     del ours, theirs
     free_memory()
     return {
-        "train_vs_torch_fp32": entry(result["tokens_per_second"] / torch_tps, result["tokens_per_second"], torch_tps,
-                                     "real tokens/s", "jaxtune, packed", f"PyTorch eager SDPA, padded per batch, {setting[9:]}",
-                                     "higher: jaxtune faster", **common, jaxtune_detail=result, torch_pass_times=times,
-                                     round_ratios=round_ratios,
-                                     torch_padded_lengths=torch_lengths,
-                                     note="passes over all rows in alternating rounds (PyTorch on each thread count, then "
-                                          "jaxtune); PyTorch's figure is its faster thread count"),
-        "nonpad_fraction": entry(result["nonpad_fraction"], result["nonpad_fraction"], torch_nonpad, "share of slots",
-                                 "jaxtune packed", "padded per batch (PyTorch, for reference)", "higher: less padding",
-                                 **common, packed_shape=result["packed_shape"]),
+        "train_vs_torch_fp32": entry(
+            result["tokens_per_second"] / torch_tps,
+            result["tokens_per_second"],
+            torch_tps,
+            "real tokens/s",
+            "jaxtune, packed",
+            f"PyTorch eager SDPA, padded per batch, {setting[9:]}",
+            "higher: jaxtune faster",
+            **common,
+            jaxtune_detail=result,
+            torch_pass_times=times,
+            round_ratios=round_ratios,
+            torch_padded_lengths=torch_lengths,
+            note="passes over all rows in alternating rounds (PyTorch on each thread count, then "
+            "jaxtune); PyTorch's figure is its faster thread count",
+        ),
+        "nonpad_fraction": entry(
+            result["nonpad_fraction"],
+            result["nonpad_fraction"],
+            torch_nonpad,
+            "share of slots",
+            "jaxtune packed",
+            "padded per batch (PyTorch, for reference)",
+            "higher: less padding",
+            **common,
+            packed_shape=result["packed_shape"],
+        ),
     }
 
 
@@ -87,10 +130,26 @@ def bench_train_vs_torch_fp32_same_shape(ctx: Context) -> dict:
     api = api_state(jt.step_fn)
     del jt, trainer
     free_memory()
-    return {key: entry(torch_s / jax_s, jax_s, torch_s, "s/step", "jaxtune", f"PyTorch eager SDPA, {setting[9:]}",
-                       "higher: jaxtune faster", model=model_label(ctx), shape=[4, 128], real_tokens=real,
-                       jaxtune_times=jax_times, torch_times=times, round_ratios=round_ratios, jaxtune_compile_seconds=compile_s, api=api,
-                       note="steps in alternating rounds; PyTorch's figure is its faster thread count")}
+    return {
+        key: entry(
+            torch_s / jax_s,
+            jax_s,
+            torch_s,
+            "s/step",
+            "jaxtune",
+            f"PyTorch eager SDPA, {setting[9:]}",
+            "higher: jaxtune faster",
+            model=model_label(ctx),
+            shape=[4, 128],
+            real_tokens=real,
+            jaxtune_times=jax_times,
+            torch_times=times,
+            round_ratios=round_ratios,
+            jaxtune_compile_seconds=compile_s,
+            api=api,
+            note="steps in alternating rounds; PyTorch's figure is its faster thread count",
+        )
+    }
 
 
 def recipe_step(model) -> Callable:
@@ -104,13 +163,17 @@ def recipe_step(model) -> Callable:
     module = model.module
 
     def forward(weights, buffers, batch):
-        return torch.func.functional_call(module, (weights, buffers), args=(),
-                                          kwargs={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                                                  "use_cache": False}).logits
+        return torch.func.functional_call(
+            module,
+            (weights, buffers),
+            args=(),
+            kwargs={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False},
+        ).logits
 
     def loss_fn(logits, labels):
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                                 labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+        )
 
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4, weight_decay=0.01))
     raw = torchax.train.make_train_step(forward, loss_fn, optimizer)
@@ -135,8 +198,10 @@ def bench_train_vs_recipe(ctx: Context) -> dict:
         return {key: skipped(SKIP_SMOLLM2)}
     result = recipe_comparison(ctx)
     if result is None:
-        note = (f"the un-jitted recipe's warm-up step on {model_label(ctx)} took over {RECIPE_WARMUP_LIMIT_S} s: "
-                "both sides measured on the demo model instead")
+        note = (
+            f"the un-jitted recipe's warm-up step on {model_label(ctx)} took over {RECIPE_WARMUP_LIMIT_S} s: "
+            "both sides measured on the demo model instead"
+        )
         say(f"train_vs_recipe: {note}")
         demo = Context.make(ctx.quick, "demo", ctx.store)
         result = recipe_comparison(demo, limit=None)
@@ -155,7 +220,9 @@ def recipe_comparison(ctx: Context, limit: float | None = RECIPE_WARMUP_LIMIT_S)
     batches = [right_pad(ids[i : i + 8], labels[i : i + 8], pad_id_of(folder), 512) for i in range(0, len(ids), 8)]
     model = jaxtune_model(folder, "float32", recipe_lora())
     step = recipe_step(model)
-    feed = [({k: jnp.asarray(b[k]) for k in ("input_ids", "attention_mask")}, jnp.asarray(b["labels"])) for b in batches]
+    feed = [
+        ({k: jnp.asarray(b[k]) for k in ("input_ids", "attention_mask")}, jnp.asarray(b["labels"])) for b in batches
+    ]
     times = []
     for i in range(1 + ctx.recipe_steps):  # 1 warm-up, then timed; each batch is (8, 512) whatever its rows
         start = time.perf_counter()
@@ -171,12 +238,23 @@ def recipe_comparison(ctx: Context, limit: float | None = RECIPE_WARMUP_LIMIT_S)
     theirs = ours["real_tokens"] / (len(batches) * per_step)
     del model, step
     free_memory()
-    return entry(ours["tokens_per_second"] / theirs, ours["tokens_per_second"], theirs, "real tokens/s", "jaxtune, packed",
-                 "torchax make_train_step un-jitted, rows padded to 512", "higher: jaxtune faster", model=model_label(ctx),
-                 recipe_seconds_per_step=per_step, recipe_step_times=times, recipe_warmup_seconds=times[0],
-                 recipe_steps_per_pass=len(batches), real_tokens=ours["real_tokens"],
-                 note=f"recipe: {ctx.recipe_steps} steps timed after 1 warm-up; its tokens/s = real tokens of all rows / "
-                      "(steps to cover them x median step time): every recipe step is (8, 512) whatever its rows")
+    return entry(
+        ours["tokens_per_second"] / theirs,
+        ours["tokens_per_second"],
+        theirs,
+        "real tokens/s",
+        "jaxtune, packed",
+        "torchax make_train_step un-jitted, rows padded to 512",
+        "higher: jaxtune faster",
+        model=model_label(ctx),
+        recipe_seconds_per_step=per_step,
+        recipe_step_times=times,
+        recipe_warmup_seconds=times[0],
+        recipe_steps_per_pass=len(batches),
+        real_tokens=ours["real_tokens"],
+        note=f"recipe: {ctx.recipe_steps} steps timed after 1 warm-up; its tokens/s = real tokens of all rows / "
+        "(steps to cover them x median step time): every recipe step is (8, 512) whatever its rows",
+    )
 
 
 def bench_mfu(ctx: Context) -> dict:
@@ -188,8 +266,10 @@ def bench_mfu(ctx: Context) -> dict:
     # Zen 4 (AMD family 25, models 0x10-0x1f and 0x60-0x7f; this EPYC is family 25 model 17, Genoa): two 256-bit FMA
     # pipes; AVX-512 instructions run as two 256-bit halves, so the fp32 rate is that of 2 x 256-bit FMA units.
     fma_units, simd_fp32 = 2, 8
-    assumption = ("2 FMA pipes x 8 fp32 lanes (256-bit datapaths; Zen 4 splits each AVX-512 op into two 256-bit halves, "
-                  "so AVX-512 doubles no throughput) x 2 FLOPs per FMA = 32 FLOPs/cycle/core")
+    assumption = (
+        "2 FMA pipes x 8 fp32 lanes (256-bit datapaths; Zen 4 splits each AVX-512 op into two 256-bit halves, "
+        "so AVX-512 doubles no throughput) x 2 FLOPs per FMA = 32 FLOPs/cycle/core"
+    )
     if "avx512f" not in flags and "avx2" not in flags:
         fma_units, simd_fp32, assumption = 2, 4, "no AVX2: 2 x 128-bit FMA, 16 FLOPs/cycle/core"
     per_cycle = fma_units * simd_fp32 * 2
@@ -203,13 +283,24 @@ def bench_mfu(ctx: Context) -> dict:
         dot_times = rounds({"matmul": matmul_run(n)}, ctx.reps, "matmul")["matmul"]
     dot_s = statistics.median(dot_times)
     measured = 2 * n**3 / dot_s
-    lines = [f"peak: {cores} cores x {mhz:.0f} MHz (/proc/cpuinfo 'cpu MHz') x {per_cycle} FLOPs/cycle/core = {peak / 1e9:.1f} GFLOP/s",
-             f"  assumption: {assumption}",
-             f"measured peak: float32 jnp.dot {n}^3 = {2 * n**3 / 1e9:.1f} GFLOP in {dot_s:.3f} s (median of {len(dot_times)}, "
-             f"timed in the rounds of jaxtune's training passes) = "
-             f"{measured / 1e9:.1f} GFLOP/s ({measured / peak:.0%} of peak)"]
-    derivation = {"cores": cores, "cpu_mhz": mhz, "flops_per_cycle_per_core": per_cycle, "assumption": assumption,
-                  "peak_flops": peak, "matmul_n": n, "matmul_seconds": dot_s, "matmul_times": dot_times, "measured_peak_flops": measured}
+    lines = [
+        f"peak: {cores} cores x {mhz:.0f} MHz (/proc/cpuinfo 'cpu MHz') x {per_cycle} FLOPs/cycle/core = {peak / 1e9:.1f} GFLOP/s",
+        f"  assumption: {assumption}",
+        f"measured peak: float32 jnp.dot {n}^3 = {2 * n**3 / 1e9:.1f} GFLOP in {dot_s:.3f} s (median of {len(dot_times)}, "
+        f"timed in the rounds of jaxtune's training passes) = "
+        f"{measured / 1e9:.1f} GFLOP/s ({measured / peak:.0%} of peak)",
+    ]
+    derivation = {
+        "cores": cores,
+        "cpu_mhz": mhz,
+        "flops_per_cycle_per_core": per_cycle,
+        "assumption": assumption,
+        "peak_flops": peak,
+        "matmul_n": n,
+        "matmul_seconds": dot_s,
+        "matmul_times": dot_times,
+        "measured_peak_flops": measured,
+    }
     if folder is None:
         for line in lines:
             say(line)
@@ -230,8 +321,27 @@ def bench_mfu(ctx: Context) -> dict:
     ]
     for line in lines:
         say(line)
-    derivation.update({"model_flops": f, "tokens_per_second": ours["tokens_per_second"], "achieved_flops": achieved, "lines": lines})
-    return {"mfu": entry(achieved / peak, achieved / 1e9, peak / 1e9, "GFLOP/s", "jaxtune train step (model FLOPs)",
-                         "spec peak", "higher: better utilisation", mfu_derivation=derivation),
-            "mfu_vs_measured_peak": entry(achieved / measured, achieved / 1e9, measured / 1e9, "GFLOP/s",
-                                          "jaxtune train step (model FLOPs)", "measured jnp.dot peak", "higher: better utilisation")}
+    derivation.update(
+        {"model_flops": f, "tokens_per_second": ours["tokens_per_second"], "achieved_flops": achieved, "lines": lines}
+    )
+    return {
+        "mfu": entry(
+            achieved / peak,
+            achieved / 1e9,
+            peak / 1e9,
+            "GFLOP/s",
+            "jaxtune train step (model FLOPs)",
+            "spec peak",
+            "higher: better utilisation",
+            mfu_derivation=derivation,
+        ),
+        "mfu_vs_measured_peak": entry(
+            achieved / measured,
+            achieved / 1e9,
+            measured / 1e9,
+            "GFLOP/s",
+            "jaxtune train step (model FLOPs)",
+            "measured jnp.dot peak",
+            "higher: better utilisation",
+        ),
+    }

@@ -60,8 +60,8 @@ def demo_torch_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import load_config
+    from jaxtune.offline.architectures import tiny_config
 
     shape = load_config().model.tiny
     config = tiny_config(shape.architecture, shape, shape.vocab_size, 0, 2, 1)
@@ -147,10 +147,17 @@ def dolly_rows(n: int, vocab: int, seed: int = 0, median: int = 120, longest: in
 def right_pad(ids, labels, pad_id: int, length: int | None = None) -> dict[str, np.ndarray]:
     """Rows right-padded to `length` (default: the longest row), as DataCollatorWithPadding does."""
     length = length or max(len(r) for r in ids)
-    out = {"input_ids": np.full((len(ids), length), pad_id, np.int32), "attention_mask": np.zeros((len(ids), length), np.int32),
-           "labels": np.full((len(ids), length), IGNORE_INDEX, np.int32)}
+    out = {
+        "input_ids": np.full((len(ids), length), pad_id, np.int32),
+        "attention_mask": np.zeros((len(ids), length), np.int32),
+        "labels": np.full((len(ids), length), IGNORE_INDEX, np.int32),
+    }
     for r, (row, lab) in enumerate(zip(ids, labels)):
-        out["input_ids"][r, : len(row)], out["attention_mask"][r, : len(row)], out["labels"][r, : len(row)] = row, 1, lab
+        out["input_ids"][r, : len(row)], out["attention_mask"][r, : len(row)], out["labels"][r, : len(row)] = (
+            row,
+            1,
+            lab,
+        )
     return out
 
 

@@ -85,8 +85,12 @@ def run_now(rows: Path, tokenizer_folder: Path, out: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     (out / "tables").mkdir()
     stats = write_token_tables([(cfg.mixture()[0], str(rows))], tokenizer, cfg, out / "tables")
-    return {"train_rows": stats["train_rows"], "eval_rows": stats["eval_rows"], "dropped": stats["dropped"],
-            "num_proc": len(os.sched_getaffinity(0))}
+    return {
+        "train_rows": stats["train_rows"],
+        "eval_rows": stats["eval_rows"],
+        "dropped": stats["dropped"],
+        "num_proc": len(os.sched_getaffinity(0)),
+    }
 
 
 class TreeMemory:
@@ -132,8 +136,18 @@ def child(impl: str, rows: Path, tokenizer_folder: Path) -> None:
         started = time.perf_counter()
         result = {"before": run_before, "now": run_now}[impl](rows, tokenizer_folder, Path(out))
         seconds = time.perf_counter() - started
-    print(json.dumps({**result, "seconds": seconds, "peak_rss_mb": peak_rss_mb(), "peak_tree_pss_mb": memory.peak / 2**20,
-                      "rss_after_imports_mb": imports_rss, "package": str(Path(jaxtune.__file__).parent)}))
+    print(
+        json.dumps(
+            {
+                **result,
+                "seconds": seconds,
+                "peak_rss_mb": peak_rss_mb(),
+                "peak_tree_pss_mb": memory.peak / 2**20,
+                "rss_after_imports_mb": imports_rss,
+                "package": str(Path(jaxtune.__file__).parent),
+            }
+        )
+    )
 
 
 def peak_rss_mb() -> float:
@@ -181,30 +195,64 @@ def main() -> None:
                 print(f"tokenize_scale: {impl} on {n:,} rows ({rows.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
                 # the implementation's jaxtune first, then this checkout for the benchmarks package
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys((paths[impl], str(ROOT))))}
-                done = subprocess.run([sys.executable, "-m", "benchmarks.cpu.tokenize_scale", "--child", impl, str(rows),
-                                       str(work / "tokenizer")],
-                                      cwd=work, env=env, stdout=subprocess.PIPE, text=True, check=True)
+                done = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.cpu.tokenize_scale",
+                        "--child",
+                        impl,
+                        str(rows),
+                        str(work / "tokenizer"),
+                    ],
+                    cwd=work,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    check=True,
+                )
                 figures = json.loads(done.stdout.strip().splitlines()[-1])
-                results.append({"impl": impl, "rows": n, "file_mb": rows.stat().st_size / 1e6, **figures,
-                                "rows_per_second": n / figures["seconds"]})
+                results.append(
+                    {
+                        "impl": impl,
+                        "rows": n,
+                        "file_mb": rows.stat().st_size / 1e6,
+                        **figures,
+                        "rows_per_second": n / figures["seconds"],
+                    }
+                )
             rows.unlink()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": len(os.sched_getaffinity(0)),
-                                   "results": results}, indent=2) + "\n")
-    print("| impl | rows | file | seconds | rows/s | peak PSS, process + workers | peak RSS, process |\n|---|---|---|---|---|---|---|")
+    RESULTS.write_text(
+        json.dumps(
+            {"date": time.strftime("%Y-%m-%d"), "cpus": len(os.sched_getaffinity(0)), "results": results}, indent=2
+        )
+        + "\n"
+    )
+    print(
+        "| impl | rows | file | seconds | rows/s | peak PSS, process + workers | peak RSS, process |\n|---|---|---|---|---|---|---|"
+    )
     for r in results:
-        print(f"| {r['impl']} | {r['rows']:,} | {r['file_mb']:.1f} MB | {r['seconds']:.1f} | {r['rows_per_second']:,.0f} "
-              f"| {r['peak_tree_pss_mb']:,.0f} MB | {r['peak_rss_mb']:,.0f} MB |")
+        print(
+            f"| {r['impl']} | {r['rows']:,} | {r['file_mb']:.1f} MB | {r['seconds']:.1f} | {r['rows_per_second']:,.0f} "
+            f"| {r['peak_tree_pss_mb']:,.0f} MB | {r['peak_rss_mb']:,.0f} MB |"
+        )
     for n in sorted({r["rows"] for r in results}):
         by = {r["impl"]: r for r in results if r["rows"] == n}
         targets = n >= TARGET_ROWS  # the targets are set at 1M rows; below, start-up (imports, workers) weighs more
         if "now" in by:
             pss = by["now"]["peak_tree_pss_mb"]
-            verdict = f" (target <= {TARGET_RSS_MB:,} MB: {'met' if pss <= TARGET_RSS_MB else 'NOT met'})" if targets else ""
+            verdict = (
+                f" (target <= {TARGET_RSS_MB:,} MB: {'met' if pss <= TARGET_RSS_MB else 'NOT met'})" if targets else ""
+            )
             print(f"{n:,} rows: peak memory (PSS, process + workers) {pss:,.0f} MB{verdict}")
         if "now" in by and "before" in by:
             speedup = by["now"]["rows_per_second"] / by["before"]["rows_per_second"]
-            verdict = f" (target >= {TARGET_SPEEDUP:g}x: {'met' if speedup >= TARGET_SPEEDUP else 'NOT met'})" if targets else ""
+            verdict = (
+                f" (target >= {TARGET_SPEEDUP:g}x: {'met' if speedup >= TARGET_SPEEDUP else 'NOT met'})"
+                if targets
+                else ""
+            )
             print(f"{n:,} rows: now / before = {speedup:.2f}x rows/s{verdict}")
 
 

@@ -50,13 +50,19 @@ def write_tables(folder: Path, rows: int, vocab: int, seed: int = 0) -> None:
             for i in range(count):  # the prompt's labels are masked, as tokenize writes them
                 labels[offsets[i] : offsets[i] + prompt[i]] = IGNORE_INDEX
             text = pa.array([""] * count, pa.string())
-            yield pa.table({
-                "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
-                "labels": pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels)),
-                "length": pa.array(lengths), "prompt_length": pa.array(prompt),
-                "category": pa.array(["bench"] * count), "prompt_text": text, "response": text,
-                "source": pa.array(["generated"] * count),
-            }, schema=ARROW_SCHEMA)
+            yield pa.table(
+                {
+                    "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
+                    "labels": pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels)),
+                    "length": pa.array(lengths),
+                    "prompt_length": pa.array(prompt),
+                    "category": pa.array(["bench"] * count),
+                    "prompt_text": text,
+                    "response": text,
+                    "source": pa.array(["generated"] * count),
+                },
+                schema=ARROW_SCHEMA,
+            )
 
     folder.mkdir(parents=True)
     write_arrow(tables(rows), folder / "train.arrow")
@@ -80,24 +86,45 @@ def child(data: Path, model_folder: Path, steps: int) -> None:
     """What the train stage does with its inputs, for `steps` steps; prints its figures as one JSON line."""
     from jaxtune.config import load_config
     from jaxtune.data.token_table import TokenTable
+    from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.train import training
-    from jaxtune.runtime.devices.mesh import make_placement
 
-    config = load_config(None, [f"train.max_steps={steps}", "train.eval_every=null", "train.log_every=5",
-                                "train.warmup_steps=1"])
+    config = load_config(
+        None, [f"train.max_steps={steps}", "train.eval_every=null", "train.log_every=5", "train.warmup_steps=1"]
+    )
     model = rt_model.open_model(str(model_folder), None, config.model, make_placement(config.mesh), lora=config.lora)
     before_data = peak_rss_mb()
     started = time.perf_counter()
     rows, evals = TokenTable(data / "train.arrow"), TokenTable(data / "eval.arrow")
     feed = training.feed_for(model, rows.lengths, config.train, rows.longest, config.data.packing)
-    result = training.train(model, rows.input_ids, rows.labels, config.train, 0, rows.longest,
-                            eval_data=(evals.input_ids, evals.labels), feed=feed)
-    print(json.dumps({"rows": len(rows), "steps": steps, "packed": feed.packed, "micro_batches_per_epoch": feed.micro_batches_per_epoch,
-                      "seconds": time.perf_counter() - started, "final_loss": result.summary.get("final_loss"),
-                      "peak_rss_before_data_mb": before_data, "peak_rss_mb": peak_rss_mb(),
-                      "anonymous_rss_mb": status_mb("RssAnon"), "file_rss_mb": status_mb("RssFile"),
-                      "file_mb": (data / "train.arrow").stat().st_size / 1e6}))
+    result = training.train(
+        model,
+        rows.input_ids,
+        rows.labels,
+        config.train,
+        0,
+        rows.longest,
+        eval_data=(evals.input_ids, evals.labels),
+        feed=feed,
+    )
+    print(
+        json.dumps(
+            {
+                "rows": len(rows),
+                "steps": steps,
+                "packed": feed.packed,
+                "micro_batches_per_epoch": feed.micro_batches_per_epoch,
+                "seconds": time.perf_counter() - started,
+                "final_loss": result.summary.final_loss,
+                "peak_rss_before_data_mb": before_data,
+                "peak_rss_mb": peak_rss_mb(),
+                "anonymous_rss_mb": status_mb("RssAnon"),
+                "file_rss_mb": status_mb("RssFile"),
+                "file_mb": (data / "train.arrow").stat().st_size / 1e6,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -117,26 +144,47 @@ def main() -> None:
         for n in args.rows or [10_000, 1_000_000]:
             data = work / f"data-{n}"
             write_tables(data, n, vocab)
-            print(f"train_memory: {n:,} rows ({(data / 'train.arrow').stat().st_size / 1e6:,.0f} MB of Arrow)", file=sys.stderr)
-            done = subprocess.run([sys.executable, "-m", "benchmarks.cpu.train_memory", "--child", str(data),
-                                   str(work / "model"), str(args.steps)],
-                                  cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True,
-                                  env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+            print(
+                f"train_memory: {n:,} rows ({(data / 'train.arrow').stat().st_size / 1e6:,.0f} MB of Arrow)",
+                file=sys.stderr,
+            )
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.cpu.train_memory",
+                    "--child",
+                    str(data),
+                    str(work / "model"),
+                    str(args.steps),
+                ],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+                check=True,
+                env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
+            )
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
             for file in data.iterdir():
                 file.unlink()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "results": results}, indent=2) + "\n")
-    print("| rows | Arrow file | steps | seconds | peak RSS before the data | peak RSS | at the end: anonymous, file-backed |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| rows | Arrow file | steps | seconds | peak RSS before the data | peak RSS | at the end: anonymous, file-backed |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for r in results:
-        print(f"| {r['rows']:,} | {r['file_mb']:,.0f} MB | {r['steps']} | {r['seconds']:.1f} | {r['peak_rss_before_data_mb']:,.0f} MB "
-              f"| {r['peak_rss_mb']:,.0f} MB | {r['anonymous_rss_mb']:,.0f} MB, {r['file_rss_mb']:,.0f} MB |")
+        print(
+            f"| {r['rows']:,} | {r['file_mb']:,.0f} MB | {r['steps']} | {r['seconds']:.1f} | {r['peak_rss_before_data_mb']:,.0f} MB "
+            f"| {r['peak_rss_mb']:,.0f} MB | {r['anonymous_rss_mb']:,.0f} MB, {r['file_rss_mb']:,.0f} MB |"
+        )
     if len(results) > 1:
         small, large = min(results, key=lambda r: r["rows"]), max(results, key=lambda r: r["rows"])
         grew = large["peak_rss_mb"] - small["peak_rss_mb"]
-        print(f"peak RSS at {large['rows']:,} rows - at {small['rows']:,} rows = {grew:+,.0f} MB "
-              f"(target <= {TARGET_MB} MB: {'met' if grew <= TARGET_MB else 'NOT met'})")
+        print(
+            f"peak RSS at {large['rows']:,} rows - at {small['rows']:,} rows = {grew:+,.0f} MB "
+            f"(target <= {TARGET_MB} MB: {'met' if grew <= TARGET_MB else 'NOT met'})"
+        )
 
 
 if __name__ == "__main__":

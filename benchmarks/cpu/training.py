@@ -6,14 +6,22 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Callable
 
 import numpy as np
 
 from benchmarks.common.harness import Context, free_memory, log, matmul_run, rounds, torch_threads
 from benchmarks.common.train_step import JaxtuneTrainer, TorchTrainer, api_state, micro_batch
-from benchmarks.cpu.models import (dolly_rows, jaxtune_model, pad_id_of, real_model_folder, recipe_lora, right_pad,
-                                   torch_batch, torch_lora_model, vocab_of)
+from benchmarks.cpu.models import (
+    dolly_rows,
+    jaxtune_model,
+    pad_id_of,
+    real_model_folder,
+    recipe_lora,
+    right_pad,
+    torch_batch,
+    torch_lora_model,
+    vocab_of,
+)
 
 
 def training_rows(ctx: Context):
@@ -52,7 +60,9 @@ class PackedJaxtune:
         self.shape, packed = packed_epoch(ids, labels, pad_id_of(folder))
         self.rows, self.real = len(ids), sum(len(r) for r in ids)
         self.nonpad = float(np.mean([packing.nonpad_fraction(b) for b in packed]))
-        log(f"jaxtune: {len(ids)} rows packed into {len(packed)} micro-batches of {self.shape.sequences} x {self.shape.length}")
+        log(
+            f"jaxtune: {len(ids)} rows packed into {len(packed)} micro-batches of {self.shape.sequences} x {self.shape.length}"
+        )
         self.model = jaxtune_model(folder, "float32", recipe_lora())
         self.trainer = JaxtuneTrainer(self.model)
         self.feed = [micro_batch(b) for b in packed]
@@ -75,11 +85,21 @@ class PackedJaxtune:
 
     def summary(self, times: list[float]) -> dict:
         seconds = statistics.median(times)
-        return {"tokens_per_second": self.real / seconds, "seconds_per_pass": seconds, "pass_times": times,
-                "real_tokens": self.real, "rows": self.rows, "micro_batches": len(self.feed),
-                "packed_shape": [self.shape.sequences, self.shape.length], "nonpad_fraction": self.nonpad,
-                "compile_seconds": self.compile_seconds, "final_loss": self.loss, "api": self.api,
-                "trainable_parameters": int(sum(np.prod(w.shape) for w in self.model.weights.values())), "flops": self.flops}
+        return {
+            "tokens_per_second": self.real / seconds,
+            "seconds_per_pass": seconds,
+            "pass_times": times,
+            "real_tokens": self.real,
+            "rows": self.rows,
+            "micro_batches": len(self.feed),
+            "packed_shape": [self.shape.sequences, self.shape.length],
+            "nonpad_fraction": self.nonpad,
+            "compile_seconds": self.compile_seconds,
+            "final_loss": self.loss,
+            "api": self.api,
+            "trainable_parameters": int(sum(np.prod(w.shape) for w in self.model.weights.values())),
+            "flops": self.flops,
+        }
 
 
 class PaddedTorch:
@@ -123,15 +143,27 @@ def model_flops(model, ids) -> dict:
     n_matmul = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
     n_trainable = int(sum(np.prod(w.shape) for w in model.weights.values()))
     cfg = model.config
-    heads, head_dim = cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads, head_dim = (
+        cfg.num_attention_heads,
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+    )
     d_attn, layers = heads * head_dim, cfg.num_hidden_layers
     tokens = sum(len(r) for r in ids)
     squares = sum(len(r) ** 2 for r in ids)
     dense = tokens * (2 * n_matmul + 2 * n_matmul + 2 * n_trainable)
     attention = 3 * (2 * 2 * layers * d_attn) * squares  # forward 4·layers·t·d_attn per token, backward twice that
-    out = {"n_matmul": int(n_matmul), "n_trainable": n_trainable, "layers": layers, "d_attn": d_attn, "real_tokens": tokens,
-           "sum_row_length_squared": int(squares), "dense_flops": int(dense), "attention_flops": int(attention),
-           "total_flops": int(dense + attention), "flops_per_token": (dense + attention) / tokens}
+    out = {
+        "n_matmul": int(n_matmul),
+        "n_trainable": n_trainable,
+        "layers": layers,
+        "d_attn": d_attn,
+        "real_tokens": tokens,
+        "sum_row_length_squared": int(squares),
+        "dense_flops": int(dense),
+        "attention_flops": int(attention),
+        "total_flops": int(dense + attention),
+        "flops_per_token": (dense + attention) / tokens,
+    }
     with contextlib.suppress(ImportError, AttributeError):  # cross-check against jaxtune's own count, where it has one
         from jaxtune.runtime.measures import flops
 

@@ -51,8 +51,12 @@ GGUF_TYPES = ("q8_0",)
 NO_SOCKET = "Prefect server unavailable here (no TCP socket): stages called directly over the store, without Prefect"
 FORCED = "--no-prefect: stages called directly over the store, without Prefect"
 # What a stage calls of a Prefect run: its logger, and the artifacts the UI shows (progress bar, live curve).
-ARTIFACT_CALLS = ("create_progress_artifact", "update_progress_artifact", "create_markdown_artifact",
-                  "create_table_artifact")
+ARTIFACT_CALLS = (
+    "create_progress_artifact",
+    "update_progress_artifact",
+    "create_markdown_artifact",
+    "create_table_artifact",
+)
 log = logging.getLogger("jaxtune.tpu_check")
 
 
@@ -100,8 +104,11 @@ def without_prefect(modules):
     for module in modules:
         if hasattr(module, "get_run_logger"):
             patches.append(mock.patch.object(module, "get_run_logger", lambda *args, **kwargs: log))
-        patches += [mock.patch.object(module, name, lambda *args, **kwargs: None)
-                    for name in ARTIFACT_CALLS if hasattr(module, name)]
+        patches += [
+            mock.patch.object(module, name, lambda *args, **kwargs: None)
+            for name in ARTIFACT_CALLS
+            if hasattr(module, name)
+        ]
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
@@ -127,8 +134,14 @@ def run_directly(config) -> dict[str, float]:
             if step.stage == "train" and config.export.gguf:
                 export.check_gguf_export(inputs["model"], config.model)  # as the flow does, before training
             start = time.perf_counter()
-            done[step.stage] = built_outside_flow(root, step.stage, step.module, step.section, inputs,
-                                                  lambda: step.task.fn(step.section, inputs, str(root), **step.options))
+            done[step.stage] = built_outside_flow(
+                root,
+                step.stage,
+                step.module,
+                step.section,
+                inputs,
+                lambda: step.task.fn(step.section, inputs, str(root), **step.options),
+            )
             seconds[step.stage] = round(time.perf_counter() - start, 2)
             say(f"stage {step.stage}: {seconds[step.stage]:.1f} s")
     return seconds
@@ -137,11 +150,17 @@ def run_directly(config) -> dict[str, float]:
 def run_through_prefect(overrides: list[str], home: Path) -> tuple[int, list[str], float]:
     """`jaxtune run` with `overrides`, in a process of its own, its Prefect home in `home`; (exit status,
     its output's lines, when it started). Its output goes on to this process's stderr as it comes."""
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(ROOT))))}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(ROOT)))),
+    }
     command = [sys.executable, "-m", "jaxtune.cli", "run", *(part for o in overrides for part in ("--set", o))]
     started, lines = time.time(), []
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as run:
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as run:
         for line in run.stdout:
             sys.stderr.write(line)
             lines.append(line.rstrip("\n"))
@@ -165,9 +184,9 @@ def seconds_from_artifacts(store, keys: dict[str, str], started: float) -> dict[
 
 def gguf_refusal(tiny) -> str | None:
     """Why the GGUF writer refuses the offline model of `tiny` (model.tiny), from its config alone; None if it takes it."""
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.errors import ModelError
     from jaxtune.gguf.writer import check_supported
+    from jaxtune.offline.architectures import tiny_config
 
     try:
         check_supported(tiny_config(tiny.architecture, tiny, tiny.vocab_size, 0, 1, 2))
@@ -190,9 +209,14 @@ def run_pipeline(store: Path, max_steps: int | None, use_prefect: bool, route: s
     overrides, gguf_refused = check_overrides(store, max_steps)
     config = finetune.load_recipe(OFFLINE, overrides)
     say(f"pipeline: {route}; stages {', '.join(stage_names(config))}; train.max_steps={config.train.max_steps}")
-    result = {"route": "prefect" if use_prefect else "direct", "note": route, "overrides": overrides,
-              "max_steps": config.train.max_steps, "gguf": GGUF_TYPES if gguf_refused is None else [],
-              "gguf_refused": gguf_refused}
+    result = {
+        "route": "prefect" if use_prefect else "direct",
+        "note": route,
+        "overrides": overrides,
+        "max_steps": config.train.max_steps,
+        "gguf": GGUF_TYPES if gguf_refused is None else [],
+        "gguf_refused": gguf_refused,
+    }
     started = time.perf_counter()
     if use_prefect:
         with tempfile.TemporaryDirectory(prefix="jaxtune-tpu-check-prefect-") as home:
@@ -228,26 +252,46 @@ def verify_pipeline(config) -> dict:
     store, keys = _store(config), finetune.planned_keys(config)
     stages = [{"stage": stage, "key": key, "problem": store.problem(stage, key)} for stage, key in keys.items()]
     if any(stage["problem"] for stage in stages):
-        return {"stages": stages, "pass": False,
-                "error": "; ".join(f"{s['stage']}: {s['problem']}" for s in stages if s["problem"])}
+        return {
+            "stages": stages,
+            "pass": False,
+            "error": "; ".join(f"{s['stage']}: {s['problem']}" for s in stages if s["problem"]),
+        }
     read = lambda stage, name: store.ref(stage, keys[stage]).read_json(name)  # noqa: E731
     baseline, final = read("baseline_eval", "metrics.json")["loss"], read("final_eval", "metrics.json")["loss"]
     summary, exported = read("train", "summary.json"), read("export", "export.json")
     written = [f["type"] for f in exported.get("gguf", [])]
     figures = {
-        "baseline_loss": baseline, "final_loss": final, "loss_fell": final < baseline,
-        "train": {name: summary.get(name) for name in ("steps", "seconds", "compile_seconds", "tokens_per_second", "mfu",
-                                                         "fused_attention", "batch_shape", "final_loss")},
+        "baseline_loss": baseline,
+        "final_loss": final,
+        "loss_fell": final < baseline,
+        "train": {
+            name: summary.get(name)
+            for name in (
+                "steps",
+                "seconds",
+                "compile_seconds",
+                "tokens_per_second",
+                "mfu",
+                "fused_attention",
+                "batch_shape",
+                "final_loss",
+            )
+        },
         "exact_match": read("report", "report.json").get("exact_match"),
         "export": {"kind": exported["kind"], "merged": exported.get("merged") == "merged", "gguf": written},
     }
     figures["train"]["attention"] = train_attention(summary, config.model.tiny.head_dim)
-    problems = [what for what, bad in (
-        (f"eval loss did not fall ({baseline:.4f} -> {final:.4f})", not final < baseline),
-        ("no merged model in the export", not figures["export"]["merged"]),
-        (f"GGUF {list(config.export.gguf)} asked for, {written} written", written != list(config.export.gguf)),
-        ("no tokens/s from training", not summary.get("tokens_per_second")),
-    ) if bad]
+    problems = [
+        what
+        for what, bad in (
+            (f"eval loss did not fall ({baseline:.4f} -> {final:.4f})", not final < baseline),
+            ("no merged model in the export", not figures["export"]["merged"]),
+            (f"GGUF {list(config.export.gguf)} asked for, {written} written", written != list(config.export.gguf)),
+            ("no tokens/s from training", not summary.get("tokens_per_second")),
+        )
+        if bad
+    ]
     return {"stages": stages, **figures, "pass": not problems, **({"error": "; ".join(problems)} if problems else {})}
 
 
@@ -277,10 +321,18 @@ def machine() -> dict:
         return None
 
     device = jax.devices()[0]
-    return {"platform": device.platform, "device_kind": device.device_kind, "devices": jax.device_count(),
-            "jax": jax.__version__, "jaxlib": version("jaxlib"), "libtpu": version("libtpu", "libtpu-nightly"),
-            "torch": version("torch"), "transformers": version("transformers"), "python": platform.python_version(),
-            "host": platform.node()}
+    return {
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "jaxlib": version("jaxlib"),
+        "libtpu": version("libtpu", "libtpu-nightly"),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
 
 
 def guarded(part: str, run, *args) -> dict:
@@ -302,10 +354,15 @@ def mark(ok: bool) -> str:
 
 def render_markdown(results: dict) -> str:
     m = results["machine"]
-    lines = [f"# TPU check, {results['date']}", "",
-             f"{m['platform']} ({m['device_kind']}, {m['devices']} device(s)); jax {m['jax']}, jaxlib {m['jaxlib']}, "
-             f"libtpu {m['libtpu']}, torch {m['torch']}, Python {m['python']}", "",
-             f"`{results['command']}`: **{'pass' if exit_status(results) == 0 else 'FAIL'}**", ""]
+    lines = [
+        f"# TPU check, {results['date']}",
+        "",
+        f"{m['platform']} ({m['device_kind']}, {m['devices']} device(s)); jax {m['jax']}, jaxlib {m['jaxlib']}, "
+        f"libtpu {m['libtpu']}, torch {m['torch']}, Python {m['python']}",
+        "",
+        f"`{results['command']}`: **{'pass' if exit_status(results) == 0 else 'FAIL'}**",
+        "",
+    ]
     pipeline = results["parts"].get("pipeline")
     if pipeline is not None:
         lines += [f"## Pipeline: {mark(pipeline['pass'])}", ""]
@@ -315,30 +372,39 @@ def render_markdown(results: dict) -> str:
             lines += [f"Error: {pipeline['error']}", ""]
         if pipeline.get("stages"):
             lines += ["| stage | seconds | artifact |", "|---|---|---|"]
-            lines += [f"| {s['stage']} | {s.get('seconds')} | {'verified' if s['problem'] is None else s['problem']} |"
-                      for s in pipeline["stages"]]
+            lines += [
+                f"| {s['stage']} | {s.get('seconds')} | {'verified' if s['problem'] is None else s['problem']} |"
+                for s in pipeline["stages"]
+            ]
         if "train" in pipeline:
             t = pipeline["train"]
-            lines += ["", f"eval loss {pipeline['baseline_loss']:.4f} -> {pipeline['final_loss']:.4f}; train: "
-                      f"{t['steps']} steps (train.max_steps={pipeline['max_steps']}), {t['tokens_per_second']} tokens/s, "
-                      f"compiling {t['compile_seconds']} s, batch {t['batch_shape']}, attention {t['attention']}; "
-                      f"exact match {pipeline['exact_match']}; export {pipeline['export']}"
-                      + (f"; GGUF left out: {pipeline['gguf_refused']}" if pipeline.get("gguf_refused") else "")]
+            lines += [
+                "",
+                f"eval loss {pipeline['baseline_loss']:.4f} -> {pipeline['final_loss']:.4f}; train: "
+                f"{t['steps']} steps (train.max_steps={pipeline['max_steps']}), {t['tokens_per_second']} tokens/s, "
+                f"compiling {t['compile_seconds']} s, batch {t['batch_shape']}, attention {t['attention']}; "
+                f"exact match {pipeline['exact_match']}; export {pipeline['export']}"
+                + (f"; GGUF left out: {pipeline['gguf_refused']}" if pipeline.get("gguf_refused") else ""),
+            ]
         lines.append("")
     part = results["parts"].get("families")
     if part is not None:
         lines += [f"## Families: {mark(part['pass'])}", ""]
         if part.get("error"):
             lines += [f"Error: {part['error']}", ""]
-        lines += ["| family | loss jax | loss torch | \\|diff\\| | bound | losses after steps | attention (step 0) | |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| family | loss jax | loss torch | \\|diff\\| | bound | losses after steps | attention (step 0) | |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for row in part.get("rows", []):
             if "error" in row:
                 lines.append(f"| {row['family']} | | | | | {row['error']} | | {mark(False)} |")
                 continue
-            lines.append(f"| {row['family']} | {row['loss_jax']:.6f} | {row['loss_torch']:.6f} | {row['diff']:.1e} | "
-                         f"{row['bound']:.0e} | {', '.join(f'{v:.4f}' for v in row['losses'])} | {row['attention']} | "
-                         f"{mark(row['pass'])} |")
+            lines.append(
+                f"| {row['family']} | {row['loss_jax']:.6f} | {row['loss_torch']:.6f} | {row['diff']:.1e} | "
+                f"{row['bound']:.0e} | {', '.join(f'{v:.4f}' for v in row['losses'])} | {row['attention']} | "
+                f"{mark(row['pass'])} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -350,21 +416,35 @@ def write_results(out: Path, results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=RESULTS,
-                        help="folder for tpu-check.json and tpu-check.md (default: %(default)s)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="folder for tpu-check.json and tpu-check.md (default: %(default)s)"
+    )
     parser.add_argument("--parts", action="append", choices=PARTS, help="a part to run (repeatable; default: both)")
-    parser.add_argument("--families", action="append", nargs="+", choices=families.ARCHITECTURES, metavar="NAME",
-                        help=f"families to check (default: all of {', '.join(families.ARCHITECTURES)})")
-    parser.add_argument("--no-prefect", action="store_true", help="call the stages directly even where Prefect could run")
-    parser.add_argument("--max-steps", type=int, help="train.max_steps of the pipeline (default: the offline default's)")
+    parser.add_argument(
+        "--families",
+        action="append",
+        nargs="+",
+        choices=families.ARCHITECTURES,
+        metavar="NAME",
+        help=f"families to check (default: all of {', '.join(families.ARCHITECTURES)})",
+    )
+    parser.add_argument(
+        "--no-prefect", action="store_true", help="call the stages directly even where Prefect could run"
+    )
+    parser.add_argument(
+        "--max-steps", type=int, help="train.max_steps of the pipeline (default: the offline default's)"
+    )
     parser.add_argument("--store", type=Path, help="artifact store of the pipeline (default: a new temporary folder)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parts = args.parts or list(PARTS)
-    results = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "command": " ".join(["python", "-m", "benchmarks.tpu.tpu_check",
-                                    *(argv if argv is not None else sys.argv[1:])]),
-               "parts": {}}
+    results = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(
+            ["python", "-m", "benchmarks.tpu.tpu_check", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "parts": {},
+    }
     # The store lives until the end: the pipeline keeps XLA's compile cache in it for the rest of the process.
     with tempfile.TemporaryDirectory(prefix="jaxtune-tpu-check-store-") as temporary:
         if "pipeline" in parts:

@@ -22,8 +22,16 @@ PAD, EOS, BOS = 0, 1, 2
 LENGTHS = (128, 101, 77, 128)
 STEPS = 3
 LORA = LoraConfig(r=8, alpha=16, target_modules="all-linear")
-TRAIN = TrainConfig(learning_rate=1e-2, lr_schedule="constant", warmup_steps=0, max_steps=STEPS, batch_size=len(LENGTHS),
-                    log_every=1, remat="none", checkpoint_minutes=None)
+TRAIN = TrainConfig(
+    learning_rate=1e-2,
+    lr_schedule="constant",
+    warmup_steps=0,
+    max_steps=STEPS,
+    batch_size=len(LENGTHS),
+    log_every=1,
+    remat="none",
+    checkpoint_minutes=None,
+)
 # |loss jax - loss torch| allowed at step 0. Both sides hold the same values (the bfloat16 weights, which
 # PyTorch holds in float32); JAX computes in bfloat16 (8 significant bits: each matmul, norm and
 # activation output is rounded by up to 2^-9 of itself; the MXU accumulates in float32, splash keeps its
@@ -53,7 +61,9 @@ def tiny_lora_module(family: str):
     shape = TinyModelConfig(architecture=family)
     torch.manual_seed(shape.seed)
     config = tiny_config(family, shape, shape.vocab_size, PAD, BOS, EOS)
-    module = attach_lora(AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32), LORA)
+    module = attach_lora(
+        AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32), LORA
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -75,18 +85,30 @@ def torch_loss(module, batch: dict[str, np.ndarray]) -> float:
 
     tensors = {name: torch.from_numpy(value).long() for name, value in batch.items()}
     with torch.no_grad():
-        logits = module(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], use_cache=False).logits
+        logits = module(
+            input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], use_cache=False
+        ).logits
     return float(mean_token_loss(logits, tensors["labels"]))
 
 
-def compare(family: str, loss_jax: float, loss_torch: float, losses: list[float], attention: str,
-            bound: float = LOSS_BOUND) -> dict:
+def compare(
+    family: str, loss_jax: float, loss_torch: float, losses: list[float], attention: str, bound: float = LOSS_BOUND
+) -> dict:
     """One family's row: it passes when the step-0 losses agree within `bound` and every loss is finite."""
     diff = abs(loss_jax - loss_torch)
     finite = all(math.isfinite(v) for v in (loss_jax, loss_torch, *losses))
-    return {"family": family, "loss_jax": loss_jax, "loss_torch": loss_torch, "diff": diff, "bound": bound,
-            "losses": losses, "finite": finite, "fell": bool(losses) and finite and losses[-1] < losses[0],
-            "attention": attention, "pass": finite and diff <= bound and len(losses) == STEPS}
+    return {
+        "family": family,
+        "loss_jax": loss_jax,
+        "loss_torch": loss_torch,
+        "diff": diff,
+        "bound": bound,
+        "losses": losses,
+        "finite": finite,
+        "fell": bool(losses) and finite and losses[-1] < losses[0],
+        "attention": attention,
+        "pass": finite and diff <= bound and len(losses) == STEPS,
+    }
 
 
 def prepared(family: str):
@@ -94,9 +116,9 @@ def prepared(family: str):
     rows, the padded batch with its labels) for `family`."""
     import torch
 
-    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.compiled.batches import pad_batch
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling import model as rt_model
 
     module = tiny_lora_module(family)
     bf16 = copy.deepcopy(module).to(torch.bfloat16)
@@ -152,9 +174,21 @@ def run(families: list[str] | None = None, say=print) -> dict:
         except Exception as error:  # noqa: BLE001 - one family's failure is its row's, the others still run
             row = {"family": family, "pass": False, "error": f"{type(error).__name__}: {error}".splitlines()[0]}
         rows.append(row)
-        say(f"family {family}: " + (f"loss jax {row['loss_jax']:.6f} torch {row['loss_torch']:.6f} |diff| {row['diff']:.1e} "
-                                    f"(bound {row['bound']:.0e}), steps {['%.4f' % v for v in row['losses']]}, "
-                                    f"{row['attention']}: " if "error" not in row else f"{row['error']}: ")
-            + ("pass" if row["pass"] else "FAIL"))
-    return {"pass": bool(rows) and all(row["pass"] for row in rows), "bound": LOSS_BOUND, "steps": STEPS,
-            "batch": {"rows": len(LENGTHS), "lengths": list(LENGTHS), "dtype": "bfloat16"}, "rows": rows}
+        say(
+            f"family {family}: "
+            + (
+                f"loss jax {row['loss_jax']:.6f} torch {row['loss_torch']:.6f} |diff| {row['diff']:.1e} "
+                f"(bound {row['bound']:.0e}), steps {['%.4f' % v for v in row['losses']]}, "
+                f"{row['attention']}: "
+                if "error" not in row
+                else f"{row['error']}: "
+            )
+            + ("pass" if row["pass"] else "FAIL")
+        )
+    return {
+        "pass": bool(rows) and all(row["pass"] for row in rows),
+        "bound": LOSS_BOUND,
+        "steps": STEPS,
+        "batch": {"rows": len(LENGTHS), "lengths": list(LENGTHS), "dtype": "bfloat16"},
+        "rows": rows,
+    }

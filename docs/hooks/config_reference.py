@@ -54,8 +54,13 @@ def type_name(annotation: object) -> str:
 
 def bounds(field) -> str:
     """The field's numeric and length bounds, as `> 0`, `< 1`."""
-    signs = {annotated_types.Gt: ("> ", "gt"), annotated_types.Ge: ("≥ ", "ge"), annotated_types.Lt: ("< ", "lt"),
-             annotated_types.Le: ("≤ ", "le"), annotated_types.MinLen: ("length ≥ ", "min_length")}
+    signs = {
+        annotated_types.Gt: ("> ", "gt"),
+        annotated_types.Ge: ("≥ ", "ge"),
+        annotated_types.Lt: ("< ", "lt"),
+        annotated_types.Le: ("≤ ", "le"),
+        annotated_types.MinLen: ("length ≥ ", "min_length"),
+    }
     found = [signs[type(m)][0] + str(getattr(m, signs[type(m)][1])) for m in field.metadata if type(m) in signs]
     return ", ".join(found)
 

@@ -62,8 +62,9 @@ class StoreLocks:
             raise
         return fd
 
-    def acquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None,
-                     hold_timeout: Optional[float] = None) -> bool:
+    def acquire_lock(
+        self, key: str, holder: str, acquire_timeout: Optional[float] = None, hold_timeout: Optional[float] = None
+    ) -> bool:
         """Wait up to `acquire_timeout` seconds (None: as long as it takes) for the lock.
 
         `hold_timeout` is not needed: a dead holder's lock is released by the kernel, and a live
@@ -86,8 +87,9 @@ class StoreLocks:
                 return False
             time.sleep(POLL_SECONDS)
 
-    async def aacquire_lock(self, key: str, holder: str, acquire_timeout: Optional[float] = None,
-                            hold_timeout: Optional[float] = None) -> bool:
+    async def aacquire_lock(
+        self, key: str, holder: str, acquire_timeout: Optional[float] = None, hold_timeout: Optional[float] = None
+    ) -> bool:
         return await anyio.to_thread.run_sync(self.acquire_lock, key, holder, acquire_timeout, hold_timeout)
 
     def release_lock(self, key: str, holder: str) -> None:

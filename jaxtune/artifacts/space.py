@@ -18,8 +18,10 @@ def require_free(folder: str | Path, needed: int, what: str) -> None:
         folder = folder.parent
     free = shutil.disk_usage(folder).free
     if free < needed * MARGIN:
-        raise NotEnoughSpace(f"needs about {_size(needed * MARGIN)} free in {folder} for {what}, "
-                             f"but only {_size(free)} is free; free some space or move store.root")
+        raise NotEnoughSpace(
+            f"needs about {_size(needed * MARGIN)} free in {folder} for {what}, "
+            f"but only {_size(free)} is free; free some space or move store.root"
+        )
 
 
 def _size(n: float) -> str:

@@ -97,11 +97,15 @@ def _refuse_links_out(folder: Path, what: str) -> None:
             relative = path.relative_to(folder).as_posix()
             target = os.readlink(path)
             if _outside(path, folder):
-                raise ValueError(f"{what}: {relative} is a symlink out of the artifact folder (to {target}); "
-                                 "an artifact must hold its files, not point at others")
+                raise ValueError(
+                    f"{what}: {relative} is a symlink out of the artifact folder (to {target}); "
+                    "an artifact must hold its files, not point at others"
+                )
             if os.path.isabs(target):
-                raise ValueError(f"{what}: {relative} is a symlink by absolute path ({target}); "
-                                 "use a relative link inside the artifact folder, or a copy")
+                raise ValueError(
+                    f"{what}: {relative} is a symlink by absolute path ({target}); "
+                    "use a relative link inside the artifact folder, or a copy"
+                )
 
 
 def _file_problem(folder: Path, name: Any, entry: Any) -> str | None:
@@ -134,8 +138,9 @@ class ArtifactStore:
             if folder.exists():
                 if not folder.is_dir():
                     where = "" if folder == self.root else f" (so store root {self.root} cannot be one)"
-                    raise NotADirectoryError(errno.ENOTDIR, f"the artifact store needs a folder, not a file{where}",
-                                             str(folder))
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, f"the artifact store needs a folder, not a file{where}", str(folder)
+                    )
                 break
 
     def __repr__(self) -> str:

@@ -23,8 +23,10 @@ PROMPT_LENGTHS = (13, 6)
 MEMORY_CHECK = "train step memory, peak"
 EVAL_CHECK = "eval step memory, peak"
 DECODE_CHECK = "decode memory, peak"
-CPU_PLAN = ("XLA:CPU, which computes bf16 matmuls in float32 and keeps float32 copies of the weights for them: "
-            "an accelerator needs less. For an accelerator's own plan: --target v5e-1 (or v6e-1, v5p-8, h100, ...)")
+CPU_PLAN = (
+    "XLA:CPU, which computes bf16 matmuls in float32 and keeps float32 copies of the weights for them: "
+    "an accelerator needs less. For an accelerator's own plan: --target v5e-1 (or v6e-1, v5p-8, h100, ...)"
+)
 
 
 @dataclass
@@ -49,8 +51,8 @@ class Diagnosis:
 
 def diagnose(name: str, config: JaxtuneConfig, revision: str | None = None, tokens: int = 48) -> Diagnosis:
     """Logits, loss, gradients and greedy tokens on JAX vs PyTorch; sizes and XLA's memory plan."""
-    from jaxtune.runtime.measures import parity
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import parity
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
     module = load_torch_model(name, revision, config.model.trust_remote_code, "float32")
@@ -67,24 +69,46 @@ def diagnose(name: str, config: JaxtuneConfig, revision: str | None = None, toke
     expected = parity.torch_logits(model, batch)
     logits_diff = float(np.abs(parity.jax_logits(model, batch) - expected)[valid].max())
     logits_limit = LOGITS_TOLERANCE * max(1.0, float(np.abs(expected[valid]).max()))
-    diagnosis.rows.append(Row("logits max |diff|", f"{logits_diff:.2e}", f"{logits_limit:.1e}", logits_diff <= logits_limit))
+    diagnosis.rows.append(
+        Row("logits max |diff|", f"{logits_diff:.2e}", f"{logits_limit:.1e}", logits_diff <= logits_limit)
+    )
 
     jax_loss, jax_grads = parity.jax_loss_and_grads(model, batch, labels)
     torch_loss, torch_grads = parity.torch_loss_and_grads(model, batch, labels)
     loss_diff = abs(jax_loss - torch_loss) / max(abs(torch_loss), 1e-12)
-    diagnosis.rows.append(Row("loss relative diff", f"{loss_diff:.2e} (loss {torch_loss:.4f})", f"{LOSS_TOLERANCE:.0e}",
-                              loss_diff <= LOSS_TOLERANCE))
+    diagnosis.rows.append(
+        Row(
+            "loss relative diff",
+            f"{loss_diff:.2e} (loss {torch_loss:.4f})",
+            f"{LOSS_TOLERANCE:.0e}",
+            loss_diff <= LOSS_TOLERANCE,
+        )
+    )
     worst, grad_diff = parity.worst_gradient(jax_grads, torch_grads)
     worst = worst.removeprefix("base_model.model.").removesuffix(".default.weight")
-    diagnosis.rows.append(Row("gradient relative diff", f"{grad_diff:.2e} (worst: {worst})", f"{GRADIENT_TOLERANCE:.0e}",
-                              grad_diff <= GRADIENT_TOLERANCE))
+    diagnosis.rows.append(
+        Row(
+            "gradient relative diff",
+            f"{grad_diff:.2e} (worst: {worst})",
+            f"{GRADIENT_TOLERANCE:.0e}",
+            grad_diff <= GRADIENT_TOLERANCE,
+        )
+    )
 
     pad = module.config.get_text_config().pad_token_id or 0
-    prompts = [row[: n].tolist() for row, n in zip(_rng().integers(0, model.config.vocab_size, (2, 64)), PROMPT_LENGTHS)]
+    prompts = [row[:n].tolist() for row, n in zip(_rng().integers(0, model.config.vocab_size, (2, 64)), PROMPT_LENGTHS)]
     together = parity.jax_greedy(model, prompts, DECODE_TOKENS, pad)
-    matched = sum(got == parity.torch_greedy(model.module, prompt, DECODE_TOKENS, pad) for got, prompt in zip(together, prompts))
-    diagnosis.rows.append(Row("greedy decode == generate", f"{matched}/{len(prompts)} prompts x {DECODE_TOKENS} tokens",
-                              "all", matched == len(prompts)))
+    matched = sum(
+        got == parity.torch_greedy(model.module, prompt, DECODE_TOKENS, pad) for got, prompt in zip(together, prompts)
+    )
+    diagnosis.rows.append(
+        Row(
+            "greedy decode == generate",
+            f"{matched}/{len(prompts)} prompts x {DECODE_TOKENS} tokens",
+            "all",
+            matched == len(prompts),
+        )
+    )
 
     diagnosis.rows.append(Row("parameters", f"{total:,}"))
     diagnosis.rows.append(Row("trainable parameters", f"{trainable:,} ({100 * trainable / total:.2f}%)"))
@@ -157,18 +181,25 @@ def train_objective(config: JaxtuneConfig):
 
 def _memory(name: str, revision: str | None, config: JaxtuneConfig) -> list[Row]:
     """XLA's plan for one train step at (train.batch_size, data.max_length) in the training dtype."""
-    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import fit
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
     dtype = config.model.model_copy(update={"name": name}).compute_dtype
-    module = as_trained(load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
+    module = as_trained(
+        load_torch_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False
+    )
     model = to_jax(module, make_placement(config.mesh))
     train = config.train
     try:
-        chosen = fit.choose(model, steps.make_optimizer(train), train, lambda run: (None, train_length(config), 0),
-                            objective=train_objective(config))
+        chosen = fit.choose(
+            model,
+            steps.make_optimizer(train),
+            train,
+            lambda run: (None, train_length(config), 0),
+            objective=train_objective(config),
+        )
     except fit.NothingFits as e:  # on a device that reports its memory (an accelerator)
         if e.fit is None:
             return [Row(MEMORY_CHECK, f"does not compile: {e}", "", False)]
@@ -206,9 +237,15 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str, chosen=None) -> 
 def part_rows(plan: dict) -> list[Row]:
     """The memory plan's parts, one row each, indented under its peak; the frozen base's linear
     layers under the parameters."""
-    rows = [Row(f"  {label}", size_text(plan[key])) for label, key in (
-        ("parameters", "parameters"), ("gradients", "gradients"), ("optimizer state", "optimizer_state"),
-        ("activations per micro-batch", "activations_per_micro_batch"))]
+    rows = [
+        Row(f"  {label}", size_text(plan[key]))
+        for label, key in (
+            ("parameters", "parameters"),
+            ("gradients", "gradients"),
+            ("optimizer state", "optimizer_state"),
+            ("activations per micro-batch", "activations_per_micro_batch"),
+        )
+    ]
     if plan.get("base", {}).get("held"):
         rows.insert(1, Row("    of which frozen base layers", base_text(plan["base"])))
     return rows
@@ -237,8 +274,11 @@ def verdict(diagnosis: Diagnosis) -> str:
             return "MEMORY: a step does not fit the target as configured"
         checks = {r.check for r in diagnosis.rows}
         planned = [check.split()[0] for check in (MEMORY_CHECK, EVAL_CHECK, DECODE_CHECK) if check in checks]
-        steps = (f"{', '.join(planned[:-1])} and {planned[-1]} steps' XLA peaks are" if len(planned) > 1 else
-                 f"{planned[0]} step's XLA peak is")
+        steps = (
+            f"{', '.join(planned[:-1])} and {planned[-1]} steps' XLA peaks are"
+            if len(planned) > 1
+            else f"{planned[0]} step's XLA peak is"
+        )
         return f"fits: the {steps} within the target's memory (parity not checked: run doctor without --target)"
     if not failed:
         return "parity ok"
@@ -257,13 +297,31 @@ def render(diagnosis: Diagnosis) -> str:
     rows = _cells(diagnosis)
     widths = [max(len(str(x)) for x in column) for column in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([f"jaxtune doctor: {diagnosis.model} ({diagnosis.summary})", line(head),
-                      line(["-" * w for w in widths]), *map(line, rows), verdict(diagnosis)])
+    return "\n".join(
+        [
+            f"jaxtune doctor: {diagnosis.model} ({diagnosis.summary})",
+            line(head),
+            line(["-" * w for w in widths]),
+            *map(line, rows),
+            verdict(diagnosis),
+        ]
+    )
 
 
 def render_markdown(diagnosis: Diagnosis) -> str:
     """The diagnosis as a markdown table under its model and summary, its verdict last (a Prefect artifact)."""
     escape = lambda text: str(text).replace("|", "\\|")  # noqa: E731
     rows = [f"| {' | '.join(escape(c) for c in cells)} |" for cells in _cells(diagnosis)]
-    return "\n".join([f"# {diagnosis.model}", "", diagnosis.summary, "", "| check | value | limit | status |",
-                      "|---|---|---|---|", *rows, "", f"**{verdict(diagnosis)}**"])
+    return "\n".join(
+        [
+            f"# {diagnosis.model}",
+            "",
+            diagnosis.summary,
+            "",
+            "| check | value | limit | status |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+            f"**{verdict(diagnosis)}**",
+        ]
+    )

@@ -36,12 +36,17 @@ def check_mesh(config: JaxtuneConfig, devices: int) -> None:
     except ValueError:
         raise ConfigError(_misfit(mesh, devices)) from None
     shards = sizes["data"] * sizes["fsdp"]
-    for key, batch in (("train.batch_size", config.train.batch_size), ("eval.batch_size", config.eval.batch_size),
-                       ("generate.batch_size", config.generate.batch_size)):
+    for key, batch in (
+        ("train.batch_size", config.train.batch_size),
+        ("eval.batch_size", config.eval.batch_size),
+        ("generate.batch_size", config.generate.batch_size),
+    ):
         if batch % shards:
             fits = ((batch + shards - 1) // shards) * shards
-            raise ConfigError(f"{key}={batch} cannot split evenly over the mesh's batch axes, data={sizes['data']} x "
-                              f"fsdp={sizes['fsdp']} = {shards} devices; use a multiple of {shards}, e.g. {key}={fits}")
+            raise ConfigError(
+                f"{key}={batch} cannot split evenly over the mesh's batch axes, data={sizes['data']} x "
+                f"fsdp={sizes['fsdp']} = {shards} devices; use a multiple of {shards}, e.g. {key}={fits}"
+            )
 
 
 def _misfit(mesh, devices: int) -> str:
@@ -50,10 +55,14 @@ def _misfit(mesh, devices: int) -> str:
     fixed = math.prod(max(getattr(mesh, axis), 1) for axis in MESH_AXES)
     visible = f"{devices} device{'s' * (devices != 1)} {'are' if devices != 1 else 'is'} visible"
     if -1 in (mesh.data, mesh.fsdp, mesh.tensor):
-        return (f"{named} needs a multiple of {fixed} devices but {visible}: the fixed axes' product, {fixed}, "
-                f"must divide {devices}")
-    return (f"{named} needs {fixed} devices but only {visible}; make the axes' product at most {devices}, "
-            f"or set one axis to -1 for the devices the others leave")
+        return (
+            f"{named} needs a multiple of {fixed} devices but {visible}: the fixed axes' product, {fixed}, "
+            f"must divide {devices}"
+        )
+    return (
+        f"{named} needs {fixed} devices but only {visible}; make the axes' product at most {devices}, "
+        f"or set one axis to -1 for the devices the others leave"
+    )
 
 
 def _device_count() -> int:

@@ -19,22 +19,34 @@ import copy
 import functools
 from pathlib import Path
 
+from jaxtune.checks.doctor import (
+    DECODE_CHECK,
+    EVAL_CHECK,
+    MEMORY_CHECK,
+    Diagnosis,
+    Row,
+    as_trained,
+    fit_row,
+    part_rows,
+    size_text,
+    train_length,
+    train_objective,
+)
 from jaxtune.config import JaxtuneConfig
-from jaxtune.checks.doctor import (DECODE_CHECK, EVAL_CHECK, MEMORY_CHECK, Diagnosis, Row, as_trained, fit_row, part_rows,
-                            size_text, train_length, train_objective)
 from jaxtune.errors import DoctorError
 
 MAX_SLICES_TRIED = 3  # each is a compile of the whole step: minutes for a real model
 
 
-def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision: str | None = None,
-                    train_only: bool = False) -> Diagnosis:
+def plan_for_target(
+    name: str, config: JaxtuneConfig, target_name: str, revision: str | None = None, train_only: bool = False
+) -> Diagnosis:
     """Rows of the target's plan for `name` trained as `config` says; TargetError when the target is
     unknown or cannot be compiled for here (both found before the model is read). When the train
     step does not fit, the larger slices of the same chip are compiled in turn, the smallest that
     fits named. `train_only`: leave out the eval and decode steps (each another compile)."""
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.devices import targets
+    from jaxtune.runtime.measures import memory
 
     target = targets.resolve(target_name)
     devices = targets.devices(target)
@@ -42,13 +54,19 @@ def plan_for_target(name: str, config: JaxtuneConfig, target_name: str, revision
     dtype = config.model.model_copy(update={"name": name}).compute_dtype
     module = as_trained(meta_model(name, revision, config.model.trust_remote_code, dtype), config, randomize_lora=False)
     method = f"LoRA r={config.lora.r}" if train.method == "lora" else "full fine-tuning"
-    diagnosis = Diagnosis(model=name, summary=f"{module.config.model_type}, {method}; {target.chip.compiler} plan for "
-                                              f"{target.describe(len(devices))}, compiled here without them", plan_only=True)
+    diagnosis = Diagnosis(
+        model=name,
+        summary=f"{module.config.model_type}, {method}; {target.chip.compiler} plan for "
+        f"{target.describe(len(devices))}, compiled here without them",
+        plan_only=True,
+    )
     plan, refused = _compile(module, config, target, devices, config.mesh)
     if refused:
         shape = f"{dtype}, {train.optimizer}, remat {train.remat}, {train.grad_accumulation} x {train.batch_size} x {length}"
-        diagnosis.rows += [Row("mesh", refused["mesh"]),
-                           Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", size_text(target.chip.hbm), False)]
+        diagnosis.rows += [
+            Row("mesh", refused["mesh"]),
+            Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", size_text(target.chip.hbm), False),
+        ]
     else:
         run = plan["fit"].train_config(train)
         shape = f"{dtype}, {run.optimizer}, remat {run.remat}, {run.grad_accumulation} x {run.batch_size} x {length}"
@@ -66,9 +84,9 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
     """(the memory plan of the step on `devices` with `mesh`, its `fit.Fit` under "fit", None), or
     (None, {"mesh", "message"}) when XLA:TPU refuses it for want of memory (with train.remat auto:
     every way `fit.choose` tries)."""
-    from jaxtune.runtime.measures import fit, memory
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import fit, memory
     from jaxtune.runtime.modeling.model import to_jax
 
     try:
@@ -77,9 +95,14 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
         raise DoctorError(f"{e} of {target.describe(len(devices))}") from None
     model = to_jax(module, placement, shapes_only=True)
     try:
-        chosen = fit.choose(model, steps.make_optimizer(config.train), config.train,
-                            lambda run: (None, train_length(config), 0), limit=target.chip.hbm,
-                            objective=train_objective(config))
+        chosen = fit.choose(
+            model,
+            steps.make_optimizer(config.train),
+            config.train,
+            lambda run: (None, train_length(config), 0),
+            limit=target.chip.hbm,
+            objective=train_objective(config),
+        )
     except fit.NothingFits as e:  # XLA:TPU refuses a step that does not fit at compile time
         if e.fit is None:
             return None, {"mesh": memory.mesh_text(placement.sizes, placement.mesh.size), "message": str(e)}
@@ -92,8 +115,8 @@ def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int)
     step on each larger slice of the chip in turn, its parameters split over every device (fsdp
     where the batch divides, else tensor); None when none of the first few does."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.devices import targets
+    from jaxtune.runtime.measures import memory
 
     for name in targets.larger_slices(target, devices)[:MAX_SLICES_TRIED]:
         candidate = targets.resolve(name)
@@ -102,8 +125,10 @@ def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int)
         mesh = MeshConfig(data=1, **{axis: len(found)})
         plan, refused = _compile(module, config, candidate, found, mesh)
         if plan and plan["peak"] + plan["code"] <= candidate.chip.hbm:
-            return (f"{candidate.name} fits: {size_text(plan['peak'] + plan['code'])} of {size_text(candidate.chip.hbm)} "
-                    f"per device with {memory.mesh_setting(plan['mesh'])} (compiled)")
+            return (
+                f"{candidate.name} fits: {size_text(plan['peak'] + plan['code'])} of {size_text(candidate.chip.hbm)} "
+                f"per device with {memory.mesh_setting(plan['mesh'])} (compiled)"
+            )
     return None
 
 
@@ -123,16 +148,20 @@ def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
     if cost.get("flops"):
         seconds = max(cost["flops"] / target.chip.peak_flops, cost["bytes_accessed"] / target.chip.hbm_bandwidth)
         per_chip = tokens / plan["devices"] * target.chip.devices_per_chip / seconds
-        rows += [Row("compiler's count per device", f"{cost['flops']:.3g} flops, {cost['bytes_accessed']:.3g} bytes accessed"),
-                 Row("roofline (estimate)", f"step >= {seconds * 1e3:.1f} ms, <= {per_chip:,.0f} tokens/s per chip")]
+        rows += [
+            Row(
+                "compiler's count per device", f"{cost['flops']:.3g} flops, {cost['bytes_accessed']:.3g} bytes accessed"
+            ),
+            Row("roofline (estimate)", f"step >= {seconds * 1e3:.1f} ms, <= {per_chip:,.0f} tokens/s per chip"),
+        ]
     return rows
 
 
 def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[Row]:
     """The eval batch's and the decoder's peaks on the same mesh, each against the device's memory."""
+    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.decoding import decode
     from jaxtune.runtime.devices import compile_cache
-    from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
 
@@ -145,8 +174,11 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
     found = []
     for check, shape, plan in (
         (EVAL_CHECK, f"{rows} x {length}", lambda: steps.eval_step_memory(model, rows, length)),
-        (DECODE_CHECK, f"{prompts} prompts of {length} + {new_tokens} tokens",
-         lambda: decode.generate_memory(model, prompts, length, new_tokens)),
+        (
+            DECODE_CHECK,
+            f"{prompts} prompts of {length} + {new_tokens} tokens",
+            lambda: decode.generate_memory(model, prompts, length, new_tokens),
+        ),
     ):
         try:
             bytes_ = plan()
@@ -157,8 +189,14 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
             found.append(Row(check, f"does not compile ({shape}): {refused}", size_text(target.chip.hbm), False))
             continue
         needed = bytes_["peak_bytes"] + bytes_["code_bytes"]
-        found.append(Row(check, f"{size_text(needed)} with its code ({shape})", f"{size_text(target.chip.hbm)} HBM",
-                         needed <= target.chip.hbm))
+        found.append(
+            Row(
+                check,
+                f"{size_text(needed)} with its code ({shape})",
+                f"{size_text(target.chip.hbm)} HBM",
+                needed <= target.chip.hbm,
+            )
+        )
     return found
 
 
@@ -180,8 +218,9 @@ def meta_model(name: str, revision: str | None, trust_remote_code: bool, dtype: 
         except OSError as e:
             raise DoctorError(f"{name}: no model config.json found ({str(e).splitlines()[0]})") from None
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="eager",
-                                                trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, dtype), attn_implementation="eager", trust_remote_code=trust_remote_code
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -192,4 +231,3 @@ def _gguf_config(path: Path, mtime_ns: int, size: int):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-

@@ -35,12 +35,19 @@ def quiet_loading() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def open_session(source: str, store_root: str, max_new_tokens: int, seed: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0) -> Session:
+def open_session(
+    source: str,
+    store_root: str,
+    max_new_tokens: int,
+    seed: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Session:
     """Open `source` (see `model_source.open_source`) with a decoder that stops at the end of a turn."""
+    from jaxtune.cli.model_source import open_source
     from jaxtune.data.templates import stop_ids
     from jaxtune.data.tokenize import pad_id_of
-    from jaxtune.cli.model_source import open_source
     from jaxtune.runtime.decoding.sampling import Sampling
     from jaxtune.runtime.decoding.stream import StreamDecoder
 
@@ -57,8 +64,10 @@ def open_session(source: str, store_root: str, max_new_tokens: int, seed: int, t
 
 def require_chat_template(session: Session) -> None:
     if not getattr(session.tokenizer, "chat_template", None):
-        raise ValueError(f"{session.description}: its tokenizer has no chat template (a base model?); "
-                         "`jaxtune generate` encodes prompts as they are")
+        raise ValueError(
+            f"{session.description}: its tokenizer has no chat template (a base model?); "
+            "`jaxtune generate` encodes prompts as they are"
+        )
 
 
 @dataclass
@@ -95,8 +104,9 @@ def reply(session: Session, ids: Sequence[int]) -> Iterator[str]:
             shown = len(text)
 
 
-def chat(session: Session, lines: TextIO, out: TextIO, err: TextIO, system: str | None = None,
-         show_prompt: bool = False) -> Conversation:
+def chat(
+    session: Session, lines: TextIO, out: TextIO, err: TextIO, system: str | None = None, show_prompt: bool = False
+) -> Conversation:
     """Answer each line of `lines` until EOF or /exit; /reset forgets the turns so far.
 
     `show_prompt` writes each turn's rendered prompt to `err`. Ctrl-C stops an answer; at the
@@ -141,8 +151,9 @@ def _say(session: Session, ids: Sequence[int], out: TextIO) -> str:
     return "".join(pieces)
 
 
-def generate(session: Session, prompts: Sequence[str], out: TextIO, err: TextIO, system: str | None = None,
-             jsonl: bool = False) -> list[str]:
+def generate(
+    session: Session, prompts: Sequence[str], out: TextIO, err: TextIO, system: str | None = None, jsonl: bool = False
+) -> list[str]:
     """Answer each prompt alone and print the answers one a line, in order; tokens/s to `err`.
 
     Prompts are rendered as a user turn when the tokenizer has a chat template, else encoded as
@@ -171,8 +182,9 @@ def generate(session: Session, prompts: Sequence[str], out: TextIO, err: TextIO,
 
 
 def _speed(stats: Any) -> str:
-    return (f"{stats.tokens} tokens in {stats.seconds:.2f} s, {stats.tokens_per_second:.1f} tokens/s"
-            + (f" (compiling took {stats.compile_seconds:.1f} s more)" if stats.compile_seconds else ""))
+    return f"{stats.tokens} tokens in {stats.seconds:.2f} s, {stats.tokens_per_second:.1f} tokens/s" + (
+        f" (compiling took {stats.compile_seconds:.1f} s more)" if stats.compile_seconds else ""
+    )
 
 
 def read_prompts(prompts: Sequence[str], prompts_file: str | None) -> list[str]:
@@ -194,7 +206,7 @@ def read_prompts(prompts: Sequence[str], prompts_file: str | None) -> list[str]:
             try:
                 found.append(str(json.loads(line)["prompt"]))
             except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}:{number}: not a JSON object with a \"prompt\" field") from None
+                raise ValueError(f'{path}:{number}: not a JSON object with a "prompt" field') from None
     if not found:
         raise ValueError("no prompts: give them as arguments or with --prompts-file")
     return found

@@ -27,60 +27,117 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run the finetune flow; cached stages are skipped")
     run.add_argument("config", nargs="?", help="YAML config (default: the bundled offline demo)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                     help="override one config value, e.g. --set train.max_steps=50 (repeatable)")
-    run.add_argument("--refresh", action="append", default=[], metavar="STAGE", type=_stage_of(REFRESHABLE),
-                     help=f"recompute this stage even if cached (repeatable): {', '.join(REFRESHABLE)}")
-    run.add_argument("--until", default="report", metavar="STAGE", type=_stage_of(STAGES),
-                     help=f"last stage to run: {', '.join(STAGES)} (default: %(default)s)")
-    run.add_argument("--debug", action="store_true", help="print the Python tracebacks of a failure, not only its message")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set train.max_steps=50 (repeatable)",
+    )
+    run.add_argument(
+        "--refresh",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        type=_stage_of(REFRESHABLE),
+        help=f"recompute this stage even if cached (repeatable): {', '.join(REFRESHABLE)}",
+    )
+    run.add_argument(
+        "--until",
+        default="report",
+        metavar="STAGE",
+        type=_stage_of(STAGES),
+        help=f"last stage to run: {', '.join(STAGES)} (default: %(default)s)",
+    )
+    run.add_argument(
+        "--debug", action="store_true", help="print the Python tracebacks of a failure, not only its message"
+    )
     serve = commands.add_parser(
         "serve", help="serve prefect.yaml's deployments with their schedules from this process (no work pool needed)"
     )
-    serve.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT",
-                       help="serve only this deployment (repeatable; default: all of them)")
-    serve.add_argument("--prefect-yaml", default="prefect.yaml", help="file declaring the deployments (default: %(default)s)")
+    serve.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="DEPLOYMENT",
+        help="serve only this deployment (repeatable; default: all of them)",
+    )
+    serve.add_argument(
+        "--prefect-yaml", default="prefect.yaml", help="file declaring the deployments (default: %(default)s)"
+    )
     serve.add_argument("--limit", type=int, default=1, help="flow runs at once (default: %(default)s)")
     doctor = commands.add_parser(
         "doctor", help="check a model's JAX numerics against PyTorch and its training memory; exit 1 when parity fails"
     )
     doctor.add_argument("model", help="hub id (e.g. google/gemma-3-1b-it), local model directory, or .gguf file")
-    doctor.add_argument("--config", help="YAML config whose lora, train and data.max_length are used (default: built-in defaults)")
-    doctor.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value (repeatable)")
+    doctor.add_argument(
+        "--config", help="YAML config whose lora, train and data.max_length are used (default: built-in defaults)"
+    )
+    doctor.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable)",
+    )
     doctor.add_argument("--revision", help="hub revision")
     doctor.add_argument("--tokens", type=int, default=48, help="sequence length of the parity batch")
-    doctor.add_argument("--target", metavar="ACCELERATOR", nargs="?", const="",
-                        help="plan the train step for an accelerator instead, compiled here without it, from the model's "
-                             "config alone (no weights read, no parity): v5e-1, v5e-8, v6e-1, v5p-8, v4-8, a TPU "
-                             "topology such as v5e:2x4, or h100, h200, a100 (-8 for eight); exit 1 when it does not fit (--target alone: the config's plan.target)")
+    doctor.add_argument(
+        "--target",
+        metavar="ACCELERATOR",
+        nargs="?",
+        const="",
+        help="plan the train step for an accelerator instead, compiled here without it, from the model's "
+        "config alone (no weights read, no parity): v5e-1, v5e-8, v6e-1, v5p-8, v4-8, a TPU "
+        "topology such as v5e:2x4, or h100, h200, a100 (-8 for eight); exit 1 when it does not fit (--target alone: the config's plan.target)",
+    )
     chat = commands.add_parser("chat", help="talk with a trained or base model; answers stream as they are decoded")
     _decoding_arguments(chat)
     chat.add_argument("--show-prompt", action="store_true", help="write each turn's rendered prompt to stderr")
     generate = commands.add_parser("generate", help="answer prompts, one answer a line on stdout; tokens/s on stderr")
     _decoding_arguments(generate)
     generate.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts, each answered alone")
-    generate.add_argument("--prompts-file", help="more prompts: one a line, or a .jsonl file with a \"prompt\" field")
-    generate.add_argument("--jsonl", action="store_true", help='write {"prompt", "answer"} lines instead of plain answers')
+    generate.add_argument("--prompts-file", help='more prompts: one a line, or a .jsonl file with a "prompt" field')
+    generate.add_argument(
+        "--jsonl", action="store_true", help='write {"prompt", "answer"} lines instead of plain answers'
+    )
     launch = commands.add_parser(
-        "launch", help="run a jaxtune command as a job of several JAX processes (multi-host), e.g. "
+        "launch",
+        help="run a jaxtune command as a job of several JAX processes (multi-host), e.g. "
         "jaxtune launch --processes 2 --cpu-devices 4 -- run",
         description="Start the jaxtune command after -- once per process, with JAX_COORDINATOR_ADDRESS, "
         "JAX_NUM_PROCESSES and JAX_PROCESS_ID set; each output line is prefixed [i]; when a process fails the "
-        "others are stopped and its exit status is launch's. The artifact store must be a folder every host sees.")
+        "others are stopped and its exit status is launch's. The artifact store must be a folder every host sees.",
+    )
     launch.add_argument("--processes", type=int, required=True, metavar="N", help="processes in the job")
-    launch.add_argument("--coordinator", metavar="HOST:PORT",
-                        help="address of process 0's coordinator (default: 127.0.0.1 on a free port when local; "
-                        "with --host-command, found by JAX on a Cloud TPU pod, SLURM, Open MPI or Kubernetes)")
-    launch.add_argument("--host-command", metavar="TEMPLATE",
-                        help="start each process through this shell command instead of locally; {process_id} is the "
-                        "process's index, {command} the shell-quoted jaxtune command with its environment, e.g. "
-                        "'gcloud compute tpus tpu-vm ssh my-pod --zone Z --worker={process_id} --command {command}'")
-    launch.add_argument("--cpu-devices", type=int, metavar="K",
-                        help="for testing on one machine: each process runs on K fake CPU devices "
-                        "(XLA_FLAGS=--xla_force_host_platform_device_count=K, JAX_PLATFORMS=cpu)")
-    launch.add_argument("arguments", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                        help="the jaxtune command each process runs, e.g. -- run RECIPE --set mesh.fsdp=4")
+    launch.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="address of process 0's coordinator (default: 127.0.0.1 on a free port when local; "
+        "with --host-command, found by JAX on a Cloud TPU pod, SLURM, Open MPI or Kubernetes)",
+    )
+    launch.add_argument(
+        "--host-command",
+        metavar="TEMPLATE",
+        help="start each process through this shell command instead of locally; {process_id} is the "
+        "process's index, {command} the shell-quoted jaxtune command with its environment, e.g. "
+        "'gcloud compute tpus tpu-vm ssh my-pod --zone Z --worker={process_id} --command {command}'",
+    )
+    launch.add_argument(
+        "--cpu-devices",
+        type=int,
+        metavar="K",
+        help="for testing on one machine: each process runs on K fake CPU devices "
+        "(XLA_FLAGS=--xla_force_host_platform_device_count=K, JAX_PLATFORMS=cpu)",
+    )
+    launch.add_argument(
+        "arguments",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND",
+        help="the jaxtune command each process runs, e.g. -- run RECIPE --set mesh.fsdp=4",
+    )
     return parser
 
 
@@ -100,15 +157,22 @@ def _stage_of(stages: tuple[str, ...]):
 def _decoding_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxtune.config import StoreConfig
 
-    parser.add_argument("source", help="a report, export or train artifact folder of the store, a hub id, "
-                        "a local HF model folder, or a .gguf file")
+    parser.add_argument(
+        "source",
+        help="a report, export or train artifact folder of the store, a hub id, "
+        "a local HF model folder, or a .gguf file",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) decodes greedily")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens holding this much probability")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the most likely tokens holding this much probability"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (each answer starts from it)")
     parser.add_argument("--system", help="a system message before the conversation")
-    parser.add_argument("--store", default=StoreConfig().root, help="store a .gguf file is imported into (default: %(default)s)")
+    parser.add_argument(
+        "--store", default=StoreConfig().root, help="store a .gguf file is imported into (default: %(default)s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +234,9 @@ def _run(args, config) -> int:
         _console_without_tracebacks()
     try:
         start_guarded()
-        result = finetune(recipe=args.config or OFFLINE, overrides=args.overrides, refresh=args.refresh, until=args.until)
+        result = finetune(
+            recipe=args.config or OFFLINE, overrides=args.overrides, refresh=args.refresh, until=args.until
+        )
     except Exception as error:
         # A stop is no failure: the run saved its place and goes on when started again. Prefect
         # may have raised another error while recording it, its server stopped by the same signal.
@@ -183,8 +249,12 @@ def _run(args, config) -> int:
             raise
         # The temporary Prefect server logs its shutdown at exit; keep the error the last line.
         logging.getLogger("prefect").setLevel(logging.WARNING)
-        stage = next((note[len(STAGE_NOTE):] for note in getattr(error, "__notes__", []) if note.startswith(STAGE_NOTE)), None)
-        print(f"jaxtune: {f'{stage}: ' if stage else ''}{_one_line(error)} (--debug shows the traceback)", file=sys.stderr)
+        stage = next(
+            (note[len(STAGE_NOTE) :] for note in getattr(error, "__notes__", []) if note.startswith(STAGE_NOTE)), None
+        )
+        print(
+            f"jaxtune: {f'{stage}: ' if stage else ''}{_one_line(error)} (--debug shows the traceback)", file=sys.stderr
+        )
         return 2 if isinstance(error, ConfigError) else 1
     # The temporary Prefect server logs its shutdown at exit; keep the report path the last line.
     logging.getLogger("prefect").setLevel(logging.WARNING)
@@ -209,7 +279,9 @@ def _join_job(config) -> None:
 
     # Registered after JAX's exit handler (it shuts the job's client down), so run before it, and after Prefect's.
     atexit.register(_leaving)
-    if processes.writes() or any(os.environ.get(f"PREFECT_{kind}_DATABASE_CONNECTION_URL") for kind in ("SERVER", "API")):
+    if processes.writes() or any(
+        os.environ.get(f"PREFECT_{kind}_DATABASE_CONNECTION_URL") for kind in ("SERVER", "API")
+    ):
         return
     import shutil
     import tempfile
@@ -267,7 +339,10 @@ def _console_without_tracebacks() -> None:
     error's one line is enough, while the run recorded by Prefect keeps the whole traceback."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
     for logger in loggers:
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _WithoutTraceback):
@@ -301,8 +376,11 @@ def _doctor(args, config) -> int:
 
     if args.target == "":  # --target with no name: the one the config is written for
         if not config.plan.target:
-            print("jaxtune doctor: --target names no accelerator and the config sets no plan.target: "
-                  "give one, e.g. --target v5e-1", file=sys.stderr)
+            print(
+                "jaxtune doctor: --target names no accelerator and the config sets no plan.target: "
+                "give one, e.g. --target v5e-1",
+                file=sys.stderr,
+            )
             return 2
         args.target = config.plan.target
     if args.target:
@@ -332,8 +410,9 @@ def _decode(args) -> int:
     _compile_cache(args.store)
     try:
         prompts = chat.read_prompts(args.prompts, args.prompts_file) if args.command == "generate" else []
-        session = chat.open_session(args.source, args.store, args.max_new_tokens, args.seed, args.temperature,
-                                    args.top_k, args.top_p)
+        session = chat.open_session(
+            args.source, args.store, args.max_new_tokens, args.seed, args.temperature, args.top_k, args.top_p
+        )
         if args.command == "chat":
             chat.require_chat_template(session)
     except (ValueError, OSError) as e:  # SourceError, bad flags, files the model needs
@@ -367,7 +446,9 @@ def _model_folder(name: str, config) -> str:
     if path.is_dir() and adapter_folder(path) is not None:
         from jaxtune.tasks.merge_adapter import merged
 
-        ref = merged(config.store.root, model_ref(config.model.model_copy(update={"name": name})), config.model.trust_remote_code)
+        ref = merged(
+            config.store.root, model_ref(config.model.model_copy(update={"name": name})), config.model.trust_remote_code
+        )
         print(f"jaxtune: the LoRA adapter {name} merged into its base as {ref.path}", file=sys.stderr)
         return ref.path
     return name

@@ -78,7 +78,9 @@ def _open_artifact(folder: Path) -> Opened:
         return _open_train(folder, manifest)
     if stage in ("build_model", "import_gguf"):  # these artifacts are HF model folders themselves
         return _open_base(str(folder), None, str(folder))
-    raise SourceError(f"{folder}: a {stage!r} artifact; chat and generate open report, export or train artifacts or a model")
+    raise SourceError(
+        f"{folder}: a {stage!r} artifact; chat and generate open report, export or train artifacts or a model"
+    )
 
 
 def _store_root(folder: Path) -> Path:
@@ -133,7 +135,9 @@ def _open_export(folder: Path, manifest: dict) -> Opened:
         from peft import PeftModel
 
         name, revision = pretrained_location(_base_ref(folder, manifest, cfg))
-        module = PeftModel.from_pretrained(load_torch_model(name, revision, cfg.trust_remote_code, "float32"), str(sub)).eval()
+        module = PeftModel.from_pretrained(
+            load_torch_model(name, revision, cfg.trust_remote_code, "float32"), str(sub)
+        ).eval()
         description = f"{folder} (LoRA adapter on {name})"
     else:
         module = load_torch_model(str(sub), None, cfg.trust_remote_code, "float32")
@@ -155,7 +159,9 @@ def _open_train(folder: Path, manifest: dict) -> Opened:
             raise SourceError(f"{train.file(name)}: missing")
     model = open_trained_model({"model": base, "train": train}, cfg, MeshConfig())
     method, _ = method_of(train)
-    return Opened(model, open_tokenizer(base, cfg), f"{folder} ({method} fine-tune of {base.path}, {cfg.compute_dtype})")
+    return Opened(
+        model, open_tokenizer(base, cfg), f"{folder} ({method} fine-tune of {base.path}, {cfg.compute_dtype})"
+    )
 
 
 def _open_base(name: str, revision: str | None, description: str) -> Opened:

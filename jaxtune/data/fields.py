@@ -58,20 +58,30 @@ def chat_turns(messages: Any, where: str) -> list[dict]:
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: 'messages' is text but not valid JSON ({e.msg})") from None
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {type_name(messages)}")
+        raise DataError(
+            f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {type_name(messages)}"
+        )
     return [chat_message(m, where, i) for i, m in enumerate(messages, start=1)]
 
 
 def preference_pair(row: dict, where: str, category: str) -> dict:
     """A pair's prompt turns, chosen `response` and `rejected` answer."""
-    return {"messages": prompt_of(row, where, "preference"), "response": pair_answer(row, "chosen", where),
-            "rejected": pair_answer(row, "rejected", where), "category": category}
+    return {
+        "messages": prompt_of(row, where, "preference"),
+        "response": pair_answer(row, "chosen", where),
+        "rejected": pair_answer(row, "rejected", where),
+        "category": category,
+    }
 
 
 def prompt_answer(row: dict, where: str, category: str) -> dict:
     """A prompt_answer row's prompt turns, and its answer as `response`: what the rewards check
     sampled answers against, never trained on."""
-    return {"messages": prompt_of(row, where, "prompt_answer"), "response": answer_text(row, where), "category": category}
+    return {
+        "messages": prompt_of(row, where, "prompt_answer"),
+        "response": answer_text(row, where),
+        "category": category,
+    }
 
 
 def prompt_of(row: dict, where: str, data_format: str) -> list[dict]:
@@ -80,8 +90,10 @@ def prompt_of(row: dict, where: str, data_format: str) -> list[dict]:
     has_prompt, has_messages = row.get("prompt") is not None, row.get("messages") is not None
     if has_prompt == has_messages:
         given = "both" if has_prompt else "neither"
-        raise DataError(f"{where}: a {data_format} row needs its prompt as 'prompt' (text) or 'messages' (the "
-                        f"conversation before {_answers(data_format)}), exactly one of them; got {given}")
+        raise DataError(
+            f"{where}: a {data_format} row needs its prompt as 'prompt' (text) or 'messages' (the "
+            f"conversation before {_answers(data_format)}), exactly one of them; got {given}"
+        )
     if has_prompt:
         return [{"role": "user", "content": text_of(row, "prompt", where, required=True, non_empty=True)}]
     return prompt_turns(row["messages"], where, data_format)
@@ -91,8 +103,10 @@ def prompt_turns(messages: Any, where: str, data_format: str) -> list[dict]:
     """The turns the answers follow: they end with a 'user' turn."""
     turns = chat_turns(messages, where)
     if turns[-1]["role"] != "user":
-        raise DataError(f"{where}: in a {data_format} row 'messages' is the conversation before "
-                        f"{_answers(data_format)}, so its last message must be a 'user' turn, got role {turns[-1]['role']!r}")
+        raise DataError(
+            f"{where}: in a {data_format} row 'messages' is the conversation before "
+            f"{_answers(data_format)}, so its last message must be a 'user' turn, got role {turns[-1]['role']!r}"
+        )
     return turns
 
 
@@ -125,7 +139,9 @@ def pair_answer(row: dict, key: str, where: str) -> str:
             pass
     if isinstance(value, list):
         if len(value) != 1:
-            raise DataError(f"{where}: {key!r} as a list must hold one 'assistant' message (the answer), got {len(value)} messages")
+            raise DataError(
+                f"{where}: {key!r} as a list must hold one 'assistant' message (the answer), got {len(value)} messages"
+            )
         message = chat_message(value[0], where, 1)
         if message["role"] != "assistant":
             raise DataError(f"{where}: {key!r} must be the 'assistant' answer, got role {message['role']!r}")

@@ -40,17 +40,19 @@ ROWS_PER_PROCESS = 10_000  # fewer rows stay in this process: forking workers an
 def normalized_features():
     import datasets
 
-    return datasets.Features({
-        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
-        "response": datasets.Value("string"),
-        "rejected": datasets.Value("string"),  # a preference pair's worse answer; '' for other formats
-        "category": datasets.Value("string"),
-        "source": datasets.Value("int32"),  # index of the source in the mixture
-        "row": datasets.Value("int64"),  # the line (JSONL) or 1-based row its error messages name
-        "row_key": datasets.Value("int64"),  # what exact-duplicate detection compares
-        "prompt_key": datasets.Value("int64"),  # what the eval split's duplicate-of-train check compares
-        "problem": datasets.Value("string"),  # why the row cannot be read, with its location; null if it can
-    })
+    return datasets.Features(
+        {
+            "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+            "response": datasets.Value("string"),
+            "rejected": datasets.Value("string"),  # a preference pair's worse answer; '' for other formats
+            "category": datasets.Value("string"),
+            "source": datasets.Value("int32"),  # index of the source in the mixture
+            "row": datasets.Value("int64"),  # the line (JSONL) or 1-based row its error messages name
+            "row_key": datasets.Value("int64"),  # what exact-duplicate detection compares
+            "prompt_key": datasets.Value("int64"),  # what the eval split's duplicate-of-train check compares
+            "problem": datasets.Value("string"),  # why the row cannot be read, with its location; null if it can
+        }
+    )
 
 
 def processes(rows: int, num_proc: int | None) -> int | None:
@@ -72,9 +74,16 @@ def load_normalized(src: SourceConfig, path_or_id: str, index: int, work: Path, 
     if len(source) == 0:
         raise DataError(f"{name}: no rows")
     unit = unit_of(name)
-    out = parallel_map(source, _normalize_batch, num_proc, with_indices=True, features=normalized_features(),
-                       fn_kwargs={"src": src, "index": index, "name": name, "unit": unit},
-                       cache_file_name=str(work / f"normalized-{index}.arrow"), desc=f"normalize {src.label}")
+    out = parallel_map(
+        source,
+        _normalize_batch,
+        num_proc,
+        with_indices=True,
+        features=normalized_features(),
+        fn_kwargs={"src": src, "index": index, "name": name, "unit": unit},
+        cache_file_name=str(work / f"normalized-{index}.arrow"),
+        desc=f"normalize {src.label}",
+    )
     raise_first_problem(out.data.column("problem"))
     return out
 
@@ -87,10 +96,18 @@ def parallel_map(dataset, function, num_proc: int | None, cache_file_name: str, 
         # JAX, when this process has loaded it, warns that forking a multithreaded process may deadlock.
         # The workers run only the tokenizer and the standard library, never JAX or its threads' locks.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-        return dataset.map(function, batched=True, batch_size=BATCH, remove_columns=dataset.column_names,
-                           num_proc=workers, writer_batch_size=BATCH,
-                           cache_file_name=cache_file_name, new_fingerprint=Path(cache_file_name).stem,
-                           load_from_cache_file=False, **kwargs)
+        return dataset.map(
+            function,
+            batched=True,
+            batch_size=BATCH,
+            remove_columns=dataset.column_names,
+            num_proc=workers,
+            writer_batch_size=BATCH,
+            cache_file_name=cache_file_name,
+            new_fingerprint=Path(cache_file_name).stem,
+            load_from_cache_file=False,
+            **kwargs,
+        )
 
 
 @contextlib.contextmanager
@@ -150,14 +167,20 @@ def _raw_dataset(src: SourceConfig, name: str, cache: Path):
 RECORDS_SCHEMA = pa.schema([(ROW, pa.int64()), (RECORD, pa.string()), (PROBLEM, pa.string())])
 
 
-def _write_records(records: Iterator[tuple[int, str | None, str | None]], file: Path, rows_per_batch: int = 10_000) -> None:
+def _write_records(
+    records: Iterator[tuple[int, str | None, str | None]], file: Path, rows_per_batch: int = 10_000
+) -> None:
     """The (row, text, problem) records as an Arrow file that `datasets.Dataset.from_file` maps,
     written a batch at a time (0.2 s for 100,000 JSONL rows here, against 1.4 s through `Dataset.from_generator`)."""
     with pa.OSFile(str(file), "wb") as sink, pa.ipc.new_stream(sink, RECORDS_SCHEMA) as writer:
         while batch := list(itertools.islice(records, rows_per_batch)):
             numbers, texts, problems = zip(*batch)
-            writer.write_batch(pa.record_batch([pa.array(numbers, pa.int64()), pa.array(texts, pa.string()),
-                                                pa.array(problems, pa.string())], schema=RECORDS_SCHEMA))
+            writer.write_batch(
+                pa.record_batch(
+                    [pa.array(numbers, pa.int64()), pa.array(texts, pa.string()), pa.array(problems, pa.string())],
+                    schema=RECORDS_SCHEMA,
+                )
+            )
 
 
 def _text_records(path: Path, max_rows: int | None) -> Iterator[tuple[int, str | None, str | None]]:
@@ -189,15 +212,21 @@ def _hub(dataset_id: str, src: SourceConfig):
     try:
         ds = datasets.load_dataset(dataset_id, split=src.hub_split, revision=src.revision)
     except Exception as e:  # the hub raises many unrelated types; all mean "could not load"
-        raise DataError(f"{dataset_id}: could not load hub dataset (split {src.hub_split!r}, revision {src.revision!r}): {e}") from e
+        raise DataError(
+            f"{dataset_id}: could not load hub dataset (split {src.hub_split!r}, revision {src.revision!r}): {e}"
+        ) from e
     raw.check_arrow_schema(dataset_id, ds.data.schema, src)
     return ds
 
 
-def _normalize_batch(batch: dict[str, list], indices: list[int], src: SourceConfig, index: int, name: str, unit: str) -> dict:
+def _normalize_batch(
+    batch: dict[str, list], indices: list[int], src: SourceConfig, index: int, name: str, unit: str
+) -> dict:
     """A batch of raw rows -> normalized rows; a row that cannot be read keeps only its `problem`."""
-    out: dict[str, list] = {key: [] for key in ("messages", "response", "rejected", "category", "source", "row",
-                                                "row_key", "prompt_key", "problem")}
+    out: dict[str, list] = {
+        key: []
+        for key in ("messages", "response", "rejected", "category", "source", "row", "row_key", "prompt_key", "problem")
+    }
     for number, row, problem in _rows_of(batch, indices):
         where = f"{name} {unit} {number}"
         example = None

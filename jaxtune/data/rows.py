@@ -37,6 +37,7 @@ def offline_file(data_format: str) -> Path:
     pairs, for format 'prompt_answer' the arithmetic questions."""
     return {"preference": OFFLINE_PAIRS, "prompt_answer": OFFLINE_ARITHMETIC}.get(data_format, OFFLINE_DATA)
 
+
 # (required, optional) source names per format; `category` is optional everywhere.
 FORMAT_COLUMNS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dolly": (("instruction", "response"), ("context", "category")),
@@ -97,7 +98,9 @@ def source_texts(cfg: DataConfig, path_or_id: str | Path) -> Iterator[str]:
         for name in keys:
             value = row.get(name)
             if name == "messages" and cfg.format in _PROMPT_FIRST:
-                values = [m["content"] for m in fields.prompt_turns(value, where, cfg.format)] if value is not None else []
+                values = (
+                    [m["content"] for m in fields.prompt_turns(value, where, cfg.format)] if value is not None else []
+                )
             elif name in ("chosen", "rejected"):
                 values = [fields.pair_answer(row, name, where)]
             elif name == "answer":
@@ -138,9 +141,15 @@ def source_problem(source: str) -> str | None:
     path = Path(source).expanduser()
     supported = ", ".join(SUPPORTED_EXTENSIONS)
     if not path.exists():
-        return None if looks_like_hub_id(source) else ": no such file, and not a hub dataset id of the form 'owner/name'"
+        return (
+            None if looks_like_hub_id(source) else ": no such file, and not a hub dataset id of the form 'owner/name'"
+        )
     if path.is_dir():
-        return None if is_saved_dataset(path) else f" is a folder, but not one written by datasets' save_to_disk; give a {supported} file or such a folder"
+        return (
+            None
+            if is_saved_dataset(path)
+            else f" is a folder, but not one written by datasets' save_to_disk; give a {supported} file or such a folder"
+        )
     if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
         return f": unsupported file type {path.suffix.lower() or '(none)'!r}; supported: {supported}"
     return ": file is empty" if path.stat().st_size == 0 else None
@@ -201,7 +210,11 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, str | None, str | None]]:
             if not line.strip():
                 continue
             try:
-                yield number, line.decode("utf-8").rstrip("\r\n"), None  # else an error at the line end reports column 1 of the next
+                yield (
+                    number,
+                    line.decode("utf-8").rstrip("\r\n"),
+                    None,
+                )  # else an error at the line end reports column 1 of the next
             except UnicodeDecodeError as e:
                 yield number, None, f"{path} line {number}: not valid UTF-8 ({e.reason} at byte {e.start})"
 
@@ -230,7 +243,9 @@ def json_rows(path: Path) -> list:
         key = next((k for k in ("data", "train") if isinstance(doc.get(k), list)), None)
         if key is None:
             keys = ", ".join(map(str, doc)) or "(none)"
-            raise DataError(f"{path}: expected a list of rows, or an object with a 'data' or 'train' list; got keys {keys}")
+            raise DataError(
+                f"{path}: expected a list of rows, or an object with a 'data' or 'train' list; got keys {keys}"
+            )
         doc = doc[key]
     if not isinstance(doc, list):
         raise DataError(f"{path}: expected a list of rows, got {fields.type_name(doc)}")
@@ -250,9 +265,16 @@ def check_arrow_schema(name: str, schema: pa.Schema, cfg: DataConfig) -> None:
     """A column has one type, so a wrong one is reported once here rather than as a puzzling value in every row."""
     for column, source in _source_columns(cfg).items():
         if source in schema.names and not _arrow_type_fits(column, schema.field(source).type):
-            expected = ("a list of {role, content} objects (list<struct>)" if column in _LISTS
-                        else "text (string) or a number" if column in _NUMBERS else "text (string)")
-            raise DataError(f"{name}: column {_column_label(column, cfg)} is {schema.field(source).type}, expected {expected}")
+            expected = (
+                "a list of {role, content} objects (list<struct>)"
+                if column in _LISTS
+                else "text (string) or a number"
+                if column in _NUMBERS
+                else "text (string)"
+            )
+            raise DataError(
+                f"{name}: column {_column_label(column, cfg)} is {schema.field(source).type}, expected {expected}"
+            )
 
 
 def _arrow_type_fits(name: str, arrow_type: pa.DataType) -> bool:
@@ -284,7 +306,9 @@ def csv_rows(path: Path, header: list[str] | None = None) -> Iterator[tuple[int,
     convert = pacsv.ConvertOptions(column_types={name: pa.string() for name in header})
     number = 0
     try:
-        with pacsv.open_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True), convert_options=convert) as reader:
+        with pacsv.open_csv(
+            path, parse_options=pacsv.ParseOptions(newlines_in_values=True), convert_options=convert
+        ) as reader:
             for batch in reader:
                 for row in batch.to_pylist():
                     number += 1
@@ -327,7 +351,9 @@ def _hub_records(dataset_id: str, cfg: DataConfig) -> Iterator[Record]:
     try:
         ds = datasets.load_dataset(dataset_id, split=cfg.hub_split, revision=cfg.revision)
     except Exception as e:  # the hub raises many unrelated types; all mean "could not load"
-        raise DataError(f"{dataset_id}: could not load hub dataset (split {cfg.hub_split!r}, revision {cfg.revision!r}): {e}") from e
+        raise DataError(
+            f"{dataset_id}: could not load hub dataset (split {cfg.hub_split!r}, revision {cfg.revision!r}): {e}"
+        ) from e
     return _numbered(dataset_id, ds)
 
 

@@ -61,7 +61,9 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
         return []
     user = [{"role": "user", "content": "Hi"}]
     prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False)
-    full = tokenizer.apply_chat_template([*user, {"role": "assistant", "content": _PROBE}], tokenize=True, return_dict=False)
+    full = tokenizer.apply_chat_template(
+        [*user, {"role": "assistant", "content": _PROBE}], tokenize=True, return_dict=False
+    )
     if list(full[: len(prompt)]) != list(prompt):
         return []
     special = set(tokenizer.all_special_ids) | {

@@ -45,11 +45,14 @@ class ListColumn(Sequence):
     def __init__(self, column: pa.ChunkedArray, file: _File | None = None):
         self._file = file
         # offsets index the chunk's whole child array, so they hold for sliced chunks too
-        self._chunks = [(chunk.offsets.to_numpy(), chunk.values.to_numpy() if file is None else file.position(chunk.values))
-                        for chunk in column.chunks]
+        self._chunks = [
+            (chunk.offsets.to_numpy(), chunk.values.to_numpy() if file is None else file.position(chunk.values))
+            for chunk in column.chunks
+        ]
         self._starts = np.cumsum([0, *(len(chunk) for chunk in column.chunks)])
-        self.lengths = np.concatenate([np.diff(offsets) for offsets, _ in self._chunks]) if self._chunks \
-            else np.zeros(0, np.int32)
+        self.lengths = (
+            np.concatenate([np.diff(offsets) for offsets, _ in self._chunks]) if self._chunks else np.zeros(0, np.int32)
+        )
 
     def __len__(self) -> int:
         return int(self._starts[-1])

@@ -27,8 +27,15 @@ from jaxtune.data import loading
 from jaxtune.errors import ChatTemplateError, DataError
 
 IGNORE_INDEX = -100  # label value the loss skips
-DROP_REASONS = ("duplicate", "duplicate_of_train", "empty_response", "too_long", "identical_pair", "max_train_rows",
-                "max_eval_rows")
+DROP_REASONS = (
+    "duplicate",
+    "duplicate_of_train",
+    "empty_response",
+    "too_long",
+    "identical_pair",
+    "max_train_rows",
+    "max_eval_rows",
+)
 ARROW_SCHEMA = pa.schema(
     [
         ("input_ids", pa.list_(pa.int32())),
@@ -64,8 +71,13 @@ def pad_id_of(tokenizer: Any) -> int:
     return 0
 
 
-def encode_batch(messages: Sequence[list[dict]], responses: Sequence[str], tokenizer: Any, loss_on: str = "all_assistant",
-                 wheres: Sequence[str] | None = None) -> list[dict | None]:
+def encode_batch(
+    messages: Sequence[list[dict]],
+    responses: Sequence[str],
+    tokenizer: Any,
+    loss_on: str = "all_assistant",
+    wheres: Sequence[str] | None = None,
+) -> list[dict | None]:
     """Token ids and labels of a batch of examples (prompt turns and final answer); None for an empty answer.
 
     Labels are -100 except on what `loss_on` trains: every assistant turn ('all_assistant'), only
@@ -92,13 +104,18 @@ def encode_batch(messages: Sequence[list[dict]], responses: Sequence[str], token
         full = add([*prompt, {"role": "assistant", "content": response}], False, where)
         spans = [(add(prompt, True, where), None, prompt, response)]  # None: through the end
         if loss_on == "all_assistant":
-            spans += [(add(prompt[:j], True, where), add(prompt[: j + 1], False, where), prompt[:j], turn["content"])
-                      for j, turn in enumerate(prompt) if turn["role"] == "assistant"]
+            spans += [
+                (add(prompt[:j], True, where), add(prompt[: j + 1], False, where), prompt[:j], turn["content"])
+                for j, turn in enumerate(prompt)
+                if turn["role"] == "assistant"
+            ]
         plans.append((full, spans))
     texts: list[str] = [""] * len(requests)
     for generation_prompt in (False, True):
         which = [k for k, (_, flag, _) in enumerate(requests) if flag == generation_prompt]
-        rendered = _render(tokenizer, [requests[k][0] for k in which], generation_prompt, [requests[k][2] for k in which])
+        rendered = _render(
+            tokenizer, [requests[k][0] for k in which], generation_prompt, [requests[k][2] for k in which]
+        )
         for k, text in zip(which, rendered):
             texts[k] = text
     ids = token_ids(tokenizer, texts)
@@ -112,22 +129,35 @@ def encode_prompts(messages: Sequence[list[dict]], tokenizer: Any, wheres: Seque
     template refuses to render raises DataError naming `wheres[i]`."""
     wheres = list(wheres) if wheres else [f"row {i + 1}" for i in range(len(messages))]
     ids = token_ids(tokenizer, _render(tokenizer, list(messages), True, wheres))
-    return [{"input_ids": [int(i) for i in row], "labels": [IGNORE_INDEX] * len(row), "length": len(row),
-             "prompt_length": len(row)} for row in ids]
+    return [
+        {
+            "input_ids": [int(i) for i in row],
+            "labels": [IGNORE_INDEX] * len(row),
+            "length": len(row),
+            "prompt_length": len(row),
+        }
+        for row in ids
+    ]
 
 
-def _render(tokenizer: Any, conversations: list[list[dict]], add_generation_prompt: bool, wheres: list[str]) -> list[str]:
+def _render(
+    tokenizer: Any, conversations: list[list[dict]], add_generation_prompt: bool, wheres: list[str]
+) -> list[str]:
     """The chat template applied to each conversation, in one batched call."""
     if not conversations:
         return []
     try:
-        return list(tokenizer.apply_chat_template(conversations, add_generation_prompt=add_generation_prompt, tokenize=False))
+        return list(
+            tokenizer.apply_chat_template(conversations, add_generation_prompt=add_generation_prompt, tokenize=False)
+        )
     except Exception:  # jinja's raise_exception or a template bug: find the row it cannot render
         for conversation, where in zip(conversations, wheres):
             try:
                 tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
             except Exception as e:
-                raise DataError(f"{where}: the chat template cannot render this row ({str(e).splitlines()[0]})") from None
+                raise DataError(
+                    f"{where}: the chat template cannot render this row ({str(e).splitlines()[0]})"
+                ) from None
         raise
 
 
@@ -138,7 +168,12 @@ def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and backend.truncation is None and backend.padding is None and hasattr(backend, "encode_batch_fast"):
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and hasattr(backend, "encode_batch_fast")
+    ):
         return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
@@ -146,8 +181,10 @@ def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 def _labelled_row(plan, ids: list[list[int]], tokenizer: Any, loss_on: str) -> dict:
     full, spans = plan
     full_ids = [int(i) for i in ids[full]]
-    (start, _), *earlier = [_answer_span(ids[before], full_ids if through is None else ids[through], full_ids, tokenizer, turns, answer)
-                            for before, through, turns, answer in spans]
+    (start, _), *earlier = [
+        _answer_span(ids[before], full_ids if through is None else ids[through], full_ids, tokenizer, turns, answer)
+        for before, through, turns, answer in spans
+    ]
     if loss_on == "all":
         labels = list(full_ids)
     else:
@@ -157,8 +194,9 @@ def _labelled_row(plan, ids: list[list[int]], tokenizer: Any, loss_on: str) -> d
     return {"input_ids": full_ids, "labels": labels, "length": len(full_ids), "prompt_length": start}
 
 
-def _answer_span(prompt_ids: list[int], through: list[int], full_ids: list[int], tokenizer: Any, before: list[dict],
-                 answer: str) -> tuple[int, int]:
+def _answer_span(
+    prompt_ids: list[int], through: list[int], full_ids: list[int], tokenizer: Any, before: list[dict], answer: str
+) -> tuple[int, int]:
     """[start, end) of the assistant turn after `before` in `full_ids`: from the end of `before`
     rendered with the generation prompt to the end of `before` plus the answer. Each must be a
     token prefix of the whole."""
@@ -173,12 +211,17 @@ def encode_example(example: dict, tokenizer: Any, loss_on: str = "all_assistant"
     (row,) = encode_batch([example["messages"]], [example["response"]], tokenizer, loss_on)
     if row is None:
         return None
-    return {**row, "category": example["category"], "prompt_text": _prompt_text(example["messages"]),
-            "response": example["response"]}
+    return {
+        **row,
+        "category": example["category"],
+        "prompt_text": _prompt_text(example["messages"]),
+        "response": example["response"],
+    }
 
 
-def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres: list[tuple[str, str]],
-                 names: list[str]) -> dict[str, list]:
+def _encode_map(
+    batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres: list[tuple[str, str]], names: list[str]
+) -> dict[str, list]:
     """The `datasets.map` function: normalized rows -> token rows, each with its drop reason
     (EMPTY, TOO_LONG, IDENTICAL or KEEP) and, for a row the template cannot handle, the problem.
     A preference pair encodes both answers, each labelled on its own tokens alone; a prompt_answer
@@ -189,13 +232,17 @@ def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres:
     n = len(where)
     try:
         if pairs:  # one batched call for both answers; the labels cover the answer alone
-            encoded = encode_batch(batch["messages"] * 2, batch["response"] + batch["rejected"], tokenizer,
-                                   "last_assistant", where * 2)
+            encoded = encode_batch(
+                batch["messages"] * 2, batch["response"] + batch["rejected"], tokenizer, "last_assistant", where * 2
+            )
             rows, rejected = encoded[:n], encoded[n:]
         elif is_prompt_answer(cfg):
             rows, rejected = encode_prompts(batch["messages"], tokenizer, where), [None] * n
         else:
-            rows, rejected = encode_batch(batch["messages"], batch["response"], tokenizer, cfg.loss_on, where), [None] * n
+            rows, rejected = (
+                encode_batch(batch["messages"], batch["response"], tokenizer, cfg.loss_on, where),
+                [None] * n,
+            )
         problem = template_problem = None
     except ChatTemplateError as e:
         rows, rejected, problem, template_problem = [None] * n, [None] * n, None, str(e)
@@ -213,7 +260,11 @@ def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres:
             if drop == KEEP and cut and (cfg.too_long == "drop" or row["prompt_length"] >= cfg.max_length):
                 drop = TOO_LONG
             elif drop == KEEP and cut:
-                row, other, truncated = _truncated(row, cfg.max_length), other and _truncated(other, cfg.max_length), True
+                row, other, truncated = (
+                    _truncated(row, cfg.max_length),
+                    other and _truncated(other, cfg.max_length),
+                    True,
+                )
         row, other = row or empty, other or empty
         out["input_ids"].append(row["input_ids"])
         out["labels"].append(row["labels"])
@@ -236,12 +287,32 @@ def _encode_map(batch: dict[str, list], tokenizer: Any, cfg: DataConfig, wheres:
 
 
 def _truncated(row: dict, n: int) -> dict:
-    return row if row["length"] <= n else {**row, "input_ids": row["input_ids"][:n], "labels": row["labels"][:n], "length": n}
+    return (
+        row
+        if row["length"] <= n
+        else {**row, "input_ids": row["input_ids"][:n], "labels": row["labels"][:n], "length": n}
+    )
 
 
-ENCODED_COLUMNS = ("input_ids", "labels", "length", "prompt_length", "rejected_input_ids", "rejected_labels",
-                   "rejected_length", "category", "prompt_text", "response", "rejected", "source", "labelled", "drop",
-                   "truncated", "problem", "template_problem")
+ENCODED_COLUMNS = (
+    "input_ids",
+    "labels",
+    "length",
+    "prompt_length",
+    "rejected_input_ids",
+    "rejected_labels",
+    "rejected_length",
+    "category",
+    "prompt_text",
+    "response",
+    "rejected",
+    "source",
+    "labelled",
+    "drop",
+    "truncated",
+    "problem",
+    "template_problem",
+)
 
 
 def _encoded_features():
@@ -249,16 +320,35 @@ def _encoded_features():
 
     ids = datasets.List(datasets.Value("int32"))
     text = datasets.Value("string")
-    return datasets.Features({
-        "input_ids": ids, "labels": ids, "length": datasets.Value("int32"), "prompt_length": datasets.Value("int32"),
-        "rejected_input_ids": ids, "rejected_labels": ids, "rejected_length": datasets.Value("int32"),
-        "category": text, "prompt_text": text, "response": text, "rejected": text, "source": text,
-        "labelled": datasets.Value("int32"), "drop": datasets.Value("int8"), "truncated": datasets.Value("bool"),
-        "problem": text, "template_problem": text,
-    })
+    return datasets.Features(
+        {
+            "input_ids": ids,
+            "labels": ids,
+            "length": datasets.Value("int32"),
+            "prompt_length": datasets.Value("int32"),
+            "rejected_input_ids": ids,
+            "rejected_labels": ids,
+            "rejected_length": datasets.Value("int32"),
+            "category": text,
+            "prompt_text": text,
+            "response": text,
+            "rejected": text,
+            "source": text,
+            "labelled": datasets.Value("int32"),
+            "drop": datasets.Value("int8"),
+            "truncated": datasets.Value("bool"),
+            "problem": text,
+            "template_problem": text,
+        }
+    )
 
 
-REJECTED = {"input_ids": "rejected_input_ids", "labels": "rejected_labels", "length": "rejected_length", "response": "rejected"}
+REJECTED = {
+    "input_ids": "rejected_input_ids",
+    "labels": "rejected_labels",
+    "length": "rejected_length",
+    "response": "rejected",
+}
 
 
 class TokenTables:
@@ -280,8 +370,11 @@ class TokenTables:
             if not self.pairs:
                 yield chosen
                 continue
-            rejected = taken.select([REJECTED.get(name, name) for name in ARROW_SCHEMA.names]).rename_columns(
-                ARROW_SCHEMA.names).cast(ARROW_SCHEMA)
+            rejected = (
+                taken.select([REJECTED.get(name, name) for name in ARROW_SCHEMA.names])
+                .rename_columns(ARROW_SCHEMA.names)
+                .cast(ARROW_SCHEMA)
+            )
             n = len(chosen)
             order = np.stack([np.arange(n), np.arange(n) + n], axis=1).reshape(-1)  # chosen, rejected, chosen, ...
             yield pa.concat_tables([chosen, rejected]).take(pa.array(order, pa.int64()))
@@ -290,7 +383,9 @@ class TokenTables:
         return [row for table in self.batches(split) for row in table.to_pylist()]
 
 
-def tokenize_sources(sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any, cfg: DataConfig, work: Path) -> TokenTables:
+def tokenize_sources(
+    sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any, cfg: DataConfig, work: Path
+) -> TokenTables:
     """Read every (source, path or hub id), normalize, drop exact duplicates, split, encode, drop,
     weight and cap. `work` holds the intermediate Arrow files, and must outlive the result."""
     import datasets
@@ -301,7 +396,9 @@ def tokenize_sources(sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any
     return _tokenize_normalized(normalized, tokenizer, cfg, [src for src, _ in sources], wheres, work)
 
 
-def write_token_tables(sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any, cfg: DataConfig, folder: Path) -> dict:
+def write_token_tables(
+    sources: Sequence[tuple[SourceConfig, str]], tokenizer: Any, cfg: DataConfig, folder: Path
+) -> dict:
     """`tokenize_sources` written as folder/train.arrow and folder/eval.arrow (its intermediate files
     in a temporary folder beside `folder`, removed after); returns the stats."""
     with tempfile.TemporaryDirectory(prefix=".tokenize-", dir=folder.parent) as work:
@@ -315,16 +412,29 @@ def tokenize_dataset(examples: Sequence[dict], tokenizer: Any, cfg: DataConfig) 
     """`tokenize_sources` for examples already normalized in memory (one source); returns (train, eval, stats) rows."""
     import datasets
 
-    rows = [{"rejected": "", **e, "source": 0, "row": n, "row_key": loading.row_key(e), "prompt_key": loading.prompt_key(e), "problem": None}
-            for n, e in enumerate(examples, start=1)]
+    rows = [
+        {
+            "rejected": "",
+            **e,
+            "source": 0,
+            "row": n,
+            "row_key": loading.row_key(e),
+            "prompt_key": loading.prompt_key(e),
+            "problem": None,
+        }
+        for n, e in enumerate(examples, start=1)
+    ]
     normalized = datasets.Dataset.from_list(rows, features=loading.normalized_features())
     with tempfile.TemporaryDirectory(prefix="jaxtune-tokenize-") as work:
-        tables = _tokenize_normalized(normalized, tokenizer, cfg, list(cfg.mixture()), [("examples", "row")], Path(work))
+        tables = _tokenize_normalized(
+            normalized, tokenizer, cfg, list(cfg.mixture()), [("examples", "row")], Path(work)
+        )
         return tables.rows("train"), tables.rows("eval"), tables.stats
 
 
-def _tokenize_normalized(normalized, tokenizer: Any, cfg: DataConfig, sources: list[SourceConfig],
-                         wheres: list[tuple[str, str]], work: Path) -> TokenTables:
+def _tokenize_normalized(
+    normalized, tokenizer: Any, cfg: DataConfig, sources: list[SourceConfig], wheres: list[tuple[str, str]], work: Path
+) -> TokenTables:
     n_in = len(normalized)
     if n_in < 2:
         raise DataError(f"need at least 2 rows to split into train and eval, got {n_in}")
@@ -343,8 +453,13 @@ def _tokenize_normalized(normalized, tokenizer: Any, cfg: DataConfig, sources: l
     chosen = normalized if len(keep) == n_in else normalized.select(keep)
     names = [src.label for src in sources]
     encoded = loading.parallel_map(
-        chosen, _encode_map, cfg.num_proc, features=_encoded_features(), cache_file_name=str(work / "encoded.arrow"),
-        fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "wheres": wheres, "names": names}, desc="tokenize",
+        chosen,
+        _encode_map,
+        cfg.num_proc,
+        features=_encoded_features(),
+        cache_file_name=str(work / "encoded.arrow"),
+        fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "wheres": wheres, "names": names},
+        desc="tokenize",
     )
     loading.raise_first_problem(encoded.data.column("template_problem"), ChatTemplateError)
     loading.raise_first_problem(encoded.data.column("problem"))
@@ -485,8 +600,11 @@ def _why(dropped: Counter, cfg: DataConfig) -> str:
 
 
 def _drop_counts(drop: np.ndarray) -> Counter:
-    return Counter(empty_response=int(np.count_nonzero(drop == EMPTY)), too_long=int(np.count_nonzero(drop == TOO_LONG)),
-                   identical_pair=int(np.count_nonzero(drop == IDENTICAL)))
+    return Counter(
+        empty_response=int(np.count_nonzero(drop == EMPTY)),
+        too_long=int(np.count_nonzero(drop == TOO_LONG)),
+        identical_pair=int(np.count_nonzero(drop == IDENTICAL)),
+    )
 
 
 def _cap(positions: np.ndarray, cap: int | None, reason: str, dropped: Counter) -> np.ndarray:
@@ -496,8 +614,16 @@ def _cap(positions: np.ndarray, cap: int | None, reason: str, dropped: Counter) 
     return positions[:cap]
 
 
-def _stats(encoded, train: np.ndarray, eval_: np.ndarray, dropped: Counter, rows_in: int, sources: list[SourceConfig],
-           source_rows_in: np.ndarray, source_of: np.ndarray) -> dict:
+def _stats(
+    encoded,
+    train: np.ndarray,
+    eval_: np.ndarray,
+    dropped: Counter,
+    rows_in: int,
+    sources: list[SourceConfig],
+    source_rows_in: np.ndarray,
+    source_of: np.ndarray,
+) -> dict:
     """Counts, token totals, length percentiles, category histograms and the mix of the kept rows."""
     table = encoded.data
     chosen, rejected = table.column("length").to_numpy(), table.column("rejected_length").to_numpy()
@@ -513,19 +639,29 @@ def _stats(encoded, train: np.ndarray, eval_: np.ndarray, dropped: Counter, rows
         "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
         "truncated": int(np.count_nonzero(truncated[kept])),  # kept, cut to data.max_length (data.too_long=truncate)
         "tokens": {"train": int(length[train].sum()), "eval": int(length[eval_].sum())},
-        "label_tokens": {"train": int(labelled[train].sum()), "eval": int(labelled[eval_].sum())},  # what the loss covers (data.loss_on)
+        "label_tokens": {
+            "train": int(labelled[train].sum()),
+            "eval": int(labelled[eval_].sum()),
+        },  # what the loss covers (data.loss_on)
         "length_percentiles": {
             "p50": _percentile(lengths, 50),
             "p90": _percentile(lengths, 90),
             "p99": _percentile(lengths, 99),
             "max": int(lengths[-1]),
         },
-        "categories": {"train": _histogram(table.column("category"), train),
-                       "eval": _histogram(table.column("category"), eval_)},
+        "categories": {
+            "train": _histogram(table.column("category"), train),
+            "eval": _histogram(table.column("category"), eval_),
+        },
         "sources": [
-            {"name": src.label, "weight": src.weight, "max_rows": src.max_rows, "rows_in": int(source_rows_in[k]),
-             "train_rows": int(np.count_nonzero(source_of[train] == k)),
-             "eval_rows": int(np.count_nonzero(source_of[eval_] == k))}
+            {
+                "name": src.label,
+                "weight": src.weight,
+                "max_rows": src.max_rows,
+                "rows_in": int(source_rows_in[k]),
+                "train_rows": int(np.count_nonzero(source_of[train] == k)),
+                "eval_rows": int(np.count_nonzero(source_of[eval_] == k)),
+            }
             for k, src in enumerate(sources)
         ],
     }

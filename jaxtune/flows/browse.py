@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from jaxtune.tracking import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
+from jaxtune.tracking import ui
 
 
 def _size(n: float) -> str:
@@ -27,12 +27,15 @@ def stage_markdown(ref: ArtifactRef, state: str) -> str:
     manifest = ref.read_json(MANIFEST)
     files = manifest["files"]
     lines = [
-        f"# {ref.stage}: {state}", "",
+        f"# {ref.stage}: {state}",
+        "",
         f"- key: `{ref.key}`",
         f"- folder: `{ref.path}`",
         f"- created: {manifest['created_at']}",
-        f"- inputs: {', '.join(f'{name} `{key}`' for name, key in manifest['inputs'].items()) or 'none'}", "",
-        "| file | size |", "|---|---|",
+        f"- inputs: {', '.join(f'{name} `{key}`' for name, key in manifest['inputs'].items()) or 'none'}",
+        "",
+        "| file | size |",
+        "|---|---|",
         *[f"| `{name}` | {_size(entry['bytes'])} |" for name, entry in sorted(files.items())],
     ]
     return "\n".join(lines)
@@ -47,5 +50,10 @@ def publish_stage(ref: ArtifactRef, state: str) -> None:
 
 
 def publish_stages(done: dict[str, ArtifactRef], states: dict[str, str]) -> None:
-    rows = [{"stage": stage, "state": states.get(stage, ""), "key": ref.key, "folder": ref.path} for stage, ref in done.items()]
-    create_table_artifact(key=ui.artifact_key("stages"), table=rows, description="every stage of this run and its store folder")
+    rows = [
+        {"stage": stage, "state": states.get(stage, ""), "key": ref.key, "folder": ref.path}
+        for stage, ref in done.items()
+    ]
+    create_table_artifact(
+        key=ui.artifact_key("stages"), table=rows, description="every stage of this run and its store folder"
+    )

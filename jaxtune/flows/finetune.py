@@ -37,19 +37,32 @@ from prefect.cache_policies import CachePolicy
 from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Crashed, State
 
-from jaxtune.tracking import ui
-from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
 from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.config import OFFLINE, JaxtuneConfig, load_config, names_recipe
 from jaxtune.errors import ConfigError, TrainingStopped
 from jaxtune.flows import browse
-from jaxtune.tasks import (BUILD_STAGES, STAGES, build_model, build_tokenizer, evaluate, export, generate, import_gguf,
-                           merge_adapter, quantize_base, reference, report, tokenize, train)
+from jaxtune.host import processes
+from jaxtune.tasks import (
+    BUILD_STAGES,
+    STAGES,
+    build_model,
+    build_tokenizer,
+    evaluate,
+    export,
+    generate,
+    import_gguf,
+    merge_adapter,
+    quantize_base,
+    reference,
+    report,
+    tokenize,
+    train,
+)
 from jaxtune.tasks.downloads import retry_options
 from jaxtune.tasks.sources import ADAPTER, GGUF, adapter_base, dataset_refs, keyed_model, model_ref
 from jaxtune.tasks.stage import input_keys, stage_key
-from jaxtune.tracking import mlflow_run
+from jaxtune.tracking import mlflow_run, ui
 
 Stage = Literal[STAGES]
 STAGE_NOTE = "in stage "  # the note a stage's error carries out of the flow
@@ -89,8 +102,10 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
     steps = []
     if config.model.name == OFFLINE:
         tokenizer_section = build_tokenizer.section_for(config.model.tiny.vocab_size, config.data)
-        steps += [Step(build_tokenizer.STAGE, build_tokenizer.build_tokenizer, tokenizer_section, data),
-                  Step(build_model.STAGE, build_model.build_model, config.model.tiny, {"tokenizer": build_tokenizer.STAGE})]
+        steps += [
+            Step(build_tokenizer.STAGE, build_tokenizer.build_tokenizer, tokenizer_section, data),
+            Step(build_model.STAGE, build_model.build_model, config.model.tiny, {"tokenizer": build_tokenizer.STAGE}),
+        ]
         model: str | ArtifactRef = build_model.STAGE
     else:
         model = model_ref(config.model)
@@ -99,47 +114,94 @@ def pipeline(config: JaxtuneConfig, restart: bool = False) -> list[Step]:
             model = import_gguf.STAGE
         elif model.stage == ADAPTER:
             base = model_ref(adapter_base(Path(model.path)))
-            steps.append(Step(merge_adapter.STAGE, merge_adapter.merge_adapter, merge_adapter.SECTION,
-                              {"adapter": model, "base": base}, {"trust_remote_code": config.model.trust_remote_code}))
+            steps.append(
+                Step(
+                    merge_adapter.STAGE,
+                    merge_adapter.merge_adapter,
+                    merge_adapter.SECTION,
+                    {"adapter": model, "base": base},
+                    {"trust_remote_code": config.model.trust_remote_code},
+                )
+            )
             model = merge_adapter.STAGE
     # A quantized base: its frozen layers' codes, made once and read by every stage that opens the model.
     base = {}
     if config.model.base_quantization != "none":
         source = {"gguf": model_ref(config.model)} if config.model.base_quantization == "gguf" else {}
-        section = quantize_base.QuantizeSection(scheme=config.model.base_quantization, dtype=config.model.compute_dtype,
-                                                trust_remote_code=config.model.trust_remote_code)
+        section = quantize_base.QuantizeSection(
+            scheme=config.model.base_quantization,
+            dtype=config.model.compute_dtype,
+            trust_remote_code=config.model.trust_remote_code,
+        )
         steps.append(Step(quantize_base.STAGE, quantize_base.quantize_base, section, {"model": model, **source}))
         base = {"base": quantize_base.STAGE}
     model_section = keyed_model(config.model)
     objective = config.train.objective
     evaluation = evaluate.EvalSection(model=model_section, eval=config.eval)
     if objective in ("dpo", "simpo"):
-        evaluation = evaluate.PairEvalSection(model=model_section, eval=config.eval, objective=objective,
-                                              preference=config.preference)
+        evaluation = evaluate.PairEvalSection(
+            model=model_section, eval=config.eval, objective=objective, preference=config.preference
+        )
     elif objective == "grpo":
-        evaluation = evaluate.RewardEvalSection(model=model_section, eval=config.eval, rewards=config.rl.rewards,
-                                                reward_weights=config.rl.reward_weights, reward_code=_reward_code(config),
-                                                max_new_tokens=config.rl.max_completion_length)
+        evaluation = evaluate.RewardEvalSection(
+            model=model_section,
+            eval=config.eval,
+            rewards=config.rl.rewards,
+            reward_weights=config.rl.reward_weights,
+            reward_code=_reward_code(config),
+            max_new_tokens=config.rl.max_completion_length,
+        )
     # DPO's reference log-probabilities: a stage of their own, read by the evals and train.
     scored = {"model": model, "data": "tokenize", **base, **({"reference": "reference"} if objective == "dpo" else {})}
     trained = {**scored, "train": "train"}
-    steps.append(Step("tokenize", tokenize.tokenize, tokenize.TokenizeSection.of(config.data, config.model),
-                      {**data, "model": model}, {"num_proc": config.data.num_proc}))
+    steps.append(
+        Step(
+            "tokenize",
+            tokenize.tokenize,
+            tokenize.TokenizeSection.of(config.data, config.model),
+            {**data, "model": model},
+            {"num_proc": config.data.num_proc},
+        )
+    )
     if objective == "dpo":
-        steps.append(Step(reference.STAGE, reference.reference,
-                          reference.ReferenceSection(model=model_section, eval=config.eval),
-                          {"model": model, "data": "tokenize", **base}, mesh))
+        steps.append(
+            Step(
+                reference.STAGE,
+                reference.reference,
+                reference.ReferenceSection(model=model_section, eval=config.eval),
+                {"model": model, "data": "tokenize", **base},
+                mesh,
+            )
+        )
     return steps + [
         Step("baseline_eval", evaluate.baseline_eval, evaluation, scored, mesh),
-        Step("train", train.train, _train_section(config), scored,
-             {"mesh": config.mesh, "restart": restart, "tracking": config.tracking}),
+        Step(
+            "train",
+            train.train,
+            _train_section(config),
+            scored,
+            {"mesh": config.mesh, "restart": restart, "tracking": config.tracking},
+        ),
         Step("final_eval", evaluate.final_eval, evaluation, trained, mesh),
-        Step("export", export.export, export.ExportSection(model=model_section, export=config.export),
-             {"model": model, "train": "train", **base}),
-        Step("generate", generate.generate, generate.GenerateSection(model=model_section, generate=config.generate),
-             {"model": model, "data": "tokenize", "train": "train", **base}, mesh),
-        Step("report", report.report, {"examples": report.EXAMPLES, "hardest": report.HARDEST},
-             {**{stage: stage for stage in STAGES[:-1] if stage != reference.STAGE}, **base}),
+        Step(
+            "export",
+            export.export,
+            export.ExportSection(model=model_section, export=config.export),
+            {"model": model, "train": "train", **base},
+        ),
+        Step(
+            "generate",
+            generate.generate,
+            generate.GenerateSection(model=model_section, generate=config.generate),
+            {"model": model, "data": "tokenize", "train": "train", **base},
+            mesh,
+        ),
+        Step(
+            "report",
+            report.report,
+            {"examples": report.EXAMPLES, "hardest": report.HARDEST},
+            {**{stage: stage for stage in STAGES[:-1] if stage != reference.STAGE}, **base},
+        ),
     ]
 
 
@@ -184,7 +246,9 @@ class StageRunner:
             self.store.remove(step.stage, key)  # also drops a result record whose artifact is gone or damaged
         return self._run_task(step, inputs, record)
 
-    def _run_task(self, step: Step, inputs: dict[str, ArtifactRef], record: str, overwrite: bool = False) -> ArtifactRef:
+    def _run_task(
+        self, step: Step, inputs: dict[str, ArtifactRef], record: str, overwrite: bool = False
+    ) -> ArtifactRef:
         """The stage as a Prefect task whose result record is `record` (`overwrite`: run it even if recorded)."""
         policy = ArtifactRecord(record=record)
         name = ui.stage_run_name(step.stage, self.config)
@@ -215,8 +279,11 @@ class StageRunner:
         writer, cached = processes.writes(), False
         if writer:
             # Cached only with its result record, else Prefect would run the task, on process 0 alone.
-            cached = (step.stage not in self.refresh and self.store.verify(step.stage, key)
-                      and (self.store.root / record).is_file())
+            cached = (
+                step.stage not in self.refresh
+                and self.store.verify(step.stage, key)
+                and (self.store.root / record).is_file()
+            )
             if not cached:
                 self.store.remove(step.stage, key)
         cached = processes.agree(cached)
@@ -374,8 +441,15 @@ def _train_section(config: JaxtuneConfig) -> train.TrainSection:
     objective = config.train.objective
     preference = config.preference if objective in ("dpo", "simpo") else None
     rl, code = (config.rl, _reward_code(config)) if objective == "grpo" else (None, None)
-    return train.TrainSection(model=keyed_model(config.model), train=config.train, lora=lora, packing=config.data.packing,
-                              preference=preference, rl=rl, reward_code=code)
+    return train.TrainSection(
+        model=keyed_model(config.model),
+        train=config.train,
+        lora=lora,
+        packing=config.data.packing,
+        preference=preference,
+        rl=rl,
+        reward_code=code,
+    )
 
 
 def _reward_code(config: JaxtuneConfig) -> dict[str, str]:

@@ -17,10 +17,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed
 
-from jaxtune.tracking import ui
 from jaxtune.config import OFFLINE
 from jaxtune.errors import ConfigError
 from jaxtune.flows.finetune import load_recipe
+from jaxtune.tracking import ui
 
 
 def _run_name() -> str:
@@ -62,18 +62,28 @@ def plan(recipe: str, overrides: list[str] = [], target: str | None = None, then
     from jaxtune.checks.target_plan import plan_for_target
 
     diagnosis = plan_for_target(config.model.name, config, name, revision=config.model.revision)
-    create_markdown_artifact(key=f"{ui.slug(ui.recipe_label(recipe))}-plan", markdown=render_markdown(diagnosis),
-                             description=f"{name}: {verdict(diagnosis)}")
+    create_markdown_artifact(
+        key=f"{ui.slug(ui.recipe_label(recipe))}-plan",
+        markdown=render_markdown(diagnosis),
+        description=f"{name}: {verdict(diagnosis)}",
+    )
     if not diagnosis.ok:
         shown = [row for row in diagnosis.rows if row.ok is False or row.check.strip() == "to fit"]
-        return Failed(message=f"{name}: {verdict(diagnosis)}; " + "; ".join(
-            f"{row.check.strip()}: {row.value}" + (f", over {row.limit}" if row.ok is False else "") for row in shown))
+        return Failed(
+            message=f"{name}: {verdict(diagnosis)}; "
+            + "; ".join(
+                f"{row.check.strip()}: {row.value}" + (f", over {row.limit}" if row.ok is False else "")
+                for row in shown
+            )
+        )
     queued = None
     if then:
         from prefect.deployments import run_deployment
 
         # The accelerator's run stands alone (it starts when a chip is free, long after this run ends).
-        run = run_deployment(then, parameters={"recipe": recipe, "overrides": list(overrides)}, timeout=0, as_subflow=False)
+        run = run_deployment(
+            then, parameters={"recipe": recipe, "overrides": list(overrides)}, timeout=0, as_subflow=False
+        )
         queued = str(run.id)
         get_run_logger().info("%s fits %s: queued %s (flow run %s)", recipe, name, then, run.name)
     return {"target": name, "fits": True, "queued": queued}

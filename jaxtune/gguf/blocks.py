@@ -33,8 +33,10 @@ def split_blocks(data: np.ndarray, ggml_type: str) -> dict[str, np.ndarray]:
     _, size, fields = LAYOUTS[ggml_type]
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, size)
-    return {name: np.ascontiguousarray(blocks[..., first:first + n]).view(dtype).reshape(rows, -1)
-            for name, first, n, dtype in fields}
+    return {
+        name: np.ascontiguousarray(blocks[..., first : first + n]).view(dtype).reshape(rows, -1)
+        for name, first, n, dtype in fields
+    }
 
 
 def join_blocks(fields: dict[str, np.ndarray], ggml_type: str) -> np.ndarray:
@@ -82,9 +84,19 @@ def read_blocks(path: str | Path, config) -> tuple[dict[str, np.ndarray], dict[s
 
 def _linear_layers(config) -> list[str]:
     """The decoder's linear layers of a llama-like model (llama, gemma3 text): q, k, v, o, gate, up, down."""
-    return [f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers)
-            for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return [
+        f"model.layers.{i}.{part}"
+        for i in range(config.num_hidden_layers)
+        for part in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
 
 
 def _hf_row_order(layer: str, rows: int, config, architecture: str) -> np.ndarray:

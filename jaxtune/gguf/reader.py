@@ -95,7 +95,9 @@ def _array_skipping_reader(base: type) -> type:
             if scalar is not None:
                 offs += int(count[0]) * np.dtype(scalar).itemsize
             elif item_type[0] == GGUFValueType.STRING:
-                length = struct.Struct(("=" if self.byte_order == "I" else "<" if sys.byteorder == "big" else ">") + "Q")
+                length = struct.Struct(
+                    ("=" if self.byte_order == "I" else "<" if sys.byteorder == "big" else ">") + "Q"
+                )
                 buffer = memoryview(self.data)
                 for _ in range(int(count[0])):
                     offs += 8 + length.unpack_from(buffer, offs)[0]

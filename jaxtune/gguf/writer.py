@@ -31,7 +31,6 @@ from jaxtune.errors import ModelError, first_line
 from jaxtune.gguf.reader import tensor_reader
 
 
-
 def write_gguf(folder: str | Path, path: str | Path, qtype: str = "f16") -> Path:
     """Write the model of HF folder `folder` to `path` as GGUF, its matrices stored as `qtype`."""
     return write_ggufs(folder, {qtype: path})[0]
@@ -59,7 +58,9 @@ def write_ggufs(folder: str | Path, targets: dict[str, str | Path], tokenizer=No
     return [_write_one(folder, config, tensors, tokenizer, Path(path), qtype) for qtype, path in targets.items()]
 
 
-def _write_one(folder: Path, config, tensors: dict[str, np.ndarray], tokenizer: _Tokenizer, path: Path, qtype: str) -> Path:
+def _write_one(
+    folder: Path, config, tensors: dict[str, np.ndarray], tokenizer: _Tokenizer, path: Path, qtype: str
+) -> Path:
     import gguf
 
     arch = ARCHITECTURES[config.model_type]
@@ -125,8 +126,10 @@ def check_exportable(config, tokenizer) -> None:
     check_supported(config)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise ModelError(f"GGUF export writes tokenizers from a tokenizer.json only; {config.model_type}'s tokenizer "
-                         f"{type(tokenizer).__name__} has none")
+        raise ModelError(
+            f"GGUF export writes tokenizers from a tokenizer.json only; {config.model_type}'s tokenizer "
+            f"{type(tokenizer).__name__} has none"
+        )
     tokenizer_json = json.loads(backend.to_str())
     if llama_cpp_vocabulary(tokenizer_json, f"{config.model_type}'s tokenizer").model == "llama":
         sentencepiece_scores(tokenizer_json, f"{config.model_type}'s tokenizer")
@@ -159,6 +162,7 @@ _NO_OP_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "Merged
 def llama_cpp_vocabulary(tokenizer_json: dict, what: str) -> Vocabulary:
     """How llama.cpp is to read the tokenizer of `tokenizer_json` (a tokenizer.json's content) so that
     it splits text as Hugging Face does, or ModelError naming `what`."""
+
     def is_(step, expected):
         return all(step.get(key) == value for key, value in expected.items())
 
@@ -176,9 +180,11 @@ def llama_cpp_vocabulary(tokenizer_json: dict, what: str) -> Vocabulary:
             return Vocabulary("llama", "default", add_space_prefix=False)
         if normalizer == {"type": "Sequence", "normalizers": [_PREPEND, _TO_UNDERSCORE]}:
             return Vocabulary("llama", "default", add_space_prefix=True)
-    raise ModelError(f"{what}: GGUF export writes byte-level BPE tokenizers that split text as GPT-2 or SmolLM "
-                     f"do, and SentencePiece BPE tokenizers; this one is {model.get('type')} with normalizer "
-                     f"{json.dumps(normalizer)[:80]} and pre-tokenizer {json.dumps(pre)[:120]}")
+    raise ModelError(
+        f"{what}: GGUF export writes byte-level BPE tokenizers that split text as GPT-2 or SmolLM "
+        f"do, and SentencePiece BPE tokenizers; this one is {model.get('type')} with normalizer "
+        f"{json.dumps(normalizer)[:80]} and pre-tokenizer {json.dumps(pre)[:120]}"
+    )
 
 
 def sentencepiece_scores(tokenizer_json: dict, what: str) -> np.ndarray:
@@ -201,13 +207,17 @@ def sentencepiece_scores(tokenizer_json: dict, what: str) -> np.ndarray:
         if token in kept or _is_byte(token):
             continue
         if token not in first and len(token) > 1:
-            raise ModelError(f"{what}: token {token!r} is made by no merge: not a SentencePiece BPE vocabulary "
-                             f"llama.cpp would tokenize alike")
+            raise ModelError(
+                f"{what}: token {token!r} is made by no merge: not a SentencePiece BPE vocabulary "
+                f"llama.cpp would tokenize alike"
+            )
         for cut in range(1, len(token) if token in first else 0):
             left, right = token[:cut], token[cut:]
             if left in vocab and right in vocab and (left, right) not in pairs:
-                raise ModelError(f"{what}: token {token!r} splits into {left!r} and {right!r} but no merge joins "
-                                 f"them: not a SentencePiece BPE vocabulary llama.cpp would tokenize alike")
+                raise ModelError(
+                    f"{what}: token {token!r} splits into {left!r} and {right!r} but no merge joins "
+                    f"them: not a SentencePiece BPE vocabulary llama.cpp would tokenize alike"
+                )
     scores = np.zeros(max(vocab.values()) + 1, np.float32)
     for token, rank in first.items():
         if token in vocab and token not in kept:
@@ -222,8 +232,10 @@ def _is_byte(token: str) -> bool:
 def check_supported(config) -> None:
     """Raise ModelError, naming what is supported, for a model this writer cannot write faithfully."""
     if config.model_type not in ARCHITECTURES:
-        raise ModelError(f"GGUF export: model type {config.model_type!r} is not supported; "
-                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        raise ModelError(
+            f"GGUF export: model type {config.model_type!r} is not supported; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
     ARCHITECTURES[config.model_type].check(config)
 
 
@@ -248,19 +260,31 @@ def _check_gemma3(config) -> None:
     layers = config.num_hidden_layers
     pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
     if list(config.layer_types) != pattern:
-        raise ModelError("GGUF export: Gemma 3 layers must be five sliding-window layers to one global, as "
-                         "llama.cpp runs them; this model's are " + ", ".join(t.split("_")[0] for t in config.layer_types))
+        raise ModelError(
+            "GGUF export: Gemma 3 layers must be five sliding-window layers to one global, as "
+            "llama.cpp runs them; this model's are " + ", ".join(t.split("_")[0] for t in config.layer_types)
+        )
     rope = config.rope_parameters
     for kind, theta in (("sliding_attention", 10000.0), ("full_attention", None)):
         if rope[kind].get("rope_type", "default") != "default":
-            raise ModelError(f"GGUF export: RoPE scaling {rope[kind]['rope_type']!r} is not supported; only unscaled RoPE")
+            raise ModelError(
+                f"GGUF export: RoPE scaling {rope[kind]['rope_type']!r} is not supported; only unscaled RoPE"
+            )
         if theta is not None and rope[kind]["rope_theta"] != theta:
-            raise ModelError(f"GGUF export: a Gemma 3 local RoPE base of {rope[kind]['rope_theta']:g} is not "
-                             f"supported; llama.cpp runs {theta:g}")
+            raise ModelError(
+                f"GGUF export: a Gemma 3 local RoPE base of {rope[kind]['rope_theta']:g} is not "
+                f"supported; llama.cpp runs {theta:g}"
+            )
     if config.query_pre_attn_scalar != config.head_dim:
-        raise ModelError(f"GGUF export: Gemma 3 queries scaled by 1/sqrt({config.query_pre_attn_scalar:g}) are not "
-                         f"supported; llama.cpp scales by 1/sqrt(head_dim) = 1/sqrt({config.head_dim})")
-    if config.attn_logit_softcapping or config.final_logit_softcapping or getattr(config, "use_bidirectional_attention", False):
+        raise ModelError(
+            f"GGUF export: Gemma 3 queries scaled by 1/sqrt({config.query_pre_attn_scalar:g}) are not "
+            f"supported; llama.cpp scales by 1/sqrt(head_dim) = 1/sqrt({config.head_dim})"
+        )
+    if (
+        config.attn_logit_softcapping
+        or config.final_logit_softcapping
+        or getattr(config, "use_bidirectional_attention", False)
+    ):
         raise ModelError("GGUF export: Gemma 3 with soft-capping or bidirectional attention is not supported")
 
 
@@ -339,7 +363,8 @@ def _read_tokenizer(folder: Path, vocab_size: int, tokenizer=None) -> _Tokenizer
     ids = tokenizer("a")["input_ids"]
     special_vocab.add_special_token = {
         "bos": tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id],
-        "eos": tokenizer.eos_token_id is not None and ids[-1:] == [tokenizer.eos_token_id]}
+        "eos": tokenizer.eos_token_id is not None and ids[-1:] == [tokenizer.eos_token_id],
+    }
     return _Tokenizer(vocabulary, tokens, kinds, scores, special_vocab)
 
 
@@ -416,11 +441,14 @@ def ollama_modelfile(gguf_name: str, tokenizer) -> str:
 
 def _ollama_template(tokenizer) -> str | None:
     """The Go template, or None where the Jinja template's output does not split into turns."""
+
     def render(messages, prompt=False):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
 
     def strip_bos(text):
-        return text[len(tokenizer.bos_token):] if tokenizer.bos_token and text.startswith(tokenizer.bos_token) else text
+        return (
+            text[len(tokenizer.bos_token) :] if tokenizer.bos_token and text.startswith(tokenizer.bos_token) else text
+        )
 
     def turn(text, content):
         """(before, after) `content` in one turn's text; whitespace that opens a turn (a separator the
@@ -436,22 +464,25 @@ def _ollama_template(tokenizer) -> str | None:
     opening = render(one, prompt=True)
     if not (answered.startswith(first) and again.startswith(answered) and opening.startswith(first)):
         return None
-    if answered[len(first):].count(answer) != 1 or again[len(answered):].count(user_2) != 1:
+    if answered[len(first) :].count(answer) != 1 or again[len(answered) :].count(user_2) != 1:
         return None
-    turns = {"assistant": turn(answered[len(first):], answer), "user": turn(again[len(answered):], user_2)}
+    turns = {"assistant": turn(answered[len(first) :], answer), "user": turn(again[len(answered) :], user_2)}
     separator = turns["user"][2]
-    if turns["assistant"][2] != separator or not opening[len(first):].startswith(separator):
+    if turns["assistant"][2] != separator or not opening[len(first) :].startswith(separator):
         return None  # turns separated by different text: beyond a per-role template
-    opening = opening[len(first) + len(separator):]
+    opening = opening[len(first) + len(separator) :]
     # What comes before the first user turn: a <bos> the tokenizer adds itself, or a default system turn.
     header = strip_bos(first[: first.index(user_1) - len(turns["user"][0])])
     with_system = strip_bos(render([{"role": "system", "content": system}, *one]))
-    first_user = first[first.index(user_1) - len(turns["user"][0]):]
+    first_user = first[first.index(user_1) - len(turns["user"][0]) :]
     if with_system.endswith(first_user) and with_system.count(system) == 1:
         turns["system"] = turn(with_system[: -len(first_user)], system)
     else:  # folded into the first user turn: written as a user turn of its own
         turns["system"] = turns["user"]
-    branches = "".join(f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}'
-                       f"{turns[role][0]}{{{{ .Content }}}}{turns[role][1]}{separator}" for i, role in enumerate(_ROLES))
+    branches = "".join(
+        f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}'
+        f"{turns[role][0]}{{{{ .Content }}}}{turns[role][1]}{separator}"
+        for i, role in enumerate(_ROLES)
+    )
     default = f'{{{{ if ne (index .Messages 0).Role "system" }}}}{header}{{{{ end }}}}' if header else ""
     return f"{default}{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}{opening}"

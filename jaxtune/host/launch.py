@@ -63,8 +63,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def job_env(index: int, count: int, coordinator: str | None, cpu_devices: int | None,
-            base: Mapping[str, str] = {}) -> dict[str, str]:  # noqa: B006 (never mutated)
+def job_env(
+    index: int, count: int, coordinator: str | None, cpu_devices: int | None, base: Mapping[str, str] = {}
+) -> dict[str, str]:  # noqa: B006 (never mutated)
     """The variables that make process `index` of `count` join the job (only these, not `base`,
     which is read for XLA_FLAGS to extend)."""
     env = {NUM_PROCESSES: str(count), PROCESS_ID: str(index)}
@@ -77,9 +78,15 @@ def job_env(index: int, count: int, coordinator: str | None, cpu_devices: int | 
     return env
 
 
-def plan(count: int, arguments: Sequence[str], coordinator: str | None = None, host_command: str | None = None,
-         cpu_devices: int | None = None, base_env: Mapping[str, str] | None = None,
-         python: str = sys.executable) -> list[Process]:
+def plan(
+    count: int,
+    arguments: Sequence[str],
+    coordinator: str | None = None,
+    host_command: str | None = None,
+    cpu_devices: int | None = None,
+    base_env: Mapping[str, str] | None = None,
+    python: str = sys.executable,
+) -> list[Process]:
     """The `count` processes that run `jaxtune <arguments>` as one job.
 
     Locally the coordinator defaults to 127.0.0.1 on a free port. Through `host_command` it has
@@ -110,7 +117,11 @@ def plan(count: int, arguments: Sequence[str], coordinator: str | None = None, h
             # PYTHONHASHSEED=0 as `jaxtune` itself sets it (see jaxtune.cli.main.entry), without its re-exec.
             env = {**base_env, **variables, "PYTHONHASHSEED": "0"}
             argv = [python, "-m", "jaxtune.cli", *arguments]
-            shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items()) + " " + shlex.join(["jaxtune", *arguments])
+            shown = (
+                " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
+                + " "
+                + shlex.join(["jaxtune", *arguments])
+            )
         else:
             remote = shlex.join(["env", *(f"{k}={v}" for k, v in variables.items()), "jaxtune", *arguments])
             shown = _fill(host_command, index, remote)
@@ -151,8 +162,12 @@ class _Prefixer(threading.Thread):
         self.source.close()
 
 
-def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-        poll_seconds: float = 0.1) -> int:
+def run(
+    processes: Sequence[Process],
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+    poll_seconds: float = 0.1,
+) -> int:
     """Start every process, relay their output prefixed `[i] `, and return the job's status: 0 when
     all exit 0, else the first non-zero status (the others are terminated then)."""
     stdout = stdout or sys.stdout.buffer
@@ -171,8 +186,14 @@ def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: Bi
         for process in processes:
             # A session of its own: terminating a process also ends what it started (Prefect's
             # temporary server, a compiler), and a Ctrl-C here is handled here, once.
-            child = subprocess.Popen(process.argv, env=process.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+            child = subprocess.Popen(
+                process.argv,
+                env=process.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
             children.append(child)
             prefix = f"[{process.index}] ".encode()
             relays += [_Prefixer(child.stdout, stdout, prefix, lock), _Prefixer(child.stderr, stderr, prefix, lock)]
@@ -193,8 +214,14 @@ def run(processes: Sequence[Process], stdout: BinaryIO | None = None, stderr: Bi
     return status
 
 
-def _wait(children: list[subprocess.Popen], processes: Sequence[Process], stderr: BinaryIO, lock: threading.Lock,
-          poll_seconds: float, terminated: list[int]) -> int:
+def _wait(
+    children: list[subprocess.Popen],
+    processes: Sequence[Process],
+    stderr: BinaryIO,
+    lock: threading.Lock,
+    poll_seconds: float,
+    terminated: list[int],
+) -> int:
     while True:
         if terminated:
             return 128 + signal.SIGTERM
@@ -208,7 +235,9 @@ def _wait(children: list[subprocess.Popen], processes: Sequence[Process], stderr
                 others = [str(p.index) for c, p in zip(children, processes) if c is not child and c.poll() is None]
                 with lock:
                     stopping = f"; stopping process{'es' * (len(others) > 1)} {', '.join(others)}" if others else ""
-                    stderr.write(f"jaxtune launch: process {process.index} exited with status {status}{stopping}\n".encode())
+                    stderr.write(
+                        f"jaxtune launch: process {process.index} exited with status {status}{stopping}\n".encode()
+                    )
                     stderr.flush()
                 return status
         if not running:
@@ -248,8 +277,9 @@ def _terminate(children: Sequence[subprocess.Popen], grace: float = GRACE_SECOND
         child.wait()
 
 
-def main(count: int, arguments: Sequence[str], coordinator: str | None, host_command: str | None,
-         cpu_devices: int | None) -> int:
+def main(
+    count: int, arguments: Sequence[str], coordinator: str | None, host_command: str | None, cpu_devices: int | None
+) -> int:
     """`jaxtune launch`: the job's exit status, or 2 for launch arguments that describe none."""
     try:
         processes = plan(count, arguments, coordinator, host_command, cpu_devices)

@@ -56,14 +56,22 @@ def join(cfg: MeshConfig) -> bool:
     import jax
 
     if not jax.distributed.is_initialized():
-        jax.distributed.initialize(coordinator_address=arguments["coordinator"], num_processes=arguments["num_processes"],
-                                   process_id=arguments["process_id"])
+        jax.distributed.initialize(
+            coordinator_address=arguments["coordinator"],
+            num_processes=arguments["num_processes"],
+            process_id=arguments["process_id"],
+        )
     joined(jax.process_index(), jax.process_count(), _service_barrier, _service_agree, _service_any_of)
     return True
 
 
-def joined(process_index: int, process_count: int, barrier: Callable[[str], None], agree: Callable[[bool], bool],
-           any_of: Callable[[tuple[bool, ...]], tuple[bool, ...]] = lambda values: values) -> None:
+def joined(
+    process_index: int,
+    process_count: int,
+    barrier: Callable[[str], None],
+    agree: Callable[[bool], bool],
+    any_of: Callable[[tuple[bool, ...]], tuple[bool, ...]] = lambda values: values,
+) -> None:
     global index, count, _barrier, _agree, _any_of
     index, count, _barrier, _agree, _any_of = process_index, process_count, barrier, agree, any_of
 

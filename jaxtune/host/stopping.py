@@ -23,8 +23,8 @@ import signal
 import time
 from collections.abc import Iterator
 
-from jaxtune.host import processes
 from jaxtune.errors import TrainingStopped
+from jaxtune.host import processes
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -75,7 +75,9 @@ class StopRequests:
         self.last_save = time.monotonic()
 
     def stopped(self, step: int, checkpoint: str | None) -> TrainingStopped:
-        saved = f"checkpoint saved ({checkpoint}); run again to resume" if checkpoint else "no checkpoint folder to save to"
+        saved = (
+            f"checkpoint saved ({checkpoint}); run again to resume" if checkpoint else "no checkpoint folder to save to"
+        )
         return TrainingStopped(f"stopped by {self.signal} at step {step}; {saved}", signal=self.signal, step=step)
 
 

@@ -35,8 +35,9 @@ def start_guarded() -> int | None:
     server = SubprocessASGIServer()  # the instance every Prefect client of this process then uses
     server.start()
     pid = server.server_process.pid
-    subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid()), str(pid)], stdin=subprocess.DEVNULL,
-                     start_new_session=True)
+    subprocess.Popen(
+        [sys.executable, "-m", __name__, str(os.getpid()), str(pid)], stdin=subprocess.DEVNULL, start_new_session=True
+    )
     return pid
 
 

@@ -41,13 +41,25 @@ def _gemma3(shape) -> dict[str, Any]:
 
 def _gemma2(shape) -> dict[str, Any]:
     # Gemma 2 soft-caps attention scores and final logits; both run through torchax's tanh.
-    return _decoder(shape, sliding_window=shape.sliding_window, layer_types=_alternating(shape.num_hidden_layers),
-                    query_pre_attn_scalar=shape.head_dim, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    return _decoder(
+        shape,
+        sliding_window=shape.sliding_window,
+        layer_types=_alternating(shape.num_hidden_layers),
+        query_pre_attn_scalar=shape.head_dim,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    )
 
 
 def _llama(shape) -> dict[str, Any]:
-    llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
     return _decoder(shape, rope_parameters=llama3_rope)
 
 

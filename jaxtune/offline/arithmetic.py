@@ -43,7 +43,10 @@ def multiplication(rng: random.Random) -> tuple[int, str, int, int]:
 
 
 GENERATORS: dict[str, Callable[[random.Random], tuple[int, str, int, int]]] = {
-    "addition": addition, "subtraction": subtraction, "multiplication": multiplication}
+    "addition": addition,
+    "subtraction": subtraction,
+    "multiplication": multiplication,
+}
 # One row in twenty is a product: 121 of them exist, and 2,000 rows take 100.
 CYCLE = ("addition", "subtraction") * 9 + ("addition", "multiplication")
 
@@ -74,8 +77,15 @@ def generate_rows(n_rows: int = DEFAULT_ROWS, seed: int = DEFAULT_SEED) -> list[
 
 def main(argv: Sequence[str] | None = None) -> Path:
     """Command line entry: generate rows and write them to --out (the bundled file by default)."""
-    return generator_main("jaxtune.offline.arithmetic", __doc__.splitlines()[0], generate_rows, DEFAULT_PATH,
-                          DEFAULT_ROWS, DEFAULT_SEED, argv)
+    return generator_main(
+        "jaxtune.offline.arithmetic",
+        __doc__.splitlines()[0],
+        generate_rows,
+        DEFAULT_PATH,
+        DEFAULT_ROWS,
+        DEFAULT_SEED,
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,16 @@ from pathlib import Path
 from jaxtune.offline import dataset
 
 DEFAULT_PATH = Path(__file__).parent / "data" / "preference_offline.jsonl"
-KINDS = (dataset.NAMES, dataset.TOWNS, dataset.JOBS, dataset.COLOURS, dataset.OBJECTS, dataset.ANIMALS, dataset.SHOPS,
-         dataset.ANIMAL_CLASS_NAMES)
+KINDS = (
+    dataset.NAMES,
+    dataset.TOWNS,
+    dataset.JOBS,
+    dataset.COLOURS,
+    dataset.OBJECTS,
+    dataset.ANIMALS,
+    dataset.SHOPS,
+    dataset.ANIMAL_CLASS_NAMES,
+)
 KIND_OF = {word: kind for kind in KINDS for word in kind}
 WORD = re.compile(r"[A-Za-z]+")
 
@@ -41,10 +49,12 @@ def rejected_answer(row: dict, rng: random.Random) -> str | None:
     target = matches[-1]
     kind = KIND_OF[target.group()]
     in_answer = {m.group() for m in matches}
-    prompt_words = [w for w in dict.fromkeys(WORD.findall(prompt_of(row))) if KIND_OF.get(w) is kind and w not in in_answer]
+    prompt_words = [
+        w for w in dict.fromkeys(WORD.findall(prompt_of(row))) if KIND_OF.get(w) is kind and w not in in_answer
+    ]
     others = prompt_words or [w for w in kind if w not in in_answer]
     swap = rng.choice(others)
-    return row["response"][: target.start()] + swap + row["response"][target.end():]
+    return row["response"][: target.start()] + swap + row["response"][target.end() :]
 
 
 def generate_pairs(rows: Sequence[dict], seed: int = 0) -> list[dict]:
@@ -54,8 +64,9 @@ def generate_pairs(rows: Sequence[dict], seed: int = 0) -> list[dict]:
     for row in rows:
         rejected = rejected_answer(row, rng)
         if rejected is not None and rejected != row["response"]:
-            pairs.append({"prompt": prompt_of(row), "chosen": row["response"], "rejected": rejected,
-                          "category": row["category"]})
+            pairs.append(
+                {"prompt": prompt_of(row), "chosen": row["response"], "rejected": rejected, "category": row["category"]}
+            )
     return pairs
 
 

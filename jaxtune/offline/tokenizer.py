@@ -44,7 +44,9 @@ _MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path) -> None:
     """Train the BPE on `texts` and save a `transformers` tokenizer (with chat template) to `out_dir`."""
     if vocab_size < _MIN_VOCAB:
-        raise ValueError(f"vocab_size must be at least {_MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be at least {_MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+        )
     backend = _train_backend(texts, vocab_size)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -86,4 +88,3 @@ def _train_backend(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
-

@@ -36,7 +36,9 @@ def builtin(spec: str) -> RewardFunction | None:
         return exact_answer(argument or None)
     if name == "format":
         if not argument:
-            raise ConfigError(f"rl.rewards: '{spec}' names no regular expression; give format:REGEX, e.g. 'format:.*#### -?\\d+'")
+            raise ConfigError(
+                f"rl.rewards: '{spec}' names no regular expression; give format:REGEX, e.g. 'format:.*#### -?\\d+'"
+            )
         try:
             pattern = re.compile(argument, re.DOTALL)
         except re.error as e:

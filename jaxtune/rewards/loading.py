@@ -37,7 +37,9 @@ def load_rewards(specs: Sequence[str], weights: Sequence[float] | None = None) -
         raise ConfigError(f"rl.rewards: no rewards; give at least one: {ACCEPTED}")
     repeated = sorted({spec for spec in specs if specs.count(spec) > 1})
     if repeated:
-        raise ConfigError(f"rl.rewards: '{repeated[0]}' is given twice; give each reward once, and its weight in rl.reward_weights")
+        raise ConfigError(
+            f"rl.rewards: '{repeated[0]}' is given twice; give each reward once, and its weight in rl.reward_weights"
+        )
     return Rewards([load_reward(spec) for spec in specs], _weights(specs, weights))
 
 
@@ -53,7 +55,9 @@ def load_reward(spec: str) -> Reward:
     if function is None:
         raise ConfigError(f"rl.rewards: '{spec}': module {match['module']} has no {match['function']!r}")
     if not callable(function):
-        raise ConfigError(f"rl.rewards: '{spec}' is not callable: {match['function']} is of type {type(function).__name__}")
+        raise ConfigError(
+            f"rl.rewards: '{spec}' is not callable: {match['function']} is of type {type(function).__name__}"
+        )
     _check_signature(spec, function)
     return Reward(spec, function, code_digest(spec, function, module))
 
@@ -68,8 +72,10 @@ def code_digest(spec: str, function: RewardFunction, imported: ModuleType) -> st
     except TypeError:  # a built-in module: no file
         path = None
     if path is None or not Path(path).is_file():
-        raise ConfigError(f"rl.rewards: '{spec}' is defined in {module.__name__}, which has no source file to key "
-                          "the cache by; define it in a .py file")
+        raise ConfigError(
+            f"rl.rewards: '{spec}' is defined in {module.__name__}, which has no source file to key "
+            "the cache by; define it in a .py file"
+        )
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:DIGEST_LENGTH]
 
 
@@ -106,7 +112,9 @@ def _check_signature(spec: str, function: RewardFunction) -> None:
     try:
         signature.bind([], [], [])
     except TypeError as e:
-        raise ConfigError(f"rl.rewards: '{spec}' cannot be called as function(prompts, completions, rows): {e}") from None
+        raise ConfigError(
+            f"rl.rewards: '{spec}' cannot be called as function(prompts, completions, rows): {e}"
+        ) from None
 
 
 def _suggestion(spec: str) -> str:
@@ -119,8 +127,10 @@ def _weights(specs: tuple[str, ...], weights: Sequence[float] | None) -> tuple[f
         return (1.0,) * len(specs)
     weights = tuple(float(w) for w in weights)
     if len(weights) != len(specs):
-        raise ConfigError(f"rl.reward_weights has {len(weights)} weights for {len(specs)} rewards ({', '.join(specs)}): "
-                          "give one each, or null for all 1")
+        raise ConfigError(
+            f"rl.reward_weights has {len(weights)} weights for {len(specs)} rewards ({', '.join(specs)}): "
+            "give one each, or null for all 1"
+        )
     bad = next((w for w in weights if not math.isfinite(w)), None)
     if bad is not None:
         raise ConfigError(f"rl.reward_weights: {bad} is not a finite number")

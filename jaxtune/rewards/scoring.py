@@ -50,8 +50,10 @@ class Rewards:
         """(n, R) float32: every reward's value for each of the n completions, rows[i] the row completion i answers."""
         n = len(completions)
         if len(prompts) != n or len(rows) != n:
-            raise ValueError(f"score needs a prompt and a row per completion: got {len(prompts)} prompts, {n} "
-                             f"completions, {len(rows)} rows")
+            raise ValueError(
+                f"score needs a prompt and a row per completion: got {len(prompts)} prompts, {n} "
+                f"completions, {len(rows)} rows"
+            )
         batch = list(prompts), list(completions), list(rows)
         columns = [_column(reward, *batch) for reward in self.rewards]
         return np.stack(columns, axis=1)  # (n, R)
@@ -82,8 +84,10 @@ def _raised(reward: Reward, error: Exception, prompts: list[str], completions: l
             reward.function(prompts[i : i + 1], completions[i : i + 1], rows[i : i + 1])
         except Exception as alone:
             return f"reward {reward.spec} raised {type(alone).__name__} on {_row(i, rows[i])}: {first_line(alone)}"
-    return (f"reward {reward.spec} raised {type(error).__name__} on a batch of {len(completions)} completions (on none "
-            f"of them alone): {first_line(error)}")
+    return (
+        f"reward {reward.spec} raised {type(error).__name__} on a batch of {len(completions)} completions (on none "
+        f"of them alone): {first_line(error)}"
+    )
 
 
 def _listed(reward: Reward, values: object, n: int) -> list:

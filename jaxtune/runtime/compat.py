@@ -69,9 +69,12 @@ def tolerate_missing_overloads() -> Iterator[list[str]]:
     """Within the block, `torch.ops.aten.X.Y` for a removed overload Y, or a removed operator X,
     returns a placeholder."""
     original_overload, original_operator = OpOverloadPacket.__getattr__, _OpNamespace.__getattr__
-    OpOverloadPacket.__getattr__ = _or_placeholder(original_overload, lambda packet, key: _missing_overload(f"{packet}.{key}"))
+    OpOverloadPacket.__getattr__ = _or_placeholder(
+        original_overload, lambda packet, key: _missing_overload(f"{packet}.{key}")
+    )
     _OpNamespace.__getattr__ = _or_placeholder(
-        original_operator, lambda namespace, key: MissingOperator(f"{namespace.name.removeprefix('torch.ops.')}.{key}"))
+        original_operator, lambda namespace, key: MissingOperator(f"{namespace.name.removeprefix('torch.ops.')}.{key}")
+    )
     try:
         yield missing_overloads
     finally:

@@ -1,7 +1,7 @@
 """One module per pipeline stage. Each stage is a pure function of its config section and
 input artifact refs, writing one verified artifact folder and returning its `ArtifactRef`.
 
-May import: jaxtune.config, jaxtune.errors, jaxtune.artifacts, jaxtune.data, jaxtune.gguf, jaxtune.host, jaxtune.offline, jaxtune.rewards, jaxtune.runtime, jaxtune.tracking
+May import: jaxtune.config, jaxtune.errors, jaxtune.records, jaxtune.artifacts, jaxtune.data, jaxtune.gguf, jaxtune.host, jaxtune.offline, jaxtune.rewards, jaxtune.runtime, jaxtune.tracking
 """
 
 # The pipeline's stages in order; `--refresh` and `--until` name them. build_tokenizer and

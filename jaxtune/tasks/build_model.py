@@ -22,8 +22,14 @@ def build_tiny_model(section: TinyModelConfig, tokenizer):
 
     from jaxtune.offline.architectures import tiny_config
 
-    config = tiny_config(section.architecture, section, len(tokenizer), tokenizer.pad_token_id,
-                         tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config = tiny_config(
+        section.architecture,
+        section,
+        len(tokenizer),
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    )
     torch.manual_seed(section.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

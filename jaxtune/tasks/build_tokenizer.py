@@ -18,7 +18,10 @@ _READING = {"format", "columns", "hub_split", "revision", "max_rows"}  # the set
 
 
 def section_for(vocab_size: int, data: DataConfig) -> dict:
-    return {"vocab_size": vocab_size, "sources": [src.model_dump(mode="json", include=_READING) for src in data.mixture()]}
+    return {
+        "vocab_size": vocab_size,
+        "sources": [src.model_dump(mode="json", include=_READING) for src in data.mixture()],
+    }
 
 
 @task(name=STAGE, result_serializer="json")

@@ -27,8 +27,12 @@ def retry_options(stage: str, inputs: dict[str, Any]) -> dict[str, Any]:
         return {"retries": 0}
     from prefect.tasks import exponential_backoff
 
-    return {"retries": RETRIES, "retry_delay_seconds": exponential_backoff(BACKOFF_SECONDS),
-            "retry_jitter_factor": 0.5, "retry_condition_fn": _transient_failure}
+    return {
+        "retries": RETRIES,
+        "retry_delay_seconds": exponential_backoff(BACKOFF_SECONDS),
+        "retry_jitter_factor": 0.5,
+        "retry_condition_fn": _transient_failure,
+    }
 
 
 def is_transient(error: BaseException) -> bool:
@@ -49,8 +53,9 @@ def _transient_failure(task, task_run, state) -> bool:
 def _permanent(error: BaseException) -> bool:
     from huggingface_hub import errors
 
-    return isinstance(error, (errors.OfflineModeIsEnabled, errors.RepositoryNotFoundError,
-                              errors.RevisionNotFoundError))
+    return isinstance(
+        error, (errors.OfflineModeIsEnabled, errors.RepositoryNotFoundError, errors.RevisionNotFoundError)
+    )
 
 
 def _network(error: BaseException) -> bool:
@@ -61,5 +66,6 @@ def _network(error: BaseException) -> bool:
     if isinstance(error, errors.HfHubHTTPError):
         status = getattr(getattr(error, "response", None), "status_code", None)
         return status is None or status == 429 or status >= 500
-    return isinstance(error, (ConnectionError, TimeoutError, httpx.TransportError,
-                              requests.ConnectionError, requests.Timeout))
+    return isinstance(
+        error, (ConnectionError, TimeoutError, httpx.TransportError, requests.ConnectionError, requests.Timeout)
+    )

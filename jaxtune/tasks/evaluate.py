@@ -62,8 +62,10 @@ def _loss_parts(p: dict, section: PairEvalSection) -> str:
 
 def row_losses(nll, count) -> dict:
     """Each row's mean token loss (None for a row with no scored token) and its scored tokens."""
-    return {"loss": [round(float(n / c), 6) if c else None for n, c in zip(nll, count)],
-            "tokens": [int(c) for c in count]}
+    return {
+        "loss": [round(float(n / c), 6) if c else None for n, c in zip(nll, count)],
+        "tokens": [int(c) for c in count],
+    }
 
 
 def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, mesh: MeshConfig) -> ArtifactRef:
@@ -81,24 +83,50 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
             (folder / ANSWERS).write_text(json.dumps(answers, ensure_ascii=False))
             metrics["parity"] = logits_parity(model, table.input_ids[:PARITY_ROWS], pad_id)
             (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-            logger.info("%s: mean reward %.4f (%s) over %d prompts", stage, metrics["reward"],
-                        ", ".join(f"{k} {v:.3f}" for k, v in metrics["rewards"].items()), metrics["prompts"])
+            logger.info(
+                "%s: mean reward %.4f (%s) over %d prompts",
+                stage,
+                metrics["reward"],
+                ", ".join(f"{k} {v:.3f}" for k, v in metrics["rewards"].items()),
+                metrics["prompts"],
+            )
             return
         if isinstance(section, PairEvalSection):
             metrics, figures = _pair_metrics(model, table, section, inputs, pad_id)
             (folder / PAIRS).write_text(json.dumps({k: [round(float(v), 6) for v in figures[k]] for k in PAIR_FIGURES}))
             p = metrics["preference"]
-            logger.info("%s: %s loss %.4f%s, preference accuracy %.3f, reward margin %.4f, log-probability chosen %.3f "
-                        "rejected %.3f over %d pairs", stage, section.objective, p["loss"], _loss_parts(p, section),
-                        p["accuracy"], p["margin"], p["chosen_logp"], p["rejected_logp"], p["pairs"])
+            logger.info(
+                "%s: %s loss %.4f%s, preference accuracy %.3f, reward margin %.4f, log-probability chosen %.3f "
+                "rejected %.3f over %d pairs",
+                stage,
+                section.objective,
+                p["loss"],
+                _loss_parts(p, section),
+                p["accuracy"],
+                p["margin"],
+                p["chosen_logp"],
+                p["rejected_logp"],
+                p["pairs"],
+            )
         else:
             nll, count = row_nll(model, table.input_ids, table.labels, section.eval.batch_size, pad_id)
             metrics = loss_summary(nll, count, table.column("category"))
             (folder / ROWS).write_text(json.dumps(row_losses(nll, count)))
         metrics["parity"] = logits_parity(model, table.input_ids[:PARITY_ROWS], pad_id)
         (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        logger.info("%s: loss %.4f perplexity %.2f over %d tokens", stage, metrics["loss"], metrics["perplexity"], metrics["tokens"])
-        logger.info("%s: JAX vs PyTorch logits max |diff| %.2e (%s)", stage, metrics["parity"]["max_abs_diff"], metrics["parity"]["dtype"])
+        logger.info(
+            "%s: loss %.4f perplexity %.2f over %d tokens",
+            stage,
+            metrics["loss"],
+            metrics["perplexity"],
+            metrics["tokens"],
+        )
+        logger.info(
+            "%s: JAX vs PyTorch logits max |diff| %.2e (%s)",
+            stage,
+            metrics["parity"]["max_abs_diff"],
+            metrics["parity"]["dtype"],
+        )
 
     return build_artifact(store_root, stage, __name__, section, inputs, build)
 
@@ -112,11 +140,14 @@ def _reward_metrics(model, table, section: RewardEvalSection, inputs: dict) -> t
     rewards = load_rewards(section.rewards, section.reward_weights)
     tokenizer = open_tokenizer(inputs["model"], section.model)
     rows = scoring.reward_rows(table, "eval")
-    answers, scores = scoring.greedy_scores(model, tokenizer, table.input_ids, rows, rewards, section.eval.batch_size,
-                                            section.max_new_tokens)
+    answers, scores = scoring.greedy_scores(
+        model, tokenizer, table.input_ids, rows, rewards, section.eval.batch_size, section.max_new_tokens
+    )
     total = rewards.total(scores)
-    per_prompt = [{"answer": a, "scores": [round(float(v), 6) for v in s], "reward": round(float(t), 6)}
-                  for a, s, t in zip(answers, scores, total)]
+    per_prompt = [
+        {"answer": a, "scores": [round(float(v), 6) for v in s], "reward": round(float(t), 6)}
+        for a, s, t in zip(answers, scores, total)
+    ]
     return scoring.summary(rewards, scores, [r["category"] for r in rows]), per_prompt
 
 
@@ -125,8 +156,8 @@ def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: 
     and each pair's figures (`inference.per_pair`)."""
     import numpy as np
 
-    from jaxtune.runtime.decoding.inference import _loss_summary, _per_category, per_pair, row_nll, summarize_pairs
     from jaxtune.runtime.compiled.preference import objective_of
+    from jaxtune.runtime.decoding.inference import _loss_summary, _per_category, per_pair, row_nll, summarize_pairs
     from jaxtune.tasks.reference import read_reference
 
     nll, count = row_nll(model, table.input_ids, table.labels, section.eval.batch_size, pad_id)
@@ -136,13 +167,17 @@ def _pair_metrics(model, table, section: PairEvalSection, inputs: dict, pad_id: 
     reference = read_reference(inputs.get("reference"), "eval")
     figures = per_pair(objective, -nll, count, reference)
     pair_categories = [categories[i] for i in chosen]
-    return {**_loss_summary(nll[chosen], count[chosen]),
-            "per_category": _per_category(nll[chosen], count[chosen], pair_categories),
-            "preference": summarize_pairs(objective, figures, pair_categories)}, figures
+    return {
+        **_loss_summary(nll[chosen], count[chosen]),
+        "per_category": _per_category(nll[chosen], count[chosen], pair_categories),
+        "preference": summarize_pairs(objective, figures, pair_categories),
+    }, figures
 
 
 @task(name="baseline_eval", result_serializer="json")
-def baseline_eval(section: EvalSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
+def baseline_eval(
+    section: EvalSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig
+) -> ArtifactRef:
     """inputs: `model`, `data` (and `reference` for DPO)."""
     return _evaluate("baseline_eval", section, inputs, store_root, mesh)
 

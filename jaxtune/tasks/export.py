@@ -127,7 +127,12 @@ def export(section: ExportSection, inputs: dict[str, ArtifactRef], store_root: s
         if section.export.gguf:
             info["gguf"] = save_gguf(folder / "gguf", section, inputs)
         (folder / "export.json").write_text(json.dumps(info, indent=2))
-        get_run_logger().info("exported a %s (%s/)%s%s", info["kind"], sub, " and merged/" if "merged" in info else "",
-                              "".join(f", gguf/{f['file']}" for f in info.get("gguf", [])))
+        get_run_logger().info(
+            "exported a %s (%s/)%s%s",
+            info["kind"],
+            sub,
+            " and merged/" if "merged" in info else "",
+            "".join(f", gguf/{f['file']}" for f in info.get("gguf", [])),
+        )
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)

@@ -37,7 +37,9 @@ def _answers(model, tokenizer, prompts: list[list[int]], cfg: GenerateConfig) ->
 
 
 @task(name=STAGE, result_serializer="json")
-def generate(section: GenerateSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
+def generate(
+    section: GenerateSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig
+) -> ArtifactRef:
     """inputs: `model`, `data`, `train`."""
 
     def build(folder: Path) -> None:
@@ -51,11 +53,20 @@ def generate(section: GenerateSection, inputs: dict[str, ArtifactRef], store_roo
         lengths = table.column("prompt_length", rows.stop)
         prompts = [table.input_ids[r][: lengths[r]].tolist() for r in rows]
         table = {name: table.column(name, rows.stop)[::step] for name in ("category", "prompt_text", "response")}
-        before = _answers(open_trained_model({**inputs, "train": None}, section.model, mesh), tokenizer, prompts, section.generate)
+        before = _answers(
+            open_trained_model({**inputs, "train": None}, section.model, mesh), tokenizer, prompts, section.generate
+        )
         after = _answers(open_trained_model(inputs, section.model, mesh), tokenizer, prompts, section.generate)
         rows = [
-            {"category": c, "prompt": p, "reference": r, "before": b, "after": a,
-             "before_exact": exact_match(b, r), "after_exact": exact_match(a, r)}
+            {
+                "category": c,
+                "prompt": p,
+                "reference": r,
+                "before": b,
+                "after": a,
+                "before_exact": exact_match(b, r),
+                "after_exact": exact_match(a, r),
+            }
             for c, p, r, b, a in zip(table["category"], table["prompt_text"], table["response"], before, after)
         ]
         with (folder / "generations.jsonl").open("w") as out:

@@ -32,12 +32,27 @@ def hardest_examples(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> di
     answers = [g["after"] for g in _generations(inputs["generate"])]  # the first eval rows, in order
     scored = [row for row, (b, a) in enumerate(zip(before, after)) if b is not None and a is not None]
     ranked = sorted(scored, key=lambda row: after[row] - before[row], reverse=True)[:count]
-    rows = [{"row": row, "category": categories[row], "prompt": prompts[row], "reference": references[row],
-             "generation": answers[row] if row < len(answers) else None, "baseline_loss": before[row],
-             "final_loss": after[row], "change": round(after[row] - before[row], 6)} for row in ranked]
-    return {"rows": rows, "compared": len(scored), "generated": len(answers),
-            "worse_by_category": _worse_by_category([after[row] > before[row] for row in scored],
-                                                    [categories[row] for row in scored])}
+    rows = [
+        {
+            "row": row,
+            "category": categories[row],
+            "prompt": prompts[row],
+            "reference": references[row],
+            "generation": answers[row] if row < len(answers) else None,
+            "baseline_loss": before[row],
+            "final_loss": after[row],
+            "change": round(after[row] - before[row], 6),
+        }
+        for row in ranked
+    ]
+    return {
+        "rows": rows,
+        "compared": len(scored),
+        "generated": len(answers),
+        "worse_by_category": _worse_by_category(
+            [after[row] > before[row] for row in scored], [categories[row] for row in scored]
+        ),
+    }
 
 
 def hardest_pairs(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
@@ -55,13 +70,25 @@ def hardest_pairs(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
     categories, prompts, chosen, rejected = categories[0::2], prompts[0::2], answers[0::2], answers[1::2]
     pairs = list(range(rows))
     ranked = sorted(pairs, key=lambda p: after["margin"][p] - before["margin"][p])[:count]
-    return {"pairs": [{"pair": p, "category": categories[p], "prompt": prompts[p], "chosen": chosen[p],
-                       "rejected": rejected[p], **{f"baseline_{k}": before[k][p] for k in PAIR_FIGURES},
-                       **{f"final_{k}": after[k][p] for k in PAIR_FIGURES},
-                       "change": round(after["margin"][p] - before["margin"][p], 6)} for p in ranked],
-            "compared": rows,
-            "worse_by_category": _worse_by_category([after["margin"][p] < before["margin"][p] for p in pairs],
-                                                    [categories[p] for p in pairs])}
+    return {
+        "pairs": [
+            {
+                "pair": p,
+                "category": categories[p],
+                "prompt": prompts[p],
+                "chosen": chosen[p],
+                "rejected": rejected[p],
+                **{f"baseline_{k}": before[k][p] for k in PAIR_FIGURES},
+                **{f"final_{k}": after[k][p] for k in PAIR_FIGURES},
+                "change": round(after["margin"][p] - before["margin"][p], 6),
+            }
+            for p in ranked
+        ],
+        "compared": rows,
+        "worse_by_category": _worse_by_category(
+            [after["margin"][p] < before["margin"][p] for p in pairs], [categories[p] for p in pairs]
+        ),
+    }
 
 
 def _both_have(inputs: dict[str, ArtifactRef], name: str) -> bool:
@@ -73,8 +100,10 @@ def _worse_by_category(worse: list[bool], categories: list[str]) -> dict:
     groups = defaultdict(list)
     for flag, category in zip(worse, categories):
         groups[category].append(flag)
-    return {c: {"rows": len(flags), "worse": sum(flags), "share": sum(flags) / len(flags)}
-            for c, flags in sorted(groups.items())}
+    return {
+        c: {"rows": len(flags), "worse": sum(flags), "share": sum(flags) / len(flags)}
+        for c, flags in sorted(groups.items())
+    }
 
 
 def _generations(ref: ArtifactRef) -> list[dict]:
@@ -87,35 +116,63 @@ def hardest_lines(hardest: dict | None) -> list[str]:
         return []
     if "pairs" in hardest:
         return _pair_lines(hardest)
-    lines = ["## Hardest examples", "",
-             f"The {len(hardest['rows'])} of {hardest['compared']} eval rows whose loss (mean over the answer's tokens) "
-             "fell least, or rose, from before training to after; the answer is the trained model's greedy one (the "
-             f"generate stage decodes the first {hardest['generated']} eval rows).", "",
-             "| row | category | prompt | reference | answer after | loss before | loss after |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['row']} | {r['category']} | {_cell(r['prompt'])} | {_cell(r['reference'])} "
-              f"| {_cell(r['generation']) if r['generation'] is not None else '(not generated)'} "
-              f"| {r['baseline_loss']:.4f} | {r['final_loss']:.4f} |" for r in hardest["rows"]]
-    lines += ["", "| category | eval rows | got worse | share |", "|---|---|---|---|",
-              *[f"| {c} | {m['rows']} | {m['worse']} | {100 * m['share']:.1f}% |"
-                for c, m in hardest["worse_by_category"].items()], ""]
+    lines = [
+        "## Hardest examples",
+        "",
+        f"The {len(hardest['rows'])} of {hardest['compared']} eval rows whose loss (mean over the answer's tokens) "
+        "fell least, or rose, from before training to after; the answer is the trained model's greedy one (the "
+        f"generate stage decodes the first {hardest['generated']} eval rows).",
+        "",
+        "| row | category | prompt | reference | answer after | loss before | loss after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['row']} | {r['category']} | {_cell(r['prompt'])} | {_cell(r['reference'])} "
+        f"| {_cell(r['generation']) if r['generation'] is not None else '(not generated)'} "
+        f"| {r['baseline_loss']:.4f} | {r['final_loss']:.4f} |"
+        for r in hardest["rows"]
+    ]
+    lines += [
+        "",
+        "| category | eval rows | got worse | share |",
+        "|---|---|---|---|",
+        *[
+            f"| {c} | {m['rows']} | {m['worse']} | {100 * m['share']:.1f}% |"
+            for c, m in hardest["worse_by_category"].items()
+        ],
+        "",
+    ]
     return lines
 
 
 def _pair_lines(hardest: dict) -> list[str]:
-    lines = ["## Hardest pairs", "",
-             f"The {len(hardest['pairs'])} of {hardest['compared']} eval pairs whose reward margin (the chosen answer's "
-             "reward less the rejected one's) rose least, or fell, from before training to after, with each answer's "
-             "log-probability before and after.", "",
-             "| pair | category | prompt | chosen | rejected | margin before | margin after | log-p chosen | log-p rejected |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {p['pair']} | {p['category']} | {_cell(p['prompt'])} | {_cell(p['chosen'])} | {_cell(p['rejected'])} "
-              f"| {p['baseline_margin']:.4f} | {p['final_margin']:.4f} "
-              f"| {p['baseline_chosen_logp']:.2f} → {p['final_chosen_logp']:.2f} "
-              f"| {p['baseline_rejected_logp']:.2f} → {p['final_rejected_logp']:.2f} |" for p in hardest["pairs"]]
-    lines += ["", "| category | eval pairs | margin fell | share |", "|---|---|---|---|",
-              *[f"| {c} | {m['rows']} | {m['worse']} | {100 * m['share']:.1f}% |"
-                for c, m in hardest["worse_by_category"].items()], ""]
+    lines = [
+        "## Hardest pairs",
+        "",
+        f"The {len(hardest['pairs'])} of {hardest['compared']} eval pairs whose reward margin (the chosen answer's "
+        "reward less the rejected one's) rose least, or fell, from before training to after, with each answer's "
+        "log-probability before and after.",
+        "",
+        "| pair | category | prompt | chosen | rejected | margin before | margin after | log-p chosen | log-p rejected |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['pair']} | {p['category']} | {_cell(p['prompt'])} | {_cell(p['chosen'])} | {_cell(p['rejected'])} "
+        f"| {p['baseline_margin']:.4f} | {p['final_margin']:.4f} "
+        f"| {p['baseline_chosen_logp']:.2f} → {p['final_chosen_logp']:.2f} "
+        f"| {p['baseline_rejected_logp']:.2f} → {p['final_rejected_logp']:.2f} |"
+        for p in hardest["pairs"]
+    ]
+    lines += [
+        "",
+        "| category | eval pairs | margin fell | share |",
+        "|---|---|---|---|",
+        *[
+            f"| {c} | {m['rows']} | {m['worse']} | {100 * m['share']:.1f}% |"
+            for c, m in hardest["worse_by_category"].items()
+        ],
+        "",
+    ]
     return lines
 
 

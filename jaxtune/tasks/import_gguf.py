@@ -41,8 +41,9 @@ def write_hf_folder(gguf: Path, folder: Path) -> None:
         # say so; errors of a file the gguf package can parse (an unsupported architecture) pass as they are.
         if _parses(gguf):
             raise
-        raise ModelError(f"{gguf}: cannot read this GGUF file, it may be truncated or corrupt "
-                         f"({first_line(error)})") from error
+        raise ModelError(
+            f"{gguf}: cannot read this GGUF file, it may be truncated or corrupt ({first_line(error)})"
+        ) from error
     # The tensors are plain float32 now; what marks the model as quantized is only bookkeeping.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -64,10 +65,14 @@ def _parses(gguf: Path) -> bool:
 @task(name=STAGE, result_serializer="json")
 def import_gguf(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> ArtifactRef:
     """inputs: `gguf`, the checkpoint file (keyed by its sha256)."""
-    return build_artifact(store_root, STAGE, __name__, section, inputs, lambda folder: write_hf_folder(inputs["gguf"].folder, folder))
+    return build_artifact(
+        store_root, STAGE, __name__, section, inputs, lambda folder: write_hf_folder(inputs["gguf"].folder, folder)
+    )
 
 
 def imported(store_root: str | Path, gguf_ref: ArtifactRef) -> ArtifactRef:
     """The HF folder for a GGUF file outside any flow (doctor, chat): built once, then reused."""
     inputs = {"gguf": gguf_ref}
-    return built_outside_flow(store_root, STAGE, __name__, SECTION, inputs, lambda: import_gguf.fn(SECTION, inputs, str(store_root)))
+    return built_outside_flow(
+        store_root, STAGE, __name__, SECTION, inputs, lambda: import_gguf.fn(SECTION, inputs, str(store_root))
+    )

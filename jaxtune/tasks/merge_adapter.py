@@ -34,19 +34,35 @@ def write_merged(adapter: Path, base: ArtifactRef, folder: Path, trust_remote_co
     module.merge_and_unload().save_pretrained(folder, safe_serialization=True)
     has_tokenizer = any((adapter / f).is_file() for f in TOKENIZER_FILES)
     source, source_revision = (str(adapter), None) if has_tokenizer else (name, revision)
-    AutoTokenizer.from_pretrained(source, revision=source_revision, trust_remote_code=trust_remote_code).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(
+        source, revision=source_revision, trust_remote_code=trust_remote_code
+    ).save_pretrained(folder)
 
 
 @task(name=STAGE, result_serializer="json")
-def merge_adapter(section: dict, inputs: dict[str, ArtifactRef], store_root: str, trust_remote_code: bool = False) -> ArtifactRef:
+def merge_adapter(
+    section: dict, inputs: dict[str, ArtifactRef], store_root: str, trust_remote_code: bool = False
+) -> ArtifactRef:
     """inputs: `adapter`, the adapter folder (keyed by its files), and `base`, its base model."""
-    return build_artifact(store_root, STAGE, __name__, section, inputs,
-                          lambda folder: write_merged(inputs["adapter"].folder, inputs["base"], folder, trust_remote_code))
+    return build_artifact(
+        store_root,
+        STAGE,
+        __name__,
+        section,
+        inputs,
+        lambda folder: write_merged(inputs["adapter"].folder, inputs["base"], folder, trust_remote_code),
+    )
 
 
 def merged(store_root: str | Path, adapter: ArtifactRef, trust_remote_code: bool = False) -> ArtifactRef:
     """The merged model for an adapter folder's ref (`sources.model_ref`) outside any flow
     (`jaxtune doctor`): the folder a run from that adapter starts from, built once, then reused."""
     inputs = {"adapter": adapter, "base": model_ref(adapter_base(adapter.folder))}
-    return built_outside_flow(store_root, STAGE, __name__, SECTION, inputs,
-                              lambda: merge_adapter.fn(SECTION, inputs, str(store_root), trust_remote_code))
+    return built_outside_flow(
+        store_root,
+        STAGE,
+        __name__,
+        SECTION,
+        inputs,
+        lambda: merge_adapter.fn(SECTION, inputs, str(store_root), trust_remote_code),
+    )

@@ -54,8 +54,9 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
             arrays, schemes, left = read_blocks(inputs["gguf"].path, module.config)
             tensors = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
         else:  # quantized as each layer is read: the float model is never all in memory
-            module, (stored, schemes) = load_quantized(name, revision, section.trust_remote_code, section.dtype,
-                                                       section.scheme)
+            module, (stored, schemes) = load_quantized(
+                name, revision, section.trust_remote_code, section.dtype, section.scheme
+            )
             tensors = {key: tensor.contiguous() for key, tensor in stored.items()}
         save_file(tensors, str(folder / STORED))
         itemsize = torch.empty((), dtype=getattr(torch, section.dtype)).element_size()
@@ -71,10 +72,17 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
         }
         (folder / "quantize.json").write_text(json.dumps(info, indent=2))
         get_run_logger().info(
-            "%d linear layers held as %s: %.1f MiB, %.2fx of %.1f MiB in %s%s", len(schemes),
-            ", ".join(f"{n} {kind}" for kind, n in info["kinds"].items()), info["held_bytes"] / 2**20,
-            info["held_bytes"] / max(info["unquantized_bytes"], 1), info["unquantized_bytes"] / 2**20, section.dtype,
-            f"; {len(left)} left as float weights ({', '.join(sorted(set(left.values())))} blocks are not held)" if left else "")
+            "%d linear layers held as %s: %.1f MiB, %.2fx of %.1f MiB in %s%s",
+            len(schemes),
+            ", ".join(f"{n} {kind}" for kind, n in info["kinds"].items()),
+            info["held_bytes"] / 2**20,
+            info["held_bytes"] / max(info["unquantized_bytes"], 1),
+            info["unquantized_bytes"] / 2**20,
+            section.dtype,
+            f"; {len(left)} left as float weights ({', '.join(sorted(set(left.values())))} blocks are not held)"
+            if left
+            else "",
+        )
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)
 

@@ -20,8 +20,14 @@ from jaxtune.config import EvalConfig, MeshConfig, ModelConfig, Section
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "reference"
-SCHEMA = pa.schema([("chosen_logp", pa.float64()), ("rejected_logp", pa.float64()),
-                    ("chosen_tokens", pa.int32()), ("rejected_tokens", pa.int32())])
+SCHEMA = pa.schema(
+    [
+        ("chosen_logp", pa.float64()),
+        ("rejected_logp", pa.float64()),
+        ("chosen_tokens", pa.int32()),
+        ("rejected_tokens", pa.int32()),
+    ]
+)
 
 
 class ReferenceSection(Section):
@@ -30,7 +36,9 @@ class ReferenceSection(Section):
 
 
 @task(name=STAGE, result_serializer="json")
-def reference(section: ReferenceSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig) -> ArtifactRef:
+def reference(
+    section: ReferenceSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig
+) -> ArtifactRef:
     """inputs: `model` (the reference: the base model) and `data` (the tokenize artifact of pairs)."""
 
     def build(folder: Path) -> None:
@@ -45,16 +53,28 @@ def reference(section: ReferenceSection, inputs: dict[str, ArtifactRef], store_r
             table = TokenTable(inputs["data"].file(f"{split}.arrow"))
             nll, tokens = row_nll(model, table.input_ids, table.labels, section.eval.batch_size, pad_id)
             write_reference(-nll, tokens, folder / f"{split}.arrow")
-            logger.info("reference %s: %d pairs, mean log-probability chosen %.3f, rejected %.3f", split, len(nll) // 2,
-                        -nll[0::2].mean(), -nll[1::2].mean())
+            logger.info(
+                "reference %s: %d pairs, mean log-probability chosen %.3f, rejected %.3f",
+                split,
+                len(nll) // 2,
+                -nll[0::2].mean(),
+                -nll[1::2].mean(),
+            )
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)
 
 
 def write_reference(logp: np.ndarray, tokens: np.ndarray, path: Path) -> None:
     """Per-row values (rows 2p chosen, 2p+1 rejected) as one Arrow row per pair."""
-    table = pa.table([pa.array(logp[0::2], pa.float64()), pa.array(logp[1::2], pa.float64()),
-                      pa.array(tokens[0::2].astype(np.int32)), pa.array(tokens[1::2].astype(np.int32))], schema=SCHEMA)
+    table = pa.table(
+        [
+            pa.array(logp[0::2], pa.float64()),
+            pa.array(logp[1::2], pa.float64()),
+            pa.array(tokens[0::2].astype(np.int32)),
+            pa.array(tokens[1::2].astype(np.int32)),
+        ],
+        schema=SCHEMA,
+    )
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
         writer.write_table(table)
 

@@ -9,11 +9,12 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from jaxtune.tracking import ui
 from jaxtune.artifacts import MANIFEST, ArtifactRef
+from jaxtune.records import TrainSummary
+from jaxtune.tasks import rl_report
 from jaxtune.tasks.hardest import HARDEST, hardest_examples, hardest_lines
 from jaxtune.tasks.stage import build_artifact
-from jaxtune.tasks import rl_report
+from jaxtune.tracking import ui
 from jaxtune.tracking.curves import plot_loss, plot_rewards
 
 STAGE = "report"
@@ -24,20 +25,41 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
     """The numbers a reader checks first, gathered from every upstream artifact (`count`: hardest examples)."""
     baseline = inputs["baseline_eval"].read_json("metrics.json")
     final = inputs["final_eval"].read_json("metrics.json")
-    train = inputs["train"].read_json("summary.json")
+    train = TrainSummary.read(inputs["train"].file("summary.json")).model_dump()
     export = inputs["export"].read_json("export.json")
     return {
         "baseline": {"loss": baseline["loss"], "perplexity": baseline["perplexity"]},
         "final": {"loss": final["loss"], "perplexity": final["perplexity"]},
-        "per_category": {c: {"baseline": baseline["per_category"][c]["loss"], "final": m["loss"]}
-                         for c, m in final["per_category"].items()},
+        "per_category": {
+            c: {"baseline": baseline["per_category"][c]["loss"], "final": m["loss"]}
+            for c, m in final["per_category"].items()
+        },
         "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
-        "train": {k: train.get(k) for k in ("steps", "seconds", "compile_seconds", "tokens_per_second", "mfu",
-                                             "mfu_derivation", "nonpad_fraction", "packed", "batch_shape",
-                                             "trainable_parameters", "rows_per_step", "resumed_from", "interruptions", "mesh")},
+        "train": {
+            k: train[k]
+            for k in (
+                "steps",
+                "seconds",
+                "compile_seconds",
+                "tokens_per_second",
+                "mfu",
+                "mfu_derivation",
+                "nonpad_fraction",
+                "packed",
+                "batch_shape",
+                "trainable_parameters",
+                "rows_per_step",
+                "resumed_from",
+                "interruptions",
+                "mesh",
+            )
+        },
         "eval_during_training": [r for r in _log(inputs["train"]) if "eval_loss" in r],
-        "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"])),
-                   "gguf": [{**f, "path": str(inputs["export"].file(f"gguf/{f['file']}"))} for f in export.get("gguf", [])]},
+        "export": {
+            "kind": export["kind"],
+            "path": str(inputs["export"].file(export["subfolder"])),
+            "gguf": [{**f, "path": str(inputs["export"].file(f"gguf/{f['file']}"))} for f in export.get("gguf", [])],
+        },
         "data": inputs["tokenize"].read_json("stats.json"),
         "parity": final["parity"],
         "trust_remote_code": ran_remote_code(inputs["train"]),
@@ -50,7 +72,9 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
 def _quantized_base(ref: ArtifactRef) -> dict:
     info = ref.read_json("quantize.json")
     return {key: info[key] for key in ("scheme", "kinds", "held_bytes", "unquantized_bytes", "compute_dtype")} | {
-        "layers": len(info["layers"]), "left_unquantized": len(info["left_unquantized"])}
+        "layers": len(info["layers"]),
+        "left_unquantized": len(info["left_unquantized"]),
+    }
 
 
 def _quantized_base_lines(base: dict | None) -> list[str]:
@@ -59,15 +83,27 @@ def _quantized_base_lines(base: dict | None) -> list[str]:
         return []
     kinds = ", ".join(f"{n} {kind}" for kind, n in base["kinds"].items())
     left = f"; {base['left_unquantized']} left as float weights" if base["left_unquantized"] else ""
-    return [f"**Trained against a quantized base** (`model.base_quantization: {base['scheme']}`): {base['layers']} "
-            f"frozen linear layers held as {kinds}{left}, {base['held_bytes'] / 2**20:,.1f} MiB "
-            f"({base['held_bytes'] / max(base['unquantized_bytes'], 1):.2f}x of {base['unquantized_bytes'] / 2**20:,.1f} "
-            f"MiB in {base['compute_dtype']}). The evals, generations and merged export use that base dequantized; "
-            "the adapter alone also loads on the original base, which it was not trained against.", ""]
+    return [
+        f"**Trained against a quantized base** (`model.base_quantization: {base['scheme']}`): {base['layers']} "
+        f"frozen linear layers held as {kinds}{left}, {base['held_bytes'] / 2**20:,.1f} MiB "
+        f"({base['held_bytes'] / max(base['unquantized_bytes'], 1):.2f}x of {base['unquantized_bytes'] / 2**20:,.1f} "
+        f"MiB in {base['compute_dtype']}). The evals, generations and merged export use that base dequantized; "
+        "the adapter alone also loads on the original base, which it was not trained against.",
+        "",
+    ]
 
 
-PAIR_METRICS = ("loss", "preference_loss", "chosen_nll", "accuracy", "margin", "chosen_logp", "rejected_logp",
-                "chosen_reward", "rejected_reward")
+PAIR_METRICS = (
+    "loss",
+    "preference_loss",
+    "chosen_nll",
+    "accuracy",
+    "margin",
+    "chosen_logp",
+    "rejected_logp",
+    "chosen_reward",
+    "rejected_reward",
+)
 
 
 def _preference(baseline: dict, final: dict, train: dict) -> dict:
@@ -75,15 +111,21 @@ def _preference(baseline: dict, final: dict, train: dict) -> dict:
     if "preference" not in final:
         return {}
     before, after = baseline["preference"], final["preference"]
-    return {"preference": {
-        "objective": train.get("objective"),
-        "pairs": after["pairs"],
-        **{name: {"before": before[name], "after": after[name]} for name in PAIR_METRICS},
-        "per_category": {c: {"pairs": m["pairs"], "accuracy": {"before": before["per_category"][c]["accuracy"],
-                                                               "after": m["accuracy"]},
-                             "margin": {"before": before["per_category"][c]["margin"], "after": m["margin"]}}
-                         for c, m in after["per_category"].items()},
-    }}
+    return {
+        "preference": {
+            "objective": train["objective"],
+            "pairs": after["pairs"],
+            **{name: {"before": before[name], "after": after[name]} for name in PAIR_METRICS},
+            "per_category": {
+                c: {
+                    "pairs": m["pairs"],
+                    "accuracy": {"before": before["per_category"][c]["accuracy"], "after": m["accuracy"]},
+                    "margin": {"before": before["per_category"][c]["margin"], "after": m["margin"]},
+                }
+                for c, m in after["per_category"].items()
+            },
+        }
+    }
 
 
 def curve_levels(summary: dict) -> tuple[float, float]:
@@ -97,24 +139,43 @@ def _loss_parts(p: dict) -> list[tuple[str, str, str]]:
     """The loss's two terms, where the SFT term made it more than the preference term."""
     if p["loss"] == p["preference_loss"]:
         return []
-    return [(f"  of which {p['objective']}", "preference_loss", ".4f"), ("  chosen answers' mean token NLL", "chosen_nll", ".4f")]
+    return [
+        (f"  of which {p['objective']}", "preference_loss", ".4f"),
+        ("  chosen answers' mean token NLL", "chosen_nll", ".4f"),
+    ]
 
 
 def _preference_lines(p: dict | None) -> list[str]:
     if not p:
         return []
-    rows = [("preference accuracy", "accuracy", ".3f"), ("reward margin", "margin", ".4f"),
-            (f"{p['objective']} loss", "loss", ".4f"), *_loss_parts(p),
-            ("log-probability, chosen", "chosen_logp", ".3f"),
-            ("log-probability, rejected", "rejected_logp", ".3f")]
-    lines = [f"Preference tuning ({p['objective']}) on {p['pairs']:,} held-out pairs; a pair counts as right when its "
-             "chosen answer's implicit reward is the higher (a tie counts half).", "",
-             "| metric | before | after |", "|---|---|---|",
-             *[f"| {label} | {p[key]['before']:{fmt}} | {p[key]['after']:{fmt}} |" for label, key, fmt in rows], ""]
+    rows = [
+        ("preference accuracy", "accuracy", ".3f"),
+        ("reward margin", "margin", ".4f"),
+        (f"{p['objective']} loss", "loss", ".4f"),
+        *_loss_parts(p),
+        ("log-probability, chosen", "chosen_logp", ".3f"),
+        ("log-probability, rejected", "rejected_logp", ".3f"),
+    ]
+    lines = [
+        f"Preference tuning ({p['objective']}) on {p['pairs']:,} held-out pairs; a pair counts as right when its "
+        "chosen answer's implicit reward is the higher (a tie counts half).",
+        "",
+        "| metric | before | after |",
+        "|---|---|---|",
+        *[f"| {label} | {p[key]['before']:{fmt}} | {p[key]['after']:{fmt}} |" for label, key, fmt in rows],
+        "",
+    ]
     if len(p["per_category"]) > 1:
-        lines += ["| category | pairs | accuracy before | accuracy after | margin after |", "|---|---|---|---|---|",
-                  *[f"| {c} | {m['pairs']} | {m['accuracy']['before']:.3f} | {m['accuracy']['after']:.3f} "
-                    f"| {m['margin']['after']:.4f} |" for c, m in p["per_category"].items()], ""]
+        lines += [
+            "| category | pairs | accuracy before | accuracy after | margin after |",
+            "|---|---|---|---|---|",
+            *[
+                f"| {c} | {m['pairs']} | {m['accuracy']['before']:.3f} | {m['accuracy']['after']:.3f} "
+                f"| {m['margin']['after']:.4f} |"
+                for c, m in p["per_category"].items()
+            ],
+            "",
+        ]
     return lines
 
 
@@ -133,51 +194,85 @@ def _speed_lines(t: dict) -> list[str]:
         return []
     k, rows, length = t["batch_shape"]
     kind = "packed sequences" if t["packed"] else "padded rows"
-    mfu = f"MFU {100 * t['mfu']:.1f}% ({t['mfu_derivation']})" if t.get("mfu") is not None else "MFU not known for this device"
-    return [f"Batches: {k} x {rows} {kind} of {length} tokens, {100 * t['nonpad_fraction']:.1f}% of them real tokens; {mfu}.", ""]
+    mfu = (
+        f"MFU {100 * t['mfu']:.1f}% ({t['mfu_derivation']})"
+        if t.get("mfu") is not None
+        else "MFU not known for this device"
+    )
+    return [
+        f"Batches: {k} x {rows} {kind} of {length} tokens, {100 * t['nonpad_fraction']:.1f}% of them real tokens; {mfu}.",
+        "",
+    ]
 
 
 def _interruption_lines(interruptions: list[dict]) -> list[str]:
     if not interruptions:
         return []
-    each = "; ".join(f"at step {i['reached']} ({i['stopped_by']}), resumed from {i['resumed_from']}"
-                     f"{' by an automatic restart' * bool(i.get('restart'))}, "
-                     f"{i['lost_steps']} step{'s' * (i['lost_steps'] != 1)} trained again" for i in interruptions)
+    each = "; ".join(
+        f"at step {i['reached']} ({i['stopped_by']}), resumed from {i['resumed_from']}"
+        f"{' by an automatic restart' * bool(i.get('restart'))}, "
+        f"{i['lost_steps']} step{'s' * (i['lost_steps'] != 1)} trained again"
+        for i in interruptions
+    )
     lost = sum(i["lost_steps"] for i in interruptions)
-    return [f"Interrupted {len(interruptions)} time{'s' * (len(interruptions) != 1)}, {lost} steps trained again in all: {each}.", ""]
+    return [
+        f"Interrupted {len(interruptions)} time{'s' * (len(interruptions) != 1)}, {lost} steps trained again in all: {each}.",
+        "",
+    ]
 
 
 def render_markdown(summary: dict, examples: list[dict], image: str) -> str:
     b, f, em, t = summary["baseline"], summary["final"], summary["exact_match"], summary["train"]
     lines = [
-        "# jaxtune report", "",
+        "# jaxtune report",
+        "",
         # Code from the checkpoint ran with this user's rights: a reader of the results should know.
-        *(["**trust_remote_code was on**: model code shipped with the checkpoint ran.", ""]
-          if summary.get("trust_remote_code") else []),
+        *(
+            ["**trust_remote_code was on**: model code shipped with the checkpoint ran.", ""]
+            if summary.get("trust_remote_code")
+            else []
+        ),
         *_preference_lines(summary.get("preference")),
         *_quantized_base_lines(summary.get("quantized_base")),
-        "| metric | before | after |", "|---|---|---|",
+        "| metric | before | after |",
+        "|---|---|---|",
         f"| eval loss{' (chosen answers)' * ('preference' in summary)} | {b['loss']:.4f} | {f['loss']:.4f} |",
         f"| perplexity | {b['perplexity']:.2f} | {f['perplexity']:.2f} |",
-        f"| exact match | {em['before']:.3f} | {em['after']:.3f} |", "",
+        f"| exact match | {em['before']:.3f} | {em['after']:.3f} |",
+        "",
         f"Training: {t['steps']} steps in {t['seconds']:.1f} s ({t['compile_seconds']:.1f} s compiling), "
-        f"{t['tokens_per_second']:.0f} tokens/s, {t['trainable_parameters']:,} trainable parameters.", "",
-        f"Mesh: {t.get('mesh') or 'not recorded'}.", "",
+        f"{t['tokens_per_second']:.0f} tokens/s, {t['trainable_parameters']:,} trainable parameters.",
+        "",
+        f"Mesh: {t.get('mesh') or 'not recorded'}.",
+        "",
         *_interruption_lines(t.get("interruptions") or []),
         *_speed_lines(t),
-        f"![loss curve]({image})", "",
+        f"![loss curve]({image})",
+        "",
         *(_data_section(summary["data"]) if "data" in summary else []),
-        "## Loss by category", "", "| category | before | after |", "|---|---|---|",
-        *[f"| {c} | {v['baseline']:.4f} | {v['final']:.4f} |" for c, v in summary["per_category"].items()], "",
-        f"Exported {summary['export']['kind']}: `{summary['export']['path']}`", "",
+        "## Loss by category",
+        "",
+        "| category | before | after |",
+        "|---|---|---|",
+        *[f"| {c} | {v['baseline']:.4f} | {v['final']:.4f} |" for c, v in summary["per_category"].items()],
+        "",
+        f"Exported {summary['export']['kind']}: `{summary['export']['path']}`",
+        "",
         *_gguf_lines(summary["export"].get("gguf") or []),
         *_parity_section(summary["parity"]),
         *hardest_lines(summary.get("hardest")),
-        "## Generations", "",
+        "## Generations",
+        "",
     ]
     for ex in examples:
-        lines += [f"**{ex['category']}**: {_quote(ex['prompt'])}", "",
-                  f"- reference: `{ex['reference']}`", f"- before: `{ex['before']}`", f"- after: `{ex['after']}`", ""]
+        lines += [
+            f"**{ex['category']}**: {_quote(ex['prompt'])}",
+            "",
+            f"- reference: `{ex['reference']}`",
+            f"- before: `{ex['before']}`",
+            f"- after: `{ex['after']}`",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -185,33 +280,54 @@ def _gguf_lines(files: list[dict]) -> list[str]:
     """The exported GGUF files, each with its type and size, and how to run one."""
     if not files:
         return []
-    return ["| GGUF file | type | size |", "|---|---|---|",
-            *[f"| `{f['path']}` | {f['type']} | {f['bytes'] / 2**20:,.1f} MiB |" for f in files], "",
-            f"Run one with `llama-cli -m {files[0]['path']}`, or in Ollama with "
-            f"`ollama create NAME -f {files[0]['path'].removesuffix('.gguf')}.Modelfile`.", ""]
+    return [
+        "| GGUF file | type | size |",
+        "|---|---|---|",
+        *[f"| `{f['path']}` | {f['type']} | {f['bytes'] / 2**20:,.1f} MiB |" for f in files],
+        "",
+        f"Run one with `llama-cli -m {files[0]['path']}`, or in Ollama with "
+        f"`ollama create NAME -f {files[0]['path'].removesuffix('.gguf')}.Modelfile`.",
+        "",
+    ]
 
 
 def _data_section(stats: dict) -> list[str]:
     """Rows in and kept, and per source of a mixture its rows, weight and share of the train rows."""
     dropped = ", ".join(f"{reason.replace('_', ' ')} {n:,}" for reason, n in stats["dropped"].items() if n) or "none"
     unit = "pairs" if stats.get("preference") else "rows"
-    lines = ["## Data", "", f"{stats['rows_in']:,} {unit} in: {stats['train_rows']:,} train, {stats['eval_rows']:,} eval; "
-             f"dropped: {dropped}; truncated: {stats['truncated']:,}.", ""]
+    lines = [
+        "## Data",
+        "",
+        f"{stats['rows_in']:,} {unit} in: {stats['train_rows']:,} train, {stats['eval_rows']:,} eval; "
+        f"dropped: {dropped}; truncated: {stats['truncated']:,}.",
+        "",
+    ]
     sources = stats.get("sources", [])
     if len(sources) > 1:
-        lines += ["| source | rows in | weight | train rows | share of train | eval rows |", "|---|---|---|---|---|---|",
-                  *[f"| {s['name']} | {s['rows_in']:,} | {s['weight']:g} | {s['train_rows']:,} "
-                    f"| {100 * s['train_rows'] / max(stats['train_rows'], 1):.1f}% | {s['eval_rows']:,} |" for s in sources], ""]
+        lines += [
+            "| source | rows in | weight | train rows | share of train | eval rows |",
+            "|---|---|---|---|---|---|",
+            *[
+                f"| {s['name']} | {s['rows_in']:,} | {s['weight']:g} | {s['train_rows']:,} "
+                f"| {100 * s['train_rows'] / max(stats['train_rows'], 1):.1f}% | {s['eval_rows']:,} |"
+                for s in sources
+            ],
+            "",
+        ]
     return lines
 
 
 def _parity_section(parity: dict) -> list[str]:
     return [
-        "## Parity", "",
+        "## Parity",
+        "",
         f"The trained model's logits on {parity['rows']} eval rows ({parity['tokens']} tokens), "
-        f"computed by JAX and by PyTorch eager from the same {parity['dtype']} weights:", "",
-        "| max abs logit diff | max abs logit | top-1 agreement |", "|---|---|---|",
-        f"| {parity['max_abs_diff']:.2e} | {parity['max_abs_logit']:.2f} | {100 * parity['top1_agreement']:.1f}% |", "",
+        f"computed by JAX and by PyTorch eager from the same {parity['dtype']} weights:",
+        "",
+        "| max abs logit diff | max abs logit | top-1 agreement |",
+        "|---|---|---|",
+        f"| {parity['max_abs_diff']:.2e} | {parity['max_abs_logit']:.2f} | {100 * parity['top1_agreement']:.1f}% |",
+        "",
     ]
 
 
@@ -226,8 +342,9 @@ def report(section: dict, inputs: dict[str, ArtifactRef], store_root: str) -> Ar
     def build(folder: Path) -> None:
         if rl_report.is_rl(inputs):  # GRPO: rewards, not losses
             summary = rl_report.summarize(inputs)
-            plot_rewards(_log(inputs["train"]), summary["reward"]["before"], summary["reward"]["after"],
-                         folder / "loss.png")
+            plot_rewards(
+                _log(inputs["train"]), summary["reward"]["before"], summary["reward"]["after"], folder / "loss.png"
+            )
             (folder / "report.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
             (folder / "report.md").write_text(rl_report.render_markdown(summary, "loss.png"))
             (folder / "examples.json").write_text("[]")
@@ -251,10 +368,16 @@ def publish_report(report_ref: ArtifactRef) -> None:
     png = base64.b64encode(report_ref.file("loss.png").read_bytes()).decode()
     examples = report_ref.read_json("examples.json")
     if summary.get("objective") == "grpo":
-        create_markdown_artifact(key=ui.artifact_key("report"), description=f"report {report_ref.key}",
-                                 markdown=rl_report.render_markdown(summary, f"data:image/png;base64,{png}"))
-        create_table_artifact(key=ui.artifact_key("metrics"), table=rl_report.metric_rows(summary),
-                              description="before vs after fine-tuning")
+        create_markdown_artifact(
+            key=ui.artifact_key("report"),
+            description=f"report {report_ref.key}",
+            markdown=rl_report.render_markdown(summary, f"data:image/png;base64,{png}"),
+        )
+        create_table_artifact(
+            key=ui.artifact_key("metrics"),
+            table=rl_report.metric_rows(summary),
+            description="before vs after fine-tuning",
+        )
         return
     create_markdown_artifact(
         key=ui.artifact_key("report"),
@@ -268,6 +391,10 @@ def publish_report(report_ref: ArtifactRef) -> None:
     ]
     if "preference" in summary:
         p = summary["preference"]
-        rows = [{"metric": f"preference accuracy ({p['objective']})", **p["accuracy"]},
-                {"metric": "reward margin", **p["margin"]}, {"metric": f"{p['objective']} loss", **p["loss"]}, *rows]
+        rows = [
+            {"metric": f"preference accuracy ({p['objective']})", **p["accuracy"]},
+            {"metric": "reward margin", **p["margin"]},
+            {"metric": f"{p['objective']} loss", **p["loss"]},
+            *rows,
+        ]
     create_table_artifact(key=ui.artifact_key("metrics"), table=rows, description="before vs after fine-tuning")

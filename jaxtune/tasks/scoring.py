@@ -17,8 +17,10 @@ from jaxtune.rewards import Rewards
 def reward_rows(table, split: str) -> list[dict]:
     """Every row of a prompt_answer token table as a reward sees it."""
     answers, prompts, categories = (table.column(name) for name in ("response", "prompt_text", "category"))
-    return [{"answer": a, "prompt": p, "category": c, "where": f"{split} row {i}"}
-            for i, (a, p, c) in enumerate(zip(answers, prompts, categories))]
+    return [
+        {"answer": a, "prompt": p, "category": c, "where": f"{split} row {i}"}
+        for i, (a, p, c) in enumerate(zip(answers, prompts, categories))
+    ]
 
 
 def scorer(rewards: Rewards, tokenizer, rows: list[dict]):
@@ -32,8 +34,15 @@ def scorer(rewards: Rewards, tokenizer, rows: list[dict]):
     return score
 
 
-def greedy_scores(model, tokenizer, prompts: Sequence[Sequence[int]], rows: list[dict], rewards: Rewards,
-                  batch_size: int, max_new_tokens: int) -> tuple[list[str], np.ndarray]:
+def greedy_scores(
+    model,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    rows: list[dict],
+    rewards: Rewards,
+    batch_size: int,
+    max_new_tokens: int,
+) -> tuple[list[str], np.ndarray]:
     """Each prompt's greedy answer (text) and its scores (n, rewards)."""
     from jaxtune.data.templates import stop_ids
     from jaxtune.data.tokenize import pad_id_of
@@ -52,6 +61,9 @@ def summary(rewards: Rewards, scores: np.ndarray, categories: Sequence[str]) -> 
     for category in sorted(set(categories)):
         chosen = np.asarray([c == category for c in categories])
         per_category[category] = {"reward": round(float(total[chosen].mean()), 6), "prompts": int(chosen.sum())}
-    return {"reward": round(float(total.mean()), 6) if len(total) else 0.0,
-            "rewards": {name: round(float(scores[:, i].mean()), 6) for i, name in enumerate(rewards.names)},
-            "prompts": len(total), "per_category": per_category}
+    return {
+        "reward": round(float(total.mean()), 6) if len(total) else 0.0,
+        "rewards": {name: round(float(scores[:, i].mean()), 6) for i, name in enumerate(rewards.names)},
+        "prompts": len(total),
+        "per_category": per_category,
+    }

@@ -121,15 +121,21 @@ def check_earlier_recipe(recipe: str) -> None:
     from jaxtune.config import load_config
 
     if not Path(recipe).expanduser().is_file():
-        raise ModelNotFoundError(f"model.name {recipe!r}: no such recipe file (an earlier run's recipe, whose "
-                                 "exported model this run starts from)")
+        raise ModelNotFoundError(
+            f"model.name {recipe!r}: no such recipe file (an earlier run's recipe, whose "
+            "exported model this run starts from)"
+        )
     earlier = load_config(recipe)
     if earlier.train.method == "lora" and not earlier.export.merge:
-        raise ConfigError(f"model.name {recipe!r}: that recipe exports a LoRA adapter alone; set export.merge: true in "
-                          "it, so that its run also exports the merged model this run starts from")
+        raise ConfigError(
+            f"model.name {recipe!r}: that recipe exports a LoRA adapter alone; set export.merge: true in "
+            "it, so that its run also exports the merged model this run starts from"
+        )
     if names_recipe(earlier.model.name):
-        raise ConfigError(f"model.name {recipe!r}: that recipe starts from another recipe ({earlier.model.name}); "
-                          "name the model it exports instead (its export/<key>/merged folder)")
+        raise ConfigError(
+            f"model.name {recipe!r}: that recipe starts from another recipe ({earlier.model.name}); "
+            "name the model it exports instead (its export/<key>/merged folder)"
+        )
 
 
 def _how_to_place(path: Path) -> str:
@@ -145,8 +151,9 @@ def _how_to_place(path: Path) -> str:
 
 def _looks_like_path(name: str) -> bool:
     """A name no hub id can be; 'owner/name' is a hub id unless it exists locally."""
-    return (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1
-            or name.lower().endswith(PATH_SUFFIXES))
+    return (
+        name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.lower().endswith(PATH_SUFFIXES)
+    )
 
 
 def check_model_folder(folder: Path) -> None:
@@ -169,12 +176,16 @@ def check_model_folder(folder: Path) -> None:
     model_type, architectures = config.get("model_type"), config.get("architectures") or []
     # BERT is in the mapping too (as a decoder), so the class the checkpoint was saved as decides.
     causal_classes = set(CAUSAL_LMS.values())
-    saved_as_causal = not architectures or any(a in causal_classes or str(a).endswith("ForCausalLM") for a in architectures)
+    saved_as_causal = not architectures or any(
+        a in causal_classes or str(a).endswith("ForCausalLM") for a in architectures
+    )
     if model_type in CAUSAL_LMS and saved_as_causal:
         return
     saved_as = f" ({', '.join(map(str, architectures))})" if architectures else ""
-    raise ModelError(f"{folder}: model_type {model_type!r}{saved_as} is not a causal LM; jaxtune fine-tunes "
-                     "AutoModelForCausalLM models such as llama, gemma3, qwen3")
+    raise ModelError(
+        f"{folder}: model_type {model_type!r}{saved_as} is not a causal LM; jaxtune fine-tunes "
+        "AutoModelForCausalLM models such as llama, gemma3, qwen3"
+    )
 
 
 def check_gguf_header(path: Path) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore, artifact_key
 from jaxtune.artifacts.code import code_identity
 from jaxtune.artifacts.locks import StoreLocks
+from jaxtune.host import processes
 
 
 def input_keys(inputs: Mapping[str, ArtifactRef | None]) -> dict[str, str]:
@@ -107,11 +107,18 @@ def _logging_progress(build: Callable[[Path], None]) -> Callable[[Path], None]:
     def logged(folder: Path) -> None:
         with progress_in_run_log():
             build(folder)
+
     return logged
 
 
-def built_outside_flow(store_root: str | Path, stage: str, module: str, section: BaseModel | Mapping[str, Any],
-                       inputs: Mapping[str, ArtifactRef], run: Callable[[], ArtifactRef]) -> ArtifactRef:
+def built_outside_flow(
+    store_root: str | Path,
+    stage: str,
+    module: str,
+    section: BaseModel | Mapping[str, Any],
+    inputs: Mapping[str, ArtifactRef],
+    run: Callable[[], ArtifactRef],
+) -> ArtifactRef:
     """`run()` (a stage's function, which builds its artifact unless the store has it) called by
     a command outside any flow (doctor, chat), under the store lock a flow run takes for the same
     stage and key: processes sharing a store build it once and never read a half-renamed folder."""

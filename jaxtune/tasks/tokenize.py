@@ -14,7 +14,10 @@ from jaxtune.tasks.sources import data_input, open_tokenizer
 from jaxtune.tasks.stage import build_artifact
 
 STAGE = "tokenize"
-_NOT_KEYED = {"packing": DataConfig().packing, "num_proc": None}  # change how batches are made or how fast, not the tokens
+_NOT_KEYED = {
+    "packing": DataConfig().packing,
+    "num_proc": None,
+}  # change how batches are made or how fast, not the tokens
 
 
 class TokenizeSection(Section):
@@ -27,23 +30,32 @@ class TokenizeSection(Section):
         """The key hashes each source's content through the stage's inputs; of its name it keeps only
         what lands in the tables (the `source` column): a file's name, not where it lies."""
         if data.sources:
-            named = {"sources": tuple(src.model_copy(update={"source": src.label, "name": None}) for src in data.sources)}
+            named = {
+                "sources": tuple(src.model_copy(update={"source": src.label, "name": None}) for src in data.sources)
+            }
         else:
             named = {"source": data.mixture()[0].label}
-        return cls(data=data.model_copy(update={**_NOT_KEYED, **named}), chat_template=model.chat_template,
-                   trust_remote_code=model.trust_remote_code)
+        return cls(
+            data=data.model_copy(update={**_NOT_KEYED, **named}),
+            chat_template=model.chat_template,
+            trust_remote_code=model.trust_remote_code,
+        )
 
 
 @task(name=STAGE, result_serializer="json")
-def tokenize(section: TokenizeSection, inputs: dict[str, ArtifactRef], store_root: str, num_proc: int | None = None) -> ArtifactRef:
+def tokenize(
+    section: TokenizeSection, inputs: dict[str, ArtifactRef], store_root: str, num_proc: int | None = None
+) -> ArtifactRef:
     """inputs: `data` (and `data_2`, ... for a mixture: the rows' sources) and `model` (whose
     tokenizer and chat template are used). `num_proc` processes normalize and tokenize."""
 
     def build(folder: Path) -> None:
         from jaxtune.data.templates import require_chat_template
 
-        tokenizer = open_tokenizer(inputs["model"], ModelConfig(chat_template=section.chat_template,
-                                                                trust_remote_code=section.trust_remote_code))
+        tokenizer = open_tokenizer(
+            inputs["model"],
+            ModelConfig(chat_template=section.chat_template, trust_remote_code=section.trust_remote_code),
+        )
         require_chat_template(tokenizer, inputs["model"].path)
         sources = [(src, inputs[data_input(i)].path) for i, src in enumerate(section.data.mixture())]
         cfg = section.data.model_copy(update={"num_proc": num_proc})
@@ -53,11 +65,18 @@ def tokenize(section: TokenizeSection, inputs: dict[str, ArtifactRef], store_roo
         (folder / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
         logger = get_run_logger()
         logger.info(
-            "%d rows in: %d train, %d eval, dropped %s, truncated %d", stats["rows_in"], stats["train_rows"],
-            stats["eval_rows"], {k: v for k, v in stats["dropped"].items() if v}, stats["truncated"],
+            "%d rows in: %d train, %d eval, dropped %s, truncated %d",
+            stats["rows_in"],
+            stats["train_rows"],
+            stats["eval_rows"],
+            {k: v for k, v in stats["dropped"].items() if v},
+            stats["truncated"],
         )
         if len(stats["sources"]) > 1:
             for src in stats["sources"]:
-                logger.info("source %(name)s: %(rows_in)d rows in, %(train_rows)d train (weight %(weight)g), %(eval_rows)d eval", src)
+                logger.info(
+                    "source %(name)s: %(rows_in)d rows in, %(train_rows)d train (weight %(weight)g), %(eval_rows)d eval",
+                    src,
+                )
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)

@@ -8,17 +8,26 @@ import shutil
 from pathlib import Path
 
 import yaml
-
 from prefect import get_run_logger, task
 
-from jaxtune.tracking import ui
-from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactRef, ArtifactStore
-from jaxtune.config import (LoraConfig, MeshConfig, ModelConfig, PreferenceConfig, RLConfig, Section, TrackingConfig,
-                            TrainConfig, without_credentials)
+from jaxtune.config import (
+    LoraConfig,
+    MeshConfig,
+    ModelConfig,
+    PreferenceConfig,
+    RLConfig,
+    Section,
+    TrackingConfig,
+    TrainConfig,
+    without_credentials,
+)
 from jaxtune.errors import first_line
+from jaxtune.host import processes
+from jaxtune.records import TrainSummary
 from jaxtune.tasks.sources import pretrained_location
 from jaxtune.tasks.stage import build_artifact, input_keys, stage_key
+from jaxtune.tracking import ui
 
 STAGE = "train"
 
@@ -34,8 +43,14 @@ class TrainSection(Section):
 
 
 @task(name=STAGE, result_serializer="json")
-def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str, mesh: MeshConfig,
-          restart: bool = False, tracking: TrackingConfig = TrackingConfig()) -> ArtifactRef:
+def train(
+    section: TrainSection,
+    inputs: dict[str, ArtifactRef],
+    store_root: str,
+    mesh: MeshConfig,
+    restart: bool = False,
+    tracking: TrackingConfig = TrackingConfig(),
+) -> ArtifactRef:
     """inputs: `model` (base weights and tokenizer), `data` (the tokenize artifact) and, for DPO,
     `reference` (the reference stage's log-probabilities). GRPO samples answers to the train
     split's prompts and scores them with `rl.rewards` (`_train_grpo`).
@@ -51,21 +66,28 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
 
     def build(folder: Path) -> None:
         from jaxtune.data.token_table import TokenTable
+        from jaxtune.runtime.compiled.preference import objective_of
+        from jaxtune.runtime.devices.mesh import make_placement
         from jaxtune.runtime.modeling import model as rt_model
         from jaxtune.runtime.train import training
-        from jaxtune.runtime.devices.mesh import make_placement
-        from jaxtune.runtime.compiled.preference import objective_of
         from jaxtune.tasks.reference import read_reference
         from jaxtune.tasks.trained import held_base
 
         name, revision = pretrained_location(inputs["model"])
         pad_id = inputs["data"].read_json("stats.json")["pad_id"]
-        model = rt_model.open_model(name, revision, section.model, make_placement(mesh), lora=section.lora,
-                                    train_all=section.lora is None, base=held_base(inputs))
+        model = rt_model.open_model(
+            name,
+            revision,
+            section.model,
+            make_placement(mesh),
+            lora=section.lora,
+            train_all=section.lora is None,
+            base=held_base(inputs),
+        )
         _require_space(model, section, checkpoints, folder)
         rows = TokenTable(inputs["data"].file("train.arrow"))  # memory-mapped: rows are read as batches take them
         if section.rl is not None:
-            result = _train_grpo(model, rows, section, inputs, folder, checkpoints, pad_id, tracking)
+            result = _train_grpo(model, rows, section, inputs, folder, checkpoints, pad_id, tracking, restart)
             _write(folder, result, section, name)
             return
         evals = TokenTable(inputs["data"].file("eval.arrow"))
@@ -76,10 +98,22 @@ def train(section: TrainSection, inputs: dict[str, ArtifactRef], store_root: str
         if inputs.get("reference") is not None:
             reference = (read_reference(inputs["reference"], "train"), read_reference(inputs["reference"], "eval"))
         try:
-            result = training.train(model, rows.input_ids, rows.labels, section.train, pad_id,
-                                    rows.longest, log, eval_data=(evals.input_ids, evals.labels),
-                                    checkpoint_dir=checkpoints, packing=section.packing, feed=feed, restart=restart,
-                                    objective=objective, reference=reference)
+            result = training.train(
+                model,
+                rows.input_ids,
+                rows.labels,
+                section.train,
+                pad_id,
+                rows.longest,
+                log,
+                eval_data=(evals.input_ids, evals.labels),
+                checkpoint_dir=checkpoints,
+                packing=section.packing,
+                feed=feed,
+                restart=restart,
+                objective=objective,
+                reference=reference,
+            )
             log.finish(result.summary)
         finally:
             log.close()
@@ -100,16 +134,28 @@ def _write(folder: Path, result, section: TrainSection, base_model: str) -> None
 
     rt_model.save_weights(result.weights, folder / "params.safetensors")
     save_file(tree_to_arrays(result.opt_state), str(folder / "optimizer.safetensors"))
-    (folder / "summary.json").write_text(json.dumps(result.summary, indent=2))
+    result.summary.write(folder / "summary.json")
     (folder / "memory.json").write_text(json.dumps(result.memory, indent=2))
-    method = {"method": section.train.method, "objective": section.train.objective,
-              "lora": section.lora.model_dump(mode="json") if section.lora else None,
-              "base_model": base_model}  # what `jaxtune chat` opens the weights on; the key hashes the model by content
+    method = {
+        "method": section.train.method,
+        "objective": section.train.objective,
+        "lora": section.lora.model_dump(mode="json") if section.lora else None,
+        "base_model": base_model,
+    }  # what `jaxtune chat` opens the weights on; the key hashes the model by content
     (folder / "method.json").write_text(json.dumps(method, indent=2))
 
 
-def _train_grpo(model, rows, section: TrainSection, inputs: dict, folder: Path, checkpoints: Path, pad_id: int,
-                tracking: TrackingConfig):
+def _train_grpo(
+    model,
+    rows,
+    section: TrainSection,
+    inputs: dict,
+    folder: Path,
+    checkpoints: Path,
+    pad_id: int,
+    tracking: TrackingConfig,
+    restart: bool,
+):
     """GRPO on the train split's prompts, scored by `rl.rewards` (`rollouts.train_grpo`)."""
     from jaxtune.data.templates import stop_ids
     from jaxtune.rewards import load_rewards
@@ -123,8 +169,19 @@ def _train_grpo(model, rows, section: TrainSection, inputs: dict, folder: Path, 
     eos = stop_ids(tokenizer, getattr(model.module, "generation_config", None))
     log = TrainLog(folder / "log.jsonl", section.train.max_steps, section, tracking)
     try:
-        result = rollouts.train_grpo(model, rows.input_ids, score, rewards.names, section.train, section.rl, pad_id,
-                                     eos, log, checkpoint_dir=checkpoints)
+        result = rollouts.train_grpo(
+            model,
+            rows.input_ids,
+            score,
+            rewards.names,
+            section.train,
+            section.rl,
+            pad_id,
+            eos,
+            log,
+            checkpoint_dir=checkpoints,
+            restart=restart,
+        )
         log.finish(result.summary)
     finally:
         log.close()
@@ -137,13 +194,18 @@ def _require_space(model, section: TrainSection, checkpoints: Path, folder: Path
     import jax
 
     from jaxtune.artifacts.space import require_free
-    from jaxtune.runtime.train import checkpoint
     from jaxtune.runtime.compiled import steps
     from jaxtune.runtime.measures.memory import tree_bytes
+    from jaxtune.runtime.train import checkpoint
 
-    state = tree_bytes(model.weights) + tree_bytes(jax.eval_shape(steps.make_optimizer(section.train).init, model.weights))
-    copies = 1 if section.train.max_steps is not None and section.train.checkpoint_every >= section.train.max_steps \
+    state = tree_bytes(model.weights) + tree_bytes(
+        jax.eval_shape(steps.make_optimizer(section.train).init, model.weights)
+    )
+    copies = (
+        1
+        if section.train.max_steps is not None and section.train.checkpoint_every >= section.train.max_steps
         else checkpoint.KEEP + 1
+    )
     what = f"its artifact{f' and {copies - 1} checkpoints' if copies > 1 else ''} ({state / 1e6:.1f} MB each)"
     require_free(checkpoints if copies > 1 else folder, copies * state, what)
 
@@ -165,8 +227,9 @@ class TrainLog:
         self.progress = self.live = self.tensorboard = None
         self.live_at_evals = section.train.eval_every is not None
         if processes.writes():
-            self.progress = create_progress_artifact(0.0, key=ui.artifact_key("train-progress"),
-                                                     description=f"training, {total_steps} steps")
+            self.progress = create_progress_artifact(
+                0.0, key=ui.artifact_key("train-progress"), description=f"training, {total_steps} steps"
+            )
             self.live = LiveCurve(total_steps)
             if tracking.tensorboard:
                 text = without_credentials(yaml.safe_dump(section.model_dump(mode="json"), sort_keys=False))
@@ -192,10 +255,16 @@ class TrainLog:
             self.logger.info("step %(step)d eval loss %(eval_loss).4f", last)
         elif "loss" in last:
             if "reward" in last:  # GRPO: what its sampled answers scored
-                self.logger.info("step %(step)d reward %(reward).3f loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f "
-                                 "answer length %(completion_length).1f", last)
+                self.logger.info(
+                    "step %(step)d reward %(reward).3f loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f "
+                    "answer length %(completion_length).1f",
+                    last,
+                )
             else:
-                self.logger.info("step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f", last)
+                self.logger.info(
+                    "step %(step)d loss %(loss).4f lr %(lr).2e grad_norm %(grad_norm).3f tok/s %(tokens_per_second).0f",
+                    last,
+                )
             if self.progress is not None:
                 update_progress_artifact(self.progress, 100.0 * last["step"] / self.total)
         if self.live is not None and last:
@@ -210,9 +279,9 @@ class TrainLog:
         except Exception as error:  # noqa: BLE001 - the UI's copy must not stop the run
             self.logger.warning("the live training curve could not be published: %s", first_line(error))
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, summary: TrainSummary) -> None:
         if self.tensorboard is not None:
-            self.tensorboard.finish(summary, self.total)
+            self.tensorboard.finish(summary.model_dump(exclude_unset=True), self.total)
 
     def close(self) -> None:
         self.file.close()

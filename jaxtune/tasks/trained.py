@@ -28,7 +28,9 @@ def open_trained_model(inputs: dict[str, ArtifactRef | None], model_cfg: ModelCo
     _, lora = method_of(train_ref)
     name, revision = pretrained_location(inputs["model"])
     trained = train_ref.file("params.safetensors") if train_ref is not None else None
-    return open_model(name, revision, model_cfg, make_placement(mesh), lora=lora, trained=trained, base=held_base(inputs))
+    return open_model(
+        name, revision, model_cfg, make_placement(mesh), lora=lora, trained=trained, base=held_base(inputs)
+    )
 
 
 def held_base(inputs: dict[str, ArtifactRef | None]) -> tuple[dict, dict[str, str]] | None:

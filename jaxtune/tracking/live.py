@@ -30,10 +30,16 @@ class LiveCurve:
         step = self.records[-1]["step"] if self.records else 0
         png = base64.b64encode(live_curve_png(self.records, self.total)).decode()
         where = f"step {step} of {self.total}"
-        create_markdown_artifact(key=ui.artifact_key(CURVE), description=f"training curve, {where}",
-                                 markdown=f"### Training, {where}\n\n![training curve](data:image/png;base64,{png})\n")
-        create_table_artifact(key=ui.artifact_key(LATEST), table=[latest_figures(self.records)],
-                              description=f"latest training figures, {where}")
+        create_markdown_artifact(
+            key=ui.artifact_key(CURVE),
+            description=f"training curve, {where}",
+            markdown=f"### Training, {where}\n\n![training curve](data:image/png;base64,{png})\n",
+        )
+        create_table_artifact(
+            key=ui.artifact_key(LATEST),
+            table=[latest_figures(self.records)],
+            description=f"latest training figures, {where}",
+        )
 
 
 def latest_figures(records: list[dict]) -> dict:
@@ -42,4 +48,3 @@ def latest_figures(records: list[dict]) -> dict:
     for record in records:  # in step order: later values win
         figures.update({name: record[name] for name in FIGURES + RL_FIGURES if record.get(name) is not None})
     return figures
-

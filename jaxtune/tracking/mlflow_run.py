@@ -19,8 +19,8 @@ from pathlib import Path
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import JaxtuneConfig, without_credentials
-from jaxtune.host.environment import temporary_environment
 from jaxtune.errors import first_line
+from jaxtune.host.environment import temporary_environment
 
 KEY_TAG = "jaxtune.run_key"
 CHECK_SECONDS = 3.0  # the reachability check before anything is logged
@@ -29,11 +29,21 @@ CHECK_SECONDS = 3.0  # the reachability check before anything is logged
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 # Whatever the user set: the client prints the run's address to stdout, credentials and all.
 CLIENT_SETTINGS = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
-STEP_METRICS = {"loss": "loss", "eval_loss": "eval_loss", "lr": "learning_rate", "grad_norm": "grad_norm",
-                "tokens_per_second": "tokens_per_second", "mfu": "mfu",
-                # GRPO: the step's sampled answers (and each reward's mean, `reward/NAME`)
-                "reward": "reward", "reward_std": "reward_std", "kl": "kl", "clip_fraction": "clip_fraction",
-                "completion_length": "completion_length", "truncated": "truncated"}
+STEP_METRICS = {
+    "loss": "loss",
+    "eval_loss": "eval_loss",
+    "lr": "learning_rate",
+    "grad_norm": "grad_norm",
+    "tokens_per_second": "tokens_per_second",
+    "mfu": "mfu",
+    # GRPO: the step's sampled answers (and each reward's mean, `reward/NAME`)
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "kl": "kl",
+    "clip_fraction": "clip_fraction",
+    "completion_length": "completion_length",
+    "truncated": "truncated",
+}
 REPORT_FILES = ("report.md", "report.json", "loss.png")
 
 
@@ -51,8 +61,11 @@ def log_run(config: JaxtuneConfig, done: Mapping[str, ArtifactRef], states: Mapp
         return None
     problem = unreachable(uri)
     if problem is not None:
-        logger.warning("MLflow: not logged: the tracking server %s cannot be reached (%s); the run is complete without it",
-                       shown, problem)
+        logger.warning(
+            "MLflow: not logged: the tracking server %s cannot be reached (%s); the run is complete without it",
+            shown,
+            problem,
+        )
         return None
     try:
         with _client_settings():
@@ -64,8 +77,9 @@ def log_run(config: JaxtuneConfig, done: Mapping[str, ArtifactRef], states: Mapp
 
 def _client_settings():
     """MLflow's client settings while it logs: `HTTP_DEFAULTS` where the user set none, `CLIENT_SETTINGS` always."""
-    return temporary_environment({**HTTP_DEFAULTS, **{k: os.environ[k] for k in HTTP_DEFAULTS if k in os.environ},
-                                  **CLIENT_SETTINGS})
+    return temporary_environment(
+        {**HTTP_DEFAULTS, **{k: os.environ[k] for k in HTTP_DEFAULTS if k in os.environ}, **CLIENT_SETTINGS}
+    )
 
 
 def unreachable(uri: str) -> str | None:
@@ -92,8 +106,12 @@ def _log(uri: str, config: JaxtuneConfig, done: Mapping[str, ArtifactRef], state
     run_key = f"{list(done)[-1]}/{list(done.values())[-1].key}"
     found = client.search_runs([experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{run_key}'", max_results=1)
     if found:
-        logger.info("MLflow: run %s (experiment %s) already holds these stages (%s): nothing new logged",
-                    found[0].info.run_id, name, run_key)
+        logger.info(
+            "MLflow: run %s (experiment %s) already holds these stages (%s): nothing new logged",
+            found[0].info.run_id,
+            name,
+            run_key,
+        )
         return found[0].info.run_id
     run = client.create_run(experiment_id, run_name=_prefect_run_name(), tags=tags(done, states, run_key))
     run_id = run.info.run_id
@@ -104,9 +122,16 @@ def _log(uri: str, config: JaxtuneConfig, done: Mapping[str, ArtifactRef], state
         client.log_batch(run_id, metrics=chunk)
     logged = _log_files(client, run_id, done)
     client.set_terminated(run_id)
-    logger.info("MLflow: logged run %s (%s/#/experiments/%s/runs/%s): %d params, %d metric values, %s",
-                run_id, without_credentials(uri).rstrip("/"), experiment_id, run_id, len(params), len(metrics),
-                ", ".join(logged) or "no files")
+    logger.info(
+        "MLflow: logged run %s (%s/#/experiments/%s/runs/%s): %d params, %d metric values, %s",
+        run_id,
+        without_credentials(uri).rstrip("/"),
+        experiment_id,
+        run_id,
+        len(params),
+        len(metrics),
+        ", ".join(logged) or "no files",
+    )
     return run_id
 
 
@@ -114,8 +139,11 @@ def tags(done: Mapping[str, ArtifactRef], states: Mapping[str, str], run_key: st
     """Every stage's key and state, this run's key, and the Prefect flow run (id and page)."""
     from prefect.runtime import flow_run
 
-    found = {KEY_TAG: run_key, **{f"jaxtune.key.{stage}": ref.key for stage, ref in done.items()},
-             **{f"jaxtune.state.{stage}": state for stage, state in states.items()}}
+    found = {
+        KEY_TAG: run_key,
+        **{f"jaxtune.key.{stage}": ref.key for stage, ref in done.items()},
+        **{f"jaxtune.state.{stage}": state for stage, state in states.items()},
+    }
     if flow_run.id is not None:
         found["prefect.flow_run_id"] = str(flow_run.id)
         url = flow_run.ui_url
@@ -148,20 +176,34 @@ def run_metrics(done: Mapping[str, ArtifactRef]) -> list:
     metrics = []
     if "train" in done:
         for record in (json.loads(line) for line in done["train"].file("log.jsonl").read_text().splitlines()):
-            metrics += [Metric(name, float(record[field]), now, record["step"])
-                        for field, name in STEP_METRICS.items() if record.get(field) is not None]
-            metrics += [Metric(_metric_name(field), float(value), now, record["step"])
-                        for field, value in record.items() if field.startswith("reward/")]
+            metrics += [
+                Metric(name, float(record[field]), now, record["step"])
+                for field, name in STEP_METRICS.items()
+                if record.get(field) is not None
+            ]
+            metrics += [
+                Metric(_metric_name(field), float(value), now, record["step"])
+                for field, value in record.items()
+                if field.startswith("reward/")
+            ]
         summary = done["train"].read_json("summary.json")
-        metrics += [Metric(f"train_{k}", float(v), now, summary["steps"]) for k, v in summary.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        metrics += [
+            Metric(f"train_{k}", float(v), now, summary["steps"])
+            for k, v in summary.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
     for stage in ("baseline_eval", "final_eval"):
         if stage in done:
             figures = done[stage].read_json("metrics.json")  # a GRPO eval has rewards, no loss
-            metrics += [Metric(f"{stage}_{k}", float(figures[k]), now, 0) for k in ("loss", "perplexity", "reward")
-                        if k in figures]
-            metrics += [Metric(_metric_name(f"{stage}_reward/{name}"), float(value), now, 0)
-                        for name, value in figures.get("rewards", {}).items()]
+            metrics += [
+                Metric(f"{stage}_{k}", float(figures[k]), now, 0)
+                for k in ("loss", "perplexity", "reward")
+                if k in figures
+            ]
+            metrics += [
+                Metric(_metric_name(f"{stage}_reward/{name}"), float(value), now, 0)
+                for name, value in figures.get("rewards", {}).items()
+            ]
     if "generate" in done:
         exact = done["generate"].read_json("metrics.json")["exact_match"]
         metrics += [Metric(f"exact_match_{when}", float(exact[when]), now, 0) for when in ("before", "after")]
@@ -196,4 +238,4 @@ def _prefect_run_name() -> str | None:
 
 def _chunks(items: list, size: int) -> Iterator[list]:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]

@@ -60,15 +60,24 @@ def test_the_next_writer_of_a_key_removes_its_dead_writers_temp_folders_and_spar
     the next run writing that key, under the stage's lock, removes it."""
     store = ArtifactStore(tmp_path / "store")
     key, other = "feedfacefeedfaceface", "0123456789abcdef0123"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
     stage = store.root / "train"
-    leftovers = {name: stage / name for name in (f".tmp-{key}-{dead_pid}-0a0b0c0d", f".tmp-{key}-{os.getpid()}-1a1b1c1d",
-                                                 f".tmp-{other}-{dead_pid}-2a2b2c2d")}
+    leftovers = {
+        name: stage / name
+        for name in (
+            f".tmp-{key}-{dead_pid}-0a0b0c0d",
+            f".tmp-{key}-{os.getpid()}-1a1b1c1d",
+            f".tmp-{other}-{dead_pid}-2a2b2c2d",
+        )
+    }
     for folder in leftovers.values():
         (folder / "partial").mkdir(parents=True)
     with store.writing("train", key, inputs={"data": "d"}, config={"steps": 1}, code={"digest": "1"}) as folder:
         (folder / "weights.safetensors").write_bytes(b"x" * 16)
     assert store.verify("train", key)
-    assert sorted(p.name for p in stage.iterdir()) == sorted([key, f".tmp-{key}-{os.getpid()}-1a1b1c1d",
-                                                              f".tmp-{other}-{dead_pid}-2a2b2c2d"])
+    assert sorted(p.name for p in stage.iterdir()) == sorted(
+        [key, f".tmp-{key}-{os.getpid()}-1a1b1c1d", f".tmp-{other}-{dead_pid}-2a2b2c2d"]
+    )

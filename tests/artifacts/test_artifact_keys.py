@@ -30,10 +30,7 @@ def test_key_is_deterministic_hex_of_fixed_length():
 
 def test_key_is_sha256_prefix_of_canonical_payload():
     payload = {"stage": BASE["stage"], "code": "3", "config": BASE["config"], "inputs": BASE["inputs"]}
-    text = (
-        '{"code":"3","config":{"max_length":512,"seed":0},'
-        '"inputs":{"data":"abc","model":"def"},"stage":"tokenize"}'
-    )
+    text = '{"code":"3","config":{"max_length":512,"seed":0},"inputs":{"data":"abc","model":"def"},"stage":"tokenize"}'
     assert canonical_json(payload) == text
     assert artifact_key(**BASE) == hashlib.sha256(text.encode()).hexdigest()[:20]
 

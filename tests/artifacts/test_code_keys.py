@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.artifacts.code import LIBRARIES, code_digest, code_identity, library_versions, module_digests, source_digest
+from jaxtune.artifacts.code import (
+    LIBRARIES,
+    code_digest,
+    code_identity,
+    library_versions,
+    module_digests,
+    source_digest,
+)
 
 pytestmark = pytest.mark.cache
 
@@ -51,8 +58,16 @@ def test_a_string_that_is_not_a_docstring_counts():
 def test_a_stage_is_keyed_by_every_module_it_imports_and_only_those():
     train = code_identity("jaxtune.tasks.train")["modules"]
     # Imported inside functions (runtime), relatively (artifacts), and their packages' __init__.
-    for module in ("jaxtune.runtime.train.training", "jaxtune.runtime.compiled.steps", "jaxtune.runtime.modeling.remat", "jaxtune.runtime",
-                   "jaxtune.data.tokenize", "jaxtune.artifacts.keys", "jaxtune.artifacts.code", "jaxtune.config"):
+    for module in (
+        "jaxtune.runtime.train.training",
+        "jaxtune.runtime.compiled.steps",
+        "jaxtune.runtime.modeling.remat",
+        "jaxtune.runtime",
+        "jaxtune.data.tokenize",
+        "jaxtune.artifacts.keys",
+        "jaxtune.artifacts.code",
+        "jaxtune.config",
+    ):
         assert module in train, module
     tokenize = code_identity("jaxtune.tasks.tokenize")["modules"]
     assert "jaxtune.data.rows" in tokenize and not [m for m in tokenize if m.startswith("jaxtune.runtime")]
@@ -66,6 +81,7 @@ def test_library_versions_are_in_the_digest_and_the_manifest():
     assert set(identity["libraries"]) == set(LIBRARIES) >= {"torch", "torchax", "jax", "transformers", "peft"}
     assert identity["libraries"] == library_versions()
     import torch
+
     assert identity["libraries"]["torch"] == torch.__version__
     upgraded = {**identity["libraries"], "transformers": "99.0.0"}
     assert code_digest(identity["modules"], upgraded) != identity["digest"]
@@ -74,10 +90,18 @@ def test_library_versions_are_in_the_digest_and_the_manifest():
 
 def planned_keys_in(package_copy: Path) -> dict[str, str]:
     """The default config's stage keys as a fresh interpreter computes them from the package copy's source."""
-    script = ("import json, jaxtune; from jaxtune.flows.finetune import load_recipe, planned_keys; "
-              "print(json.dumps({'file': jaxtune.__file__, 'keys': planned_keys(load_recipe())}))")
-    out = subprocess.run([sys.executable, "-c", script], cwd=package_copy, env={**os.environ, "PYTHONPATH": str(package_copy)},
-                         capture_output=True, text=True, timeout=300)
+    script = (
+        "import json, jaxtune; from jaxtune.flows.finetune import load_recipe, planned_keys; "
+        "print(json.dumps({'file': jaxtune.__file__, 'keys': planned_keys(load_recipe())}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=package_copy,
+        env={**os.environ, "PYTHONPATH": str(package_copy)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert Path(result["file"]).is_relative_to(package_copy), result["file"]
@@ -103,15 +127,25 @@ def test_editing_the_training_loop_rekeys_train_and_downstream_only(tmp_path):
     here = planned_keys(load_recipe())
     moved = planned_keys_in(copy_with_edit(tmp_path, "same"))
     assert moved == here, "the package's location is not in any key"
-    commented = planned_keys_in(copy_with_edit(
-        tmp_path, "commented", "runtime/train/training.py",
-        '    """`max_steps`, or the optimizer steps in `epochs` passes over the feed\'s micro-batches."""',
-        '    """The optimizer steps to take: `max_steps`, else `epochs` passes\' worth."""  # reworded'))
+    commented = planned_keys_in(
+        copy_with_edit(
+            tmp_path,
+            "commented",
+            "runtime/train/training.py",
+            '    """`max_steps`, or the optimizer steps in `epochs` passes over the feed\'s micro-batches."""',
+            '    """The optimizer steps to take: `max_steps`, else `epochs` passes\' worth."""  # reworded',
+        )
+    )
     assert commented == here, "a docstring or comment is not code"
-    edited = planned_keys_in(copy_with_edit(
-        tmp_path, "edited", "runtime/train/training.py",
-        "return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 1)",
-        "return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 2)"))
+    edited = planned_keys_in(
+        copy_with_edit(
+            tmp_path,
+            "edited",
+            "runtime/train/training.py",
+            "return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 1)",
+            "return max(cfg.epochs * feed.micro_batches_per_epoch // cfg.grad_accumulation, 2)",
+        )
+    )
     changed = {stage for stage in here if edited[stage] != here[stage]}
     assert changed == AFTER_TRAIN, changed
 
@@ -120,7 +154,9 @@ def test_editing_the_tokenizer_code_rekeys_everything_after_the_model(tmp_path):
     from jaxtune.flows.finetune import load_recipe, planned_keys
 
     here = planned_keys(load_recipe())
-    edited = planned_keys_in(copy_with_edit(tmp_path, "edited", "data/tokenize.py", "IGNORE_INDEX = -100", "IGNORE_INDEX = -101"))
+    edited = planned_keys_in(
+        copy_with_edit(tmp_path, "edited", "data/tokenize.py", "IGNORE_INDEX = -100", "IGNORE_INDEX = -101")
+    )
     changed = {stage for stage in here if edited[stage] != here[stage]}
     # data.tokenize is read by tokenize and by the runtime (IGNORE_INDEX), not by the offline model's builders.
     assert changed == set(here) - {"build_tokenizer", "build_model"}, changed
@@ -128,7 +164,13 @@ def test_editing_the_tokenizer_code_rekeys_everything_after_the_model(tmp_path):
 
 def test_module_digests_follow_relative_imports():
     digests = module_digests("jaxtune.artifacts")
-    assert {"jaxtune", "jaxtune.artifacts", "jaxtune.artifacts.keys", "jaxtune.artifacts.ref", "jaxtune.artifacts.store"} <= set(digests)
+    assert {
+        "jaxtune",
+        "jaxtune.artifacts",
+        "jaxtune.artifacts.keys",
+        "jaxtune.artifacts.ref",
+        "jaxtune.artifacts.store",
+    } <= set(digests)
 
 
 def test_a_spurious_ast_recursion_error_is_parsed_again(monkeypatch):

@@ -34,13 +34,21 @@ def test_a_second_holder_waits_until_the_first_releases(tmp_path):
 
 def test_a_killed_holders_lock_is_free_at_once(tmp_path):
     """A run killed mid-stage (OOM, preemption) must not leave later runs waiting for ever."""
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from jaxtune.artifacts.locks import StoreLocks
         StoreLocks({str(tmp_path)!r}).acquire_lock({KEY!r}, "doomed")
         print("held", flush=True)
         time.sleep(600)
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         locks = StoreLocks(tmp_path)

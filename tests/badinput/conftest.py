@@ -80,7 +80,10 @@ def _console_logs_to(stream) -> None:
     """Point Prefect's console handlers, created by the first run in whatever stream was sys.stderr then, at `stream`."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
     for handler in {h for logger in loggers for h in logger.handlers if isinstance(h, PrefectConsoleHandler)}:
         handler.stream = handler.console.file = stream
 
@@ -117,8 +120,15 @@ def refused_before_the_flow(done: Outcome, status: int, message: str, *, prefix:
 
 def dolly_rows(n: int, words: int = 3) -> list[dict]:
     """`n` distinct Dolly rows whose responses have about `words` words."""
-    return [{"instruction": f"Question {i} about item {i % 7}?", "context": "",
-             "response": " ".join(f"answer{i}" for _ in range(words)), "category": "open_qa"} for i in range(n)]
+    return [
+        {
+            "instruction": f"Question {i} about item {i % 7}?",
+            "context": "",
+            "response": " ".join(f"answer{i}" for _ in range(words)),
+            "category": "open_qa",
+        }
+        for i in range(n)
+    ]
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

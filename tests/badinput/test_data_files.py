@@ -19,25 +19,37 @@ HINT = " (--debug shows the traceback)"
 
 def test_a_missing_file_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     missing = tmp_path / "nothere.jsonl"
-    refused_before_the_flow(jaxtune.run(f"--set=data.source={missing}"), 1,
-                            f"jaxtune: data.source {str(missing)!r}: no such file, and not a hub dataset id of the form 'owner/name'")
+    refused_before_the_flow(
+        jaxtune.run(f"--set=data.source={missing}"),
+        1,
+        f"jaxtune: data.source {str(missing)!r}: no such file, and not a hub dataset id of the form 'owner/name'",
+    )
     assert jaxtune.folders() == set()
 
 
 def test_an_empty_file_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     empty = tmp_path / "rows.jsonl"
     empty.write_text("")
-    refused_before_the_flow(jaxtune.run(f"--set=data.source={empty}"), 1, f"jaxtune: data.source {str(empty)!r}: file is empty")
+    refused_before_the_flow(
+        jaxtune.run(f"--set=data.source={empty}"), 1, f"jaxtune: data.source {str(empty)!r}: file is empty"
+    )
     assert jaxtune.folders() == set()
 
 
 def test_a_folder_or_a_file_of_another_type_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     text = tmp_path / "rows.txt"
     text.write_text("hello\n")
-    refused_before_the_flow(jaxtune.run(f"--set=data.source={text}"), 1,
-                            f"jaxtune: data.source {str(text)!r}: unsupported file type '.txt'; supported: .jsonl, .json, .parquet, .csv")
-    refused_before_the_flow(jaxtune.run(f"--set=data.source={tmp_path}"), 1,
-                            f"jaxtune: data.source {str(tmp_path)!r} is a folder", prefix=True)
+    refused_before_the_flow(
+        jaxtune.run(f"--set=data.source={text}"),
+        1,
+        f"jaxtune: data.source {str(text)!r}: unsupported file type '.txt'; supported: .jsonl, .json, .parquet, .csv",
+    )
+    refused_before_the_flow(
+        jaxtune.run(f"--set=data.source={tmp_path}"),
+        1,
+        f"jaxtune: data.source {str(tmp_path)!r} is a folder",
+        prefix=True,
+    )
     assert jaxtune.folders() == set()
 
 
@@ -46,7 +58,9 @@ def test_a_malformed_json_line_is_named_by_its_number(jaxtune, tmp_path):
     bad.write_text(bad.read_text() + '{"instruction": "x", "response": \n')
     done = jaxtune.run(f"--set=data.source={bad}")
     assert done.status == 1 and done.flow_started
-    assert done.last_line == f"jaxtune: build_tokenizer: {bad} line 5: not valid JSON (Expecting value at column 34){HINT}"
+    assert (
+        done.last_line == f"jaxtune: build_tokenizer: {bad} line 5: not valid JSON (Expecting value at column 34){HINT}"
+    )
     assert "Traceback" not in done.stderr
     assert jaxtune.folders() == set()
 
@@ -65,8 +79,10 @@ def test_a_missing_column_lists_the_columns_found(jaxtune, tmp_path):
     bad = write_jsonl(tmp_path / "rows.jsonl", rows)
     done = jaxtune.run(f"--set=data.source={bad}")
     assert done.status == 1
-    assert done.last_line == (f"jaxtune: build_tokenizer: {bad} line 1: missing column 'response' (format 'dolly' needs "
-                              f"instruction, response; columns present: instruction, answer){HINT}")
+    assert done.last_line == (
+        f"jaxtune: build_tokenizer: {bad} line 1: missing column 'response' (format 'dolly' needs "
+        f"instruction, response; columns present: instruction, answer){HINT}"
+    )
     assert jaxtune.folders() == set()
 
 
@@ -96,8 +112,10 @@ def test_a_csv_without_its_header_line_says_the_first_line_was_taken_as_the_head
     bad.write_text("What is two plus two?,,Four.,open_qa\nName a colour.,,Red.,brainstorming\n")
     done = jaxtune.run(f"--set=data.source={bad}")
     assert done.status == 1
-    assert done.last_line.startswith(f"jaxtune: build_tokenizer: {bad}: the first line is read as the CSV header, "
-                                     "but it names none of the columns format 'dolly' needs (instruction, response)")
+    assert done.last_line.startswith(
+        f"jaxtune: build_tokenizer: {bad}: the first line is read as the CSV header, "
+        "but it names none of the columns format 'dolly' needs (instruction, response)"
+    )
     assert jaxtune.folders() == set()
 
 
@@ -106,7 +124,9 @@ def test_a_parquet_file_with_a_number_column_is_named_by_column_and_type(jaxtune
     pq.write_table(pa.table({"instruction": ["a?", "b?", "c?"], "response": [1, 2, 3]}), bad)
     done = jaxtune.run(f"--set=data.source={bad}")
     assert done.status == 1
-    assert done.last_line == f"jaxtune: build_tokenizer: {bad}: column 'response' is int64, expected text (string){HINT}"
+    assert (
+        done.last_line == f"jaxtune: build_tokenizer: {bad}: column 'response' is int64, expected text (string){HINT}"
+    )
     assert jaxtune.folders() == set()
 
 
@@ -135,10 +155,14 @@ def test_an_eval_split_left_empty_is_named(jaxtune, tmp_path):
 @pytest.mark.parametrize("policy", ["drop", "truncate"])
 def test_rows_longer_than_max_length_are_dropped_or_truncated_and_counted(jaxtune, tmp_path, policy):
     rows = dolly_rows(30)
-    long_rows = [{**row, "instruction": f"Long {i}?", "response": " ".join(["word"] * 150)} for i, row in enumerate(dolly_rows(3))]
+    long_rows = [
+        {**row, "instruction": f"Long {i}?", "response": " ".join(["word"] * 150)}
+        for i, row in enumerate(dolly_rows(3))
+    ]
     data = write_jsonl(tmp_path / "rows.jsonl", rows + long_rows)
-    done = jaxtune.run(f"--set=data.source={data}", "--set=data.max_length=64", f"--set=data.too_long={policy}",
-                       "--until=tokenize")
+    done = jaxtune.run(
+        f"--set=data.source={data}", "--set=data.max_length=64", f"--set=data.too_long={policy}", "--until=tokenize"
+    )
     assert done.status == 0, done.stderr
     stats = jaxtune.stats()
     assert stats["rows_in"] == 33

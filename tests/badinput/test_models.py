@@ -18,8 +18,9 @@ HINT = " (--debug shows the traceback)"
 
 def test_a_model_path_that_does_not_exist_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     missing = tmp_path / "models" / "mine"
-    refused_before_the_flow(jaxtune.run(f"--set=model.name={missing}"), 1,
-                            f"jaxtune: model.name {str(missing)!r}: no such file or folder")
+    refused_before_the_flow(
+        jaxtune.run(f"--set=model.name={missing}"), 1, f"jaxtune: model.name {str(missing)!r}: no such file or folder"
+    )
     assert jaxtune.folders() == set()
 
 
@@ -27,19 +28,26 @@ def test_a_folder_that_is_not_a_causal_lm_is_refused_before_the_flow_starts(jaxt
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
-    refused_before_the_flow(jaxtune.run(f"--set=model.name={bert}"), 1,
-                            f"jaxtune: {bert}: model_type 'bert' (BertForMaskedLM) is not a causal LM", prefix=True)
+    refused_before_the_flow(
+        jaxtune.run(f"--set=model.name={bert}"),
+        1,
+        f"jaxtune: {bert}: model_type 'bert' (BertForMaskedLM) is not a causal LM",
+        prefix=True,
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
-    refused_before_the_flow(jaxtune.run(f"--set=model.name={empty}"), 1,
-                            f"jaxtune: {empty}: not an HF model folder (no config.json)")
+    refused_before_the_flow(
+        jaxtune.run(f"--set=model.name={empty}"), 1, f"jaxtune: {empty}: not an HF model folder (no config.json)"
+    )
     assert jaxtune.folders() == set()
 
 
 def test_a_file_that_is_not_gguf_is_refused_before_the_flow_starts(jaxtune, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"<html>rate limited</html>" * 4)
-    refused_before_the_flow(jaxtune.run(f"--set=model.name={fake}"), 1, f"jaxtune: {fake}: not a GGUF file", prefix=True)
+    refused_before_the_flow(
+        jaxtune.run(f"--set=model.name={fake}"), 1, f"jaxtune: {fake}: not a GGUF file", prefix=True
+    )
     assert jaxtune.folders() == set()
 
 
@@ -52,7 +60,9 @@ def test_a_truncated_gguf_file_fails_its_import_by_name_and_leaves_nothing(jaxtu
     half.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # a download cut off midway
     done = jaxtune.run(f"--set=model.name={half}", "--until=tokenize")
     assert done.status == 1 and done.flow_started, "the header is intact: only reading the file finds the cut"
-    assert done.last_line.startswith(f"jaxtune: import_gguf: {half}: cannot read this GGUF file, it may be truncated or corrupt (")
+    assert done.last_line.startswith(
+        f"jaxtune: import_gguf: {half}: cannot read this GGUF file, it may be truncated or corrupt ("
+    )
     assert jaxtune.folders() == set()
 
 
@@ -66,8 +76,10 @@ def test_a_tokenizer_without_a_chat_template_names_the_setting_that_gives_one(ja
     before = jaxtune_after_eval.folders()
     done = jaxtune_after_eval.run(f"--set=model.name={plain}", "--until=tokenize")
     assert done.status == 1 and done.flow_started
-    assert done.last_line.startswith(f"jaxtune: tokenize: {plain}: its tokenizer has no chat template; "
-                                     "set model.chat_template to 'gemma' or a Jinja template string")
+    assert done.last_line.startswith(
+        f"jaxtune: tokenize: {plain}: its tokenizer has no chat template; "
+        "set model.chat_template to 'gemma' or a Jinja template string"
+    )
     assert jaxtune_after_eval.folders() == before
 
 
@@ -77,5 +89,6 @@ def test_lora_targets_that_match_no_layer_list_the_models_linear_layers(jaxtune_
     assert done.status == 1
     assert done.last_line == (
         "jaxtune: train: lora.target_modules [q_projj] matches no layer of this model; its linear layers are: "
-        f"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or all-linear){HINT}")
+        f"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or all-linear){HINT}"
+    )
     assert jaxtune_after_eval.folders() == before

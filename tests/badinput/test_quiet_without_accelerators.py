@@ -14,7 +14,10 @@ import pytest
 from jaxtune.host import accelerators
 from tests.badinput.conftest import dolly_rows, write_jsonl
 
-pytestmark = [pytest.mark.badinput, pytest.mark.skipif(accelerators.present(), reason="this machine has an accelerator")]
+pytestmark = [
+    pytest.mark.badinput,
+    pytest.mark.skipif(accelerators.present(), reason="this machine has an accelerator"),
+]
 
 # What the plugins print when they start without their device: cuDNN's traceback, libtpu's warnings.
 NOISE = ("Traceback", "cuDNN", "jax_plugins", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "libtpu")
@@ -28,9 +31,22 @@ def test_a_bad_data_file_gives_jaxtunes_line_and_no_plugin_noise(tmp_path):
     bad.write_text(bad.read_text() + "not json\n")
     env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
     env["PREFECT_API_URL"] = PREFECT_API_URL.value() or ""  # the session's server, or one of its own
-    done = subprocess.run([sys.executable, "-m", "jaxtune.cli", "run", f"--set=data.source={bad}",
-                           f"--set=store.root={tmp_path / 'store'}"], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxtune.cli",
+            "run",
+            f"--set=data.source={bad}",
+            f"--set=store.root={tmp_path / 'store'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        f"jaxtune: build_tokenizer: {bad} line 3: not valid JSON (Expecting value at column 1) (--debug shows the traceback)")
+        f"jaxtune: build_tokenizer: {bad} line 3: not valid JSON (Expecting value at column 1) (--debug shows the traceback)"
+    )
     assert [word for word in NOISE if word in done.stderr] == [], done.stderr

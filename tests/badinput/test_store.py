@@ -48,7 +48,9 @@ def test_a_write_that_fails_midway_leaves_no_folder_that_looks_complete(jaxtune_
     assert jaxtune_after_eval.folders() == before, "no new folder, no temp folder left"
 
 
-def test_training_checks_the_disk_has_room_for_checkpoints_and_artifact_before_its_first_step(jaxtune_after_eval, monkeypatch):
+def test_training_checks_the_disk_has_room_for_checkpoints_and_artifact_before_its_first_step(
+    jaxtune_after_eval, monkeypatch
+):
     from jaxtune.artifacts import space
 
     usage = namedtuple("usage", "total used free")

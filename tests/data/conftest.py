@@ -15,11 +15,26 @@ from transformers import AutoTokenizer
 
 from jaxtune.offline.tokenizer import texts_for_tokenizer, train_tokenizer
 
-_SUBJECTS = ["the river", "a red fox", "the old library", "python lists", "the moon", "a bakery", "the violin", "green tea"]
+_SUBJECTS = [
+    "the river",
+    "a red fox",
+    "the old library",
+    "python lists",
+    "the moon",
+    "a bakery",
+    "the violin",
+    "green tea",
+]
 _ASKS = ["What is", "Describe", "Tell me about", "Explain", "Summarize what you know about"]
 _FACTS = ["is quiet at night", "was built long ago", "has many uses", "is easy to learn", "changes with the seasons"]
 # category -> whether rows of it carry a context passage (as in Dolly)
-_CATEGORIES = {"open_qa": False, "closed_qa": True, "brainstorming": False, "summarization": True, "classification": False}
+_CATEGORIES = {
+    "open_qa": False,
+    "closed_qa": True,
+    "brainstorming": False,
+    "summarization": True,
+    "classification": False,
+}
 
 
 def make_dolly_rows(n: int, seed: int = 0) -> list[dict]:

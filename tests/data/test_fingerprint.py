@@ -63,7 +63,11 @@ def write_saved(rows: list[dict], path: Path) -> Path:
     return path
 
 
-WRITERS = {"jsonl": (write_jsonl, "data.jsonl"), "parquet": (write_parquet, "data.parquet"), "saved": (write_saved, "saved")}
+WRITERS = {
+    "jsonl": (write_jsonl, "data.jsonl"),
+    "parquet": (write_parquet, "data.parquet"),
+    "saved": (write_saved, "saved"),
+}
 
 
 @pytest.mark.parametrize("kind", WRITERS)

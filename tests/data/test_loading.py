@@ -9,8 +9,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from jaxtune.config import DataConfig, SourceConfig
@@ -49,7 +47,9 @@ def save_dataset(rows: list[dict], folder: Path) -> Path:
 def save_dataset_dict(splits: dict[str, list[dict]], folder: Path) -> Path:
     import datasets
 
-    datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}).save_to_disk(str(folder))
+    datasets.DatasetDict({name: datasets.Dataset.from_list(rows) for name, rows in splits.items()}).save_to_disk(
+        str(folder)
+    )
     return folder
 
 
@@ -86,7 +86,9 @@ def test_a_saved_dataset_dict_is_read_at_its_hub_split(dolly_rows, make_dolly, t
     assert tokenize(folder).stats["rows_in"] == len(other)
 
 
-def test_a_missing_split_of_a_saved_dataset_dict_names_the_splits(dolly_rows, make_dolly, tmp_path, tokenize, error_line):
+def test_a_missing_split_of_a_saved_dataset_dict_names_the_splits(
+    dolly_rows, make_dolly, tmp_path, tokenize, error_line
+):
     folder = save_dataset_dict({"train": make_dolly(6, seed=7), "validation": dolly_rows}, tmp_path / "saved_dict")
     line = error_line(lambda: tokenize(folder, hub_split="test"))
     assert str(folder) in line
@@ -136,14 +138,18 @@ def _drop_response(row: dict) -> None:
     del row["response"]
 
 
-@pytest.mark.parametrize("ext, index, spoil, what", [
-    ("json", 8, _drop_response, "missing column 'response'"),
-    # CSV cells are text: an empty required cell is the bad value
-    ("csv", 10, lambda row: row.update(instruction=""), "'instruction' must be a non-empty string"),
-    ("parquet", 16, lambda row: row.update(response=None), "'response' must be a string, got null"),
-])
-def test_a_bad_row_of_a_json_csv_or_parquet_file_is_named_by_its_row(dolly_rows, write_rows, tokenize, error_line,
-                                                                     ext, index, spoil, what):
+@pytest.mark.parametrize(
+    "ext, index, spoil, what",
+    [
+        ("json", 8, _drop_response, "missing column 'response'"),
+        # CSV cells are text: an empty required cell is the bad value
+        ("csv", 10, lambda row: row.update(instruction=""), "'instruction' must be a non-empty string"),
+        ("parquet", 16, lambda row: row.update(response=None), "'response' must be a string, got null"),
+    ],
+)
+def test_a_bad_row_of_a_json_csv_or_parquet_file_is_named_by_its_row(
+    dolly_rows, write_rows, tokenize, error_line, ext, index, spoil, what
+):
     rows = [dict(r) for r in dolly_rows]
     spoil(rows[index])
     path = write_rows(rows, ext)
@@ -183,7 +189,9 @@ class _RecordsPids:
         return self.function(*args, **kwargs)
 
 
-def test_two_workers_normalize_and_encode_in_two_other_processes(make_dolly, write_rows, tokenize, monkeypatch, tmp_path):
+def test_two_workers_normalize_and_encode_in_two_other_processes(
+    make_dolly, write_rows, tokenize, monkeypatch, tmp_path
+):
     """The worker count is not taken on trust (as `two_workers` takes it): each map function records its pid."""
     from jaxtune.data import tokenize as encoding
 
@@ -200,7 +208,9 @@ def test_two_workers_normalize_and_encode_in_two_other_processes(make_dolly, wri
         assert len(pids) == 2 and os.getpid() not in pids, f"{name} ran in processes {pids}, this one is {os.getpid()}"
 
 
-def test_a_bad_row_in_the_second_worker_is_named_by_its_true_line(make_dolly, tmp_path, tokenize, two_workers, error_line):
+def test_a_bad_row_in_the_second_worker_is_named_by_its_true_line(
+    make_dolly, tmp_path, tokenize, two_workers, error_line
+):
     rows = make_dolly(60)
     path, line = jsonl_with_blank_lines(rows, 47, _without_response(rows[47]), tmp_path / "bad.jsonl")
     message = error_line(lambda: tokenize(path, num_proc=2))
@@ -208,7 +218,9 @@ def test_a_bad_row_in_the_second_worker_is_named_by_its_true_line(make_dolly, tm
     assert "missing column 'response'" in message
 
 
-def test_a_bad_parquet_row_in_the_second_worker_is_named_by_its_row(make_dolly, write_rows, tokenize, two_workers, error_line):
+def test_a_bad_parquet_row_in_the_second_worker_is_named_by_its_row(
+    make_dolly, write_rows, tokenize, two_workers, error_line
+):
     rows = make_dolly(60)
     rows[44]["response"] = None  # the second worker's shard starts at row 31: its indices must be global
     path = write_rows(rows, "parquet")
@@ -228,8 +240,16 @@ def test_max_rows_reads_only_the_first_rows(ext, make_dolly, write_rows, tokeniz
         tokenize(path)  # the bad row is there to be found when every row is read
     tables = tokenize(path, max_rows=12)
     assert tables.stats["rows_in"] == 12
-    assert tables.stats["sources"] == [{"name": NAME, "weight": 1.0, "max_rows": 12, "rows_in": 12,
-                                        "train_rows": tables.stats["train_rows"], "eval_rows": tables.stats["eval_rows"]}]
+    assert tables.stats["sources"] == [
+        {
+            "name": NAME,
+            "weight": 1.0,
+            "max_rows": 12,
+            "rows_in": 12,
+            "train_rows": tables.stats["train_rows"],
+            "eval_rows": tables.stats["eval_rows"],
+        }
+    ]
     train, eval_ = split_rows(tables)
     assert len(train) + len(eval_) == 12
     assert sorted(r["response"] for r in train + eval_) == sorted(r["response"].strip() for r in rows[:12])

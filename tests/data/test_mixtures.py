@@ -21,8 +21,15 @@ N_A, N_B = 30, 21  # B odd, so weight 0.5 has a half to round
 
 def alpaca_rows(dolly: list[dict]) -> list[dict]:
     """Dolly rows as alpaca under other column names (mapped back by `columns`), marked so no prompt repeats one of A's."""
-    return [{"question": f"[B] {r['instruction']}", "input": r["context"], "answer": r["response"], "category": r["category"]}
-            for r in dolly]
+    return [
+        {
+            "question": f"[B] {r['instruction']}",
+            "input": r["context"],
+            "answer": r["response"],
+            "category": r["category"],
+        }
+        for r in dolly
+    ]
 
 
 ALPACA_COLUMNS = {"instruction": "question", "output": "answer"}
@@ -31,7 +38,9 @@ ALPACA_COLUMNS = {"instruction": "question", "output": "answer"}
 @pytest.fixture
 def files(make_dolly, write_rows) -> tuple[Path, Path]:
     """Two JSONL files of distinct rows: A in dolly format, B in alpaca with renamed columns."""
-    return write_rows(make_dolly(N_A, seed=0), "jsonl", name="a"), write_rows(alpaca_rows(make_dolly(N_B, seed=5)), "jsonl", name="b")
+    return write_rows(make_dolly(N_A, seed=0), "jsonl", name="a"), write_rows(
+        alpaca_rows(make_dolly(N_B, seed=5)), "jsonl", name="b"
+    )
 
 
 @pytest.fixture
@@ -40,8 +49,10 @@ def mix(files, tokenizer, tmp_path):
     a, b = files
 
     def run(weight_b: float = 1.0, seed: int = 0, weight_a: float = 1.0):
-        sources = [(SourceConfig(source=str(a), weight=weight_a), str(a)),
-                   (SourceConfig(source=str(b), format="alpaca", columns=ALPACA_COLUMNS, weight=weight_b, name="B"), str(b))]
+        sources = [
+            (SourceConfig(source=str(a), weight=weight_a), str(a)),
+            (SourceConfig(source=str(b), format="alpaca", columns=ALPACA_COLUMNS, weight=weight_b, name="B"), str(b)),
+        ]
         cfg = DataConfig(sources=[src for src, _ in sources], seed=seed, num_proc=1)
         work = Path(tempfile.mkdtemp(prefix="work-", dir=tmp_path))
         return tokenize_sources(sources, tokenizer, cfg, work)
@@ -71,7 +82,10 @@ def test_rows_are_counted_per_source(mix):
     # weight 1: every row is in train or eval, exactly once
     assert a["train_rows"] + a["eval_rows"] == N_A and b["train_rows"] + b["eval_rows"] == N_B
     assert a["eval_rows"] > 0 and b["eval_rows"] > 0  # the split is over both sources together
-    assert a["train_rows"] + b["train_rows"] == stats["train_rows"] and a["eval_rows"] + b["eval_rows"] == stats["eval_rows"]
+    assert (
+        a["train_rows"] + b["train_rows"] == stats["train_rows"]
+        and a["eval_rows"] + b["eval_rows"] == stats["eval_rows"]
+    )
     assert (a["weight"], b["weight"], a["max_rows"]) == (1.0, 1.0, None)
 
 
@@ -134,13 +148,23 @@ def test_the_same_seed_gives_identical_tables_and_another_a_different_order(mix)
 
 def test_a_messages_source_mixes_in(files, make_dolly, tmp_path, tokenizer):
     a, _ = files
-    conversations = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"[C] {r['instruction']}"},
-                                   {"role": "assistant", "content": r["response"]}], "category": "chat"}
-                     for r in make_dolly(12, seed=9)]
+    conversations = [
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": f"[C] {r['instruction']}"},
+                {"role": "assistant", "content": r["response"]},
+            ],
+            "category": "chat",
+        }
+        for r in make_dolly(12, seed=9)
+    ]
     c = tmp_path / "c.jsonl"
     c.write_text("".join(json.dumps(r) + "\n" for r in conversations), encoding="utf-8")
     sources = [(SourceConfig(source=str(a)), str(a)), (SourceConfig(source=str(c), format="messages"), str(c))]
-    tables = tokenize_sources(sources, tokenizer, DataConfig(sources=[s for s, _ in sources], num_proc=1), tmp_path / "work")
+    tables = tokenize_sources(
+        sources, tokenizer, DataConfig(sources=[s for s, _ in sources], num_proc=1), tmp_path / "work"
+    )
     stats = per_source(tables.stats)
     assert stats["c.jsonl"]["rows_in"] == 12 and stats["a.jsonl"]["rows_in"] == N_A
     rows = tables.rows("train") + tables.rows("eval")
@@ -166,8 +190,16 @@ def test_a_single_data_source_is_a_mixture_of_one(dolly_rows, write_rows, tokeni
     (src,) = cfg.mixture()
     assert src.source == str(path) and src.weight == 1.0
     tables = tokenize_sources([(src, str(path))], tokenizer, cfg, tmp_path / "work")
-    assert tables.stats["sources"] == [{"name": "data.jsonl", "weight": 1.0, "max_rows": None, "rows_in": len(dolly_rows),
-                                        "train_rows": tables.stats["train_rows"], "eval_rows": tables.stats["eval_rows"]}]
+    assert tables.stats["sources"] == [
+        {
+            "name": "data.jsonl",
+            "weight": 1.0,
+            "max_rows": None,
+            "rows_in": len(dolly_rows),
+            "train_rows": tables.stats["train_rows"],
+            "eval_rows": tables.stats["eval_rows"],
+        }
+    ]
     assert {r["source"] for r in tables.rows("train") + tables.rows("eval")} == {"data.jsonl"}
 
 
@@ -185,10 +217,16 @@ def tokenize_key(tmp_path: Path, sources: list[SourceConfig]) -> str:
 
 def test_the_tokenize_key_follows_a_sources_weight(files, tmp_path):
     a, b = files
-    key = tokenize_key(tmp_path, [SourceConfig(source=str(a)), SourceConfig(source=str(b), format="alpaca", columns=ALPACA_COLUMNS)])
-    assert key == tokenize_key(tmp_path, [SourceConfig(source=str(a)), SourceConfig(source=str(b), format="alpaca", columns=ALPACA_COLUMNS)])
-    weighted = tokenize_key(tmp_path, [SourceConfig(source=str(a)),
-                                       SourceConfig(source=str(b), format="alpaca", columns=ALPACA_COLUMNS, weight=2.0)])
+    key = tokenize_key(
+        tmp_path, [SourceConfig(source=str(a)), SourceConfig(source=str(b), format="alpaca", columns=ALPACA_COLUMNS)]
+    )
+    assert key == tokenize_key(
+        tmp_path, [SourceConfig(source=str(a)), SourceConfig(source=str(b), format="alpaca", columns=ALPACA_COLUMNS)]
+    )
+    weighted = tokenize_key(
+        tmp_path,
+        [SourceConfig(source=str(a)), SourceConfig(source=str(b), format="alpaca", columns=ALPACA_COLUMNS, weight=2.0)],
+    )
     assert weighted != key
 
 

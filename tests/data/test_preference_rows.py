@@ -17,9 +17,15 @@ pytestmark = [pytest.mark.data, pytest.mark.preference]
 def make_pairs(n: int) -> list[dict]:
     """`n` distinct pairs: the chosen answer names the right colour, the rejected one another colour."""
     colours = ["red", "blue", "green", "grey", "pink", "brown"]
-    return [{"prompt": f"What colour is item {i}?", "chosen": f"Item {i} is {colours[i % 6]}.",
-             "rejected": f"Item {i} is {colours[(i + 1) % 6]} and large.", "category": ["qa", "colours"][i % 2]}
-            for i in range(n)]
+    return [
+        {
+            "prompt": f"What colour is item {i}?",
+            "chosen": f"Item {i} is {colours[i % 6]}.",
+            "rejected": f"Item {i} is {colours[(i + 1) % 6]} and large.",
+            "category": ["qa", "colours"][i % 2],
+        }
+        for i in range(n)
+    ]
 
 
 def tables(tokenizer, path, tmp_path, **settings):
@@ -58,9 +64,14 @@ def test_each_pair_is_its_chosen_row_then_its_rejected_row(ext, write_rows, toke
 
 
 def test_messages_and_conversational_answers(write_rows, tokenizer, tmp_path):
-    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Name colour {i}."}],
-             "chosen": [{"role": "assistant", "content": f"Colour {i} is red."}],
-             "rejected": f"Colour {i} is blue."} for i in range(8)]
+    rows = [
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Name colour {i}."}],
+            "chosen": [{"role": "assistant", "content": f"Colour {i} is red."}],
+            "rejected": f"Colour {i} is blue.",
+        }
+        for i in range(8)
+    ]
     stats, train, _ = tables(tokenizer, write_rows(rows, "jsonl"), tmp_path)
     assert stats["train_rows"] == 6
     assert train.column("response")[0].endswith("red.") and train.column("response")[1].endswith("blue.")
@@ -86,8 +97,9 @@ def test_a_pair_too_long_is_dropped_whole_or_both_answers_truncated(write_rows, 
     assert stats["dropped"]["too_long"] == 1
     assert len(train) + len(evals) == 30
     (tmp_path / "truncate").mkdir()
-    stats, train, evals = tables(tokenizer, write_rows(pairs, "jsonl"), tmp_path / "truncate", max_length=64,
-                                 too_long="truncate")
+    stats, train, evals = tables(
+        tokenizer, write_rows(pairs, "jsonl"), tmp_path / "truncate", max_length=64, too_long="truncate"
+    )
     assert stats["truncated"] == 1 and stats["dropped"]["too_long"] == 0
     assert max(train.lengths.max(), evals.lengths.max()) == 64
     # Percentiles are of rows, as for SFT: the longest is one answer cut to max_length, not the pair's sum.
@@ -95,14 +107,26 @@ def test_a_pair_too_long_is_dropped_whole_or_both_answers_truncated(write_rows, 
     assert stats["tokens"]["train"] + stats["tokens"]["eval"] == train.lengths.sum() + evals.lengths.sum()
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"chosen": "a", "rejected": "b"}, "needs its prompt as 'prompt' (text) or 'messages'"),
-    ({"prompt": "q", "messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}, "got both"),
-    ({"prompt": "q", "chosen": "a"}, "missing column 'rejected'"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "chosen": "a", "rejected": "b"},
-     "must be a 'user' turn"),
-    ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, "'chosen' must be the 'assistant' answer"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"chosen": "a", "rejected": "b"}, "needs its prompt as 'prompt' (text) or 'messages'"),
+        ({"prompt": "q", "messages": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}, "got both"),
+        ({"prompt": "q", "chosen": "a"}, "missing column 'rejected'"),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "chosen": "a",
+                "rejected": "b",
+            },
+            "must be a 'user' turn",
+        ),
+        (
+            {"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
+            "'chosen' must be the 'assistant' answer",
+        ),
+    ],
+)
 def test_a_bad_row_is_named_by_file_and_line(row, message, write_rows, tokenizer, tmp_path, error_line):
     rows = make_pairs(6)
     rows.insert(4, row)

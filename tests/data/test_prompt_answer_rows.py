@@ -21,8 +21,14 @@ pytestmark = pytest.mark.data
 
 def make_rows(n: int, numbers: bool = True) -> list[dict]:
     """`n` distinct questions; with `numbers` the answers are JSON numbers, else text."""
-    return [{"prompt": f"What is {i} + {i + 1}? Give the number after ####.", "answer": 2 * i + 1 if numbers else str(2 * i + 1),
-             "category": ["small", "large"][i >= n // 2]} for i in range(n)]
+    return [
+        {
+            "prompt": f"What is {i} + {i + 1}? Give the number after ####.",
+            "answer": 2 * i + 1 if numbers else str(2 * i + 1),
+            "category": ["small", "large"][i >= n // 2],
+        }
+        for i in range(n)
+    ]
 
 
 def tables(tokenizer, path, tmp_path, **settings):
@@ -41,7 +47,9 @@ def generation_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 @pytest.mark.parametrize("ext", ["jsonl", "json", "parquet", "csv"])
-def test_each_row_is_its_prompt_through_the_generation_prompt_with_nothing_labelled(ext, write_rows, tokenizer, tmp_path):
+def test_each_row_is_its_prompt_through_the_generation_prompt_with_nothing_labelled(
+    ext, write_rows, tokenizer, tmp_path
+):
     rows = make_rows(16)
     stats, train, evals = tables(tokenizer, write_rows(rows, ext), tmp_path)
     assert stats["prompt_answer"] is True and "preference" not in stats
@@ -61,9 +69,18 @@ def test_each_row_is_its_prompt_through_the_generation_prompt_with_nothing_label
 
 
 def test_messages_are_the_conversation_the_answer_continues(write_rows, tokenizer, tmp_path):
-    rows = [{"messages": [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": f"{i} + 1?"},
-                          {"role": "assistant", "content": str(i + 1)}, {"role": "user", "content": "And doubled?"}],
-             "answer": 2 * (i + 1)} for i in range(8)]
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": "Answer with a number."},
+                {"role": "user", "content": f"{i} + 1?"},
+                {"role": "assistant", "content": str(i + 1)},
+                {"role": "user", "content": "And doubled?"},
+            ],
+            "answer": 2 * (i + 1),
+        }
+        for i in range(8)
+    ]
     stats, train, _ = tables(tokenizer, write_rows(rows, "jsonl"), tmp_path)
     assert stats["train_rows"] == 6
     by_ids = {tuple(generation_prompt_ids(tokenizer, row["messages"])): row for row in rows}
@@ -74,10 +91,13 @@ def test_messages_are_the_conversation_the_answer_continues(write_rows, tokenize
         assert train.column("category")[k] == "general"
 
 
-@pytest.mark.parametrize("answer, text", [(42, "42"), (2.5, "2.5"), (-3, "-3"), (1e21, "1e+21"), ("  7 ", "7"),
-                                          ("x = 4", "x = 4")])
+@pytest.mark.parametrize(
+    "answer, text", [(42, "42"), (2.5, "2.5"), (-3, "-3"), (1e21, "1e+21"), ("  7 ", "7"), ("x = 4", "x = 4")]
+)
 def test_an_answer_is_text_or_a_number_kept_as_its_text(answer, text):
-    example = normalize_row({"prompt": " What? ", "answer": answer}, DataConfig(format="prompt_answer"), "data.jsonl line 1")
+    example = normalize_row(
+        {"prompt": " What? ", "answer": answer}, DataConfig(format="prompt_answer"), "data.jsonl line 1"
+    )
     assert example == {"messages": [{"role": "user", "content": "What?"}], "response": text, "category": "general"}
 
 
@@ -85,40 +105,54 @@ def test_columns_rename_the_prompt_and_the_answer(write_rows, tokenizer, tmp_pat
     rows = [{"question": r["prompt"], "solution": r["answer"], "kind": r["category"]} for r in make_rows(8)]
     cfg = DataConfig(format="prompt_answer", columns={"prompt": "question", "answer": "solution", "category": "kind"})
     examples = read_rows(cfg, write_rows(rows, "jsonl"))
-    assert [(e["messages"][0]["content"], e["response"], e["category"]) for e in examples] == \
-        [(r["question"], str(r["solution"]), r["kind"]) for r in rows]
+    assert [(e["messages"][0]["content"], e["response"], e["category"]) for e in examples] == [
+        (r["question"], str(r["solution"]), r["kind"]) for r in rows
+    ]
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"answer": "1"}, "a prompt_answer row needs its prompt as 'prompt' (text) or 'messages' (the conversation before the "
-                      "answer), exactly one of them; got neither"),
-    ({"prompt": "q", "messages": [{"role": "user", "content": "q"}], "answer": "1"},
-     "a prompt_answer row needs its prompt as 'prompt' (text) or 'messages' (the conversation before the answer), "
-     "exactly one of them; got both"),
-    ({"prompt": "q"}, "missing column 'answer' (format 'prompt_answer' needs answer; columns present: prompt)"),
-    ({"prompt": "q", "answer": ""}, "'answer' must be non-empty text or a finite number, got an empty string"),
-    ({"prompt": "q", "answer": None}, "'answer' must be non-empty text or a finite number, got null"),
-    ({"prompt": "q", "answer": True}, "'answer' must be non-empty text or a finite number, got bool"),
-    ({"prompt": "q", "answer": [1]}, "'answer' must be non-empty text or a finite number, got list"),
-    ({"prompt": "q", "answer": float("nan")}, "'answer' must be non-empty text or a finite number, got nan"),
-    ({"prompt": "", "answer": "1"}, "'prompt' must be a non-empty string, got an empty string"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "1"},
-     "in a prompt_answer row 'messages' is the conversation before the answer, so its last message must be a 'user' "
-     "turn, got role 'assistant'"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            {"answer": "1"},
+            "a prompt_answer row needs its prompt as 'prompt' (text) or 'messages' (the conversation before the "
+            "answer), exactly one of them; got neither",
+        ),
+        (
+            {"prompt": "q", "messages": [{"role": "user", "content": "q"}], "answer": "1"},
+            "a prompt_answer row needs its prompt as 'prompt' (text) or 'messages' (the conversation before the answer), "
+            "exactly one of them; got both",
+        ),
+        ({"prompt": "q"}, "missing column 'answer' (format 'prompt_answer' needs answer; columns present: prompt)"),
+        ({"prompt": "q", "answer": ""}, "'answer' must be non-empty text or a finite number, got an empty string"),
+        ({"prompt": "q", "answer": None}, "'answer' must be non-empty text or a finite number, got null"),
+        ({"prompt": "q", "answer": True}, "'answer' must be non-empty text or a finite number, got bool"),
+        ({"prompt": "q", "answer": [1]}, "'answer' must be non-empty text or a finite number, got list"),
+        ({"prompt": "q", "answer": float("nan")}, "'answer' must be non-empty text or a finite number, got nan"),
+        ({"prompt": "", "answer": "1"}, "'prompt' must be a non-empty string, got an empty string"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "1"},
+            "in a prompt_answer row 'messages' is the conversation before the answer, so its last message must be a 'user' "
+            "turn, got role 'assistant'",
+        ),
+    ],
+)
 def test_a_bad_row_is_named_by_file_and_line(row, message, write_rows, tokenizer, tmp_path, error_line):
     rows = make_rows(6)
     rows.insert(4, row)
     path = write_rows(rows, "jsonl")
     assert error_line(tables, tokenizer, path, tmp_path) == f"{path} line 5: {message}"
-    assert error_line(lambda: list(source_texts(DataConfig(format="prompt_answer"), path))) == f"{path} line 5: {message}"
+    assert (
+        error_line(lambda: list(source_texts(DataConfig(format="prompt_answer"), path))) == f"{path} line 5: {message}"
+    )
 
 
 def test_a_prompt_answer_row_in_another_format_is_named_as_one(write_rows, error_line):
     path = write_rows([{"prompt": "What is 1 + 1?", "answer": 2}], "jsonl")
     assert error_line(read_rows, DataConfig(format="prompt_completion"), path) == (
         f"{path} line 1: missing column 'completion' (format 'prompt_completion' needs prompt, completion; columns "
-        "present: prompt, answer) (this row looks like format 'prompt_answer')")
+        "present: prompt, answer) (this row looks like format 'prompt_answer')"
+    )
     path = write_rows([{"question": "What is 1 + 1?", "answer": 2}], "jsonl")  # no prompt: no format's row
     assert error_line(read_rows, DataConfig(), path).endswith("columns present: question, answer)")
 
@@ -128,8 +162,10 @@ def test_a_parquet_answer_column_may_hold_numbers_but_not_lists(tmp_path, error_
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1.5, 2.0]}), path)
     assert [e["response"] for e in read_rows(DataConfig(format="prompt_answer"), path)] == ["1.5", "2.0"]
     pq.write_table(pa.table({"prompt": ["a"], "answer": [[1]]}), path)
-    assert error_line(read_rows, DataConfig(format="prompt_answer"), str(path)) == \
-        f"{path}: column 'answer' is list<element: int64>, expected text (string) or a number"
+    assert (
+        error_line(read_rows, DataConfig(format="prompt_answer"), str(path))
+        == f"{path}: column 'answer' is list<element: int64>, expected text (string) or a number"
+    )
 
 
 @pytest.mark.parametrize("too_long", ["drop", "truncate"])
@@ -145,8 +181,10 @@ def test_a_prompt_longer_than_max_length_is_dropped_whatever_too_long_says(too_l
 def test_when_every_prompt_is_too_long_the_error_says_what_to_raise(write_rows, tokenizer, tmp_path, error_line):
     path = write_rows(make_rows(8), "jsonl")
     line = error_line(lambda: tables(tokenizer, path, tmp_path, max_length=8, too_long="truncate"))
-    assert line == ("no train rows left: all 8 rows were dropped (too_long: 8; prompts longer than data.max_length=8 "
-                    "tokens; raise data.max_length)")
+    assert line == (
+        "no train rows left: all 8 rows were dropped (too_long: 8; prompts longer than data.max_length=8 "
+        "tokens; raise data.max_length)"
+    )
 
 
 def test_repeats_are_dropped_and_an_eval_prompt_never_appears_in_train(write_rows, tokenizer, tmp_path):
@@ -159,10 +197,20 @@ def test_repeats_are_dropped_and_an_eval_prompt_never_appears_in_train(write_row
 
 
 def test_source_texts_are_the_prompts_and_the_answers(write_rows):
-    rows = [{"prompt": "What is 1 + 1?", "answer": 2},
-            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name 3."}], "answer": "three"}]
-    assert list(source_texts(DataConfig(format="prompt_answer"), write_rows(rows, "jsonl"))) == \
-        ["What is 1 + 1?", "2", "Be brief.", "Name 3.", "three"]
+    rows = [
+        {"prompt": "What is 1 + 1?", "answer": 2},
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name 3."}],
+            "answer": "three",
+        },
+    ]
+    assert list(source_texts(DataConfig(format="prompt_answer"), write_rows(rows, "jsonl"))) == [
+        "What is 1 + 1?",
+        "2",
+        "Be brief.",
+        "Name 3.",
+        "three",
+    ]
 
 
 def test_the_offline_source_reads_the_bundled_arithmetic(tokenizer, tmp_path):
@@ -170,8 +218,11 @@ def test_the_offline_source_reads_the_bundled_arithmetic(tokenizer, tmp_path):
     assert loading.location("offline", "prompt_answer") == str(OFFLINE_ARITHMETIC)
     examples = read_rows(DataConfig(format="prompt_answer"))
     first = json.loads(OFFLINE_ARITHMETIC.read_text().splitlines()[0])
-    assert examples[0] == {"messages": [{"role": "user", "content": first["prompt"]}], "response": first["answer"],
-                           "category": first["category"]}
+    assert examples[0] == {
+        "messages": [{"role": "user", "content": first["prompt"]}],
+        "response": first["answer"],
+        "category": first["category"],
+    }
     cfg = DataConfig(format="prompt_answer", max_train_rows=50, max_eval_rows=10)
     (tmp_path / "tables").mkdir()
     stats = write_token_tables([(cfg.mixture()[0], "offline")], tokenizer, cfg, tmp_path / "tables")
@@ -181,7 +232,9 @@ def test_the_offline_source_reads_the_bundled_arithmetic(tokenizer, tmp_path):
 def test_the_config_refuses_prompt_answer_mixed_with_other_formats_or_without_grpo():
     grpo = {"train": {"objective": "grpo", "batch_size": 8}}
     mixed = {"data": {"sources": [{"source": "a.jsonl", "format": "prompt_answer"}, {"source": "b.jsonl"}]}, **grpo}
-    with pytest.raises(ConfigError, match=r"a mixture cannot mix prompt_answer rows with other formats \(got dolly, prompt_answer\)"):
+    with pytest.raises(
+        ConfigError, match=r"a mixture cannot mix prompt_answer rows with other formats \(got dolly, prompt_answer\)"
+    ):
         config_from_dict(mixed)
     with pytest.raises(ConfigError, match="data.format=prompt_answer holds prompts for reinforcement learning"):
         config_from_dict({"data": {"format": "prompt_answer"}})

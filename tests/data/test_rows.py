@@ -25,7 +25,9 @@ def expected(dolly: list[dict]) -> list[dict]:
     out = []
     for r in dolly:
         content = f"{r['instruction']}\n\n{r['context']}" if r["context"] else r["instruction"]
-        out.append({"messages": [{"role": "user", "content": content}], "response": r["response"], "category": r["category"]})
+        out.append(
+            {"messages": [{"role": "user", "content": content}], "response": r["response"], "category": r["category"]}
+        )
     return out
 
 
@@ -37,7 +39,14 @@ def as_format(dolly: list[dict], fmt: str) -> list[dict]:
         if fmt == "dolly":
             out.append(dict(r))
         elif fmt == "alpaca":
-            out.append({"instruction": r["instruction"], "input": r["context"], "output": r["response"], "category": r["category"]})
+            out.append(
+                {
+                    "instruction": r["instruction"],
+                    "input": r["context"],
+                    "output": r["response"],
+                    "category": r["category"],
+                }
+            )
         elif fmt == "prompt_completion":
             out.append({"prompt": prompt, "completion": r["response"], "category": r["category"]})
         else:
@@ -61,7 +70,9 @@ def test_json_object_holding_the_rows(dolly_rows, tmp_path, key):
 
 
 def test_optional_fields_default(write_rows):
-    path = write_rows([{"instruction": "Say hi.", "response": "Hi."}, {"instruction": "Q", "context": None, "response": "A"}], "jsonl")
+    path = write_rows(
+        [{"instruction": "Say hi.", "response": "Hi."}, {"instruction": "Q", "context": None, "response": "A"}], "jsonl"
+    )
     got = read_rows(DataConfig(), str(path))
     assert got[0] == {"messages": [{"role": "user", "content": "Say hi."}], "response": "Hi.", "category": "general"}
     assert got[1]["messages"][0]["content"] == "Q"
@@ -105,7 +116,9 @@ def test_missing_offline_file(monkeypatch, tmp_path):
 
 def test_text_is_stripped(write_rows):
     path = write_rows([{"instruction": " Q \n", "context": "\n", "response": " A  ", "category": "x"}], "jsonl")
-    assert read_rows(DataConfig(), str(path)) == [{"messages": [{"role": "user", "content": "Q"}], "response": "A", "category": "x"}]
+    assert read_rows(DataConfig(), str(path)) == [
+        {"messages": [{"role": "user", "content": "Q"}], "response": "A", "category": "x"}
+    ]
 
 
 def test_invalid_utf8_names_the_line(tmp_path):
@@ -154,7 +167,9 @@ def test_missing_column_names_line_and_present_columns(write_rows):
 
 def test_missing_renamed_column_mentions_the_mapping(write_rows):
     path = write_rows([{"instruction": "a", "response": "b"}], "csv")
-    with pytest.raises(DataError, match=r"data\.csv row 1: missing column 'answer' \(mapped to 'response' by data.columns\)"):
+    with pytest.raises(
+        DataError, match=r"data\.csv row 1: missing column 'answer' \(mapped to 'response' by data.columns\)"
+    ):
         read_rows(DataConfig(columns={"response": "answer"}), str(path))
 
 
@@ -181,7 +196,10 @@ def test_empty_instruction_is_an_error(write_rows):
         ([{"role": "user", "content": "hi"}], "last message must be the 'assistant' answer"),
         ([{"role": "bot", "content": "hi"}], "message 1 has role 'bot'"),
         ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}], "no 'user' turn"),
-        ([{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}], "message 1 'content' must be a string, got int"),
+        (
+            [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}],
+            "message 1 'content' must be a string, got int",
+        ),
         ([], "must be a non-empty list"),
     ],
 )
@@ -194,7 +212,9 @@ def test_bad_messages(write_rows, turns, problem):
 def test_unsupported_extension_lists_supported(tmp_path):
     path = tmp_path / "data.txt"
     path.write_text("hello")
-    with pytest.raises(DataError, match=r"data\.txt: unsupported file type '\.txt'; supported: \.jsonl, \.json, \.parquet, \.csv"):
+    with pytest.raises(
+        DataError, match=r"data\.txt: unsupported file type '\.txt'; supported: \.jsonl, \.json, \.parquet, \.csv"
+    ):
         read_rows(DataConfig(), str(path))
 
 
@@ -206,7 +226,9 @@ def test_empty_file(tmp_path, ext):
         read_rows(DataConfig(), str(path))
 
 
-@pytest.mark.parametrize(("name", "text"), [("blank.jsonl", "\n\n  \n"), ("list.json", "[]"), ("header.csv", "instruction,response\n")])
+@pytest.mark.parametrize(
+    ("name", "text"), [("blank.jsonl", "\n\n  \n"), ("list.json", "[]"), ("header.csv", "instruction,response\n")]
+)
 def test_file_without_rows(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
@@ -308,7 +330,11 @@ def test_csv_blank_lines_before_the_header_are_skipped(tmp_path):
     ("columns", "cfg", "message"),
     [
         ({"instruction": ["a"], "response": [1]}, DataConfig(), "column 'response' is int64, expected text (string)"),
-        ({"instruction": ["a"], "response": ["b"], "context": [1.5]}, DataConfig(), "column 'context' is double, expected text (string)"),
+        (
+            {"instruction": ["a"], "response": ["b"], "context": [1.5]},
+            DataConfig(),
+            "column 'context' is double, expected text (string)",
+        ),
         (
             {"question": [True], "response": ["b"]},
             DataConfig(columns={"instruction": "question"}),
@@ -336,7 +362,10 @@ def test_parquet_accepted_column_types(tmp_path):
     """All-null columns (type null), dictionary-encoded text (pandas categoricals) and messages as JSON text read fine."""
     path = tmp_path / "data.parquet"
     category = pa.array(["x", "y"]).dictionary_encode()
-    pq.write_table(pa.table({"instruction": ["a", "b"], "context": pa.nulls(2), "response": ["c", "d"], "category": category}), path)
+    pq.write_table(
+        pa.table({"instruction": ["a", "b"], "context": pa.nulls(2), "response": ["c", "d"], "category": category}),
+        path,
+    )
     assert [e["category"] for e in read_rows(DataConfig(), str(path))] == ["x", "y"]
     turns = json.dumps([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     pq.write_table(pa.table({"messages": pa.array([turns], pa.large_string())}), path)
@@ -383,16 +412,25 @@ def test_blank_lines_only_have_no_rows(tmp_path, error_line, ext):
 
 def test_missing_file_message(tmp_path, error_line):
     path = tmp_path / "nope.jsonl"
-    assert error_line(read_rows, DataConfig(), str(path)) == f"{path}: no such file, and not a hub dataset id of the form 'owner/name'"
+    assert (
+        error_line(read_rows, DataConfig(), str(path))
+        == f"{path}: no such file, and not a hub dataset id of the form 'owner/name'"
+    )
 
 
 def test_json_cut_off_at_the_line_end_names_that_column(tmp_path, error_line):
     path = tmp_path / "data.jsonl"
     path.write_text('{"instruction": "a", "response": "b"}\n{"instruction": "x", "response": \r\n')
-    assert error_line(read_rows, DataConfig(), str(path)) == f"{path} line 2: not valid JSON (Expecting value at column 34)"
+    assert (
+        error_line(read_rows, DataConfig(), str(path))
+        == f"{path} line 2: not valid JSON (Expecting value at column 34)"
+    )
 
 
 def test_source_texts_checks_rows_as_reading_does(write_rows, error_line):
     """The offline tokenizer stage reads the file first; a bad row must fail there with the same message."""
     path = write_rows([{"instruction": "a", "response": "b"}, {"instruction": "c", "response": None}], "jsonl")
-    assert error_line(lambda: list(source_texts(DataConfig(), str(path)))) == f"{path} line 2: 'response' must be a string, got null"
+    assert (
+        error_line(lambda: list(source_texts(DataConfig(), str(path))))
+        == f"{path} line 2: 'response' must be a string, got null"
+    )

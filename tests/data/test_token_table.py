@@ -24,8 +24,18 @@ def token_rows(n: int, seed: int = 0) -> list[dict]:
         length = 0 if i == 5 else int(rng.integers(1, 12))
         ids = rng.integers(0, 5000, length).tolist()
         prompt = min(length, int(rng.integers(0, 4)))
-        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:], "length": length, "prompt_length": prompt,
-                     "category": f"c{i % 3}", "prompt_text": f"prompt {i}", "response": f"response {i}", "source": "s"})
+        rows.append(
+            {
+                "input_ids": ids,
+                "labels": [-100] * prompt + ids[prompt:],
+                "length": length,
+                "prompt_length": prompt,
+                "category": f"c{i % 3}",
+                "prompt_text": f"prompt {i}",
+                "response": f"response {i}",
+                "source": "s",
+            }
+        )
     return rows
 
 
@@ -123,8 +133,16 @@ def big_table(tmp_path_factory) -> Path:
     labels[::3] = -100
     empty = pa.array(np.full(BIG_ROWS, "", dtype=object), pa.string())
     table = pa.Table.from_arrays(
-        [pa.ListArray.from_arrays(offsets, pa.array(ids)), pa.ListArray.from_arrays(offsets, pa.array(labels)),
-         pa.array(lengths), pa.array(np.zeros(BIG_ROWS, np.int32)), empty, empty, empty, empty],
+        [
+            pa.ListArray.from_arrays(offsets, pa.array(ids)),
+            pa.ListArray.from_arrays(offsets, pa.array(labels)),
+            pa.array(lengths),
+            pa.array(np.zeros(BIG_ROWS, np.int32)),
+            empty,
+            empty,
+            empty,
+            empty,
+        ],
         schema=ARROW_SCHEMA,
     )
     path = tmp_path_factory.mktemp("big") / "train.arrow"

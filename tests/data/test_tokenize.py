@@ -41,7 +41,9 @@ def test_labels_mask_the_prompt(examples, tokenizer):
     example = examples(3)[1]
     row = encode_example(example, tokenizer, loss_on="all_assistant")
     n = row["prompt_length"]
-    prompt_ids = tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt_ids = tokenizer.apply_chat_template(
+        example["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert row["input_ids"][:n] == prompt_ids
     assert row["labels"][:n] == [IGNORE_INDEX] * n
     assert row["labels"][n:] == row["input_ids"][n:]
@@ -69,7 +71,9 @@ def test_prompt_text_is_the_last_user_turn(tokenizer):
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "Name a colour"},
     ]
-    row = encode_example({"messages": turns, "response": "Blue", "category": "chat"}, tokenizer, loss_on="all_assistant")
+    row = encode_example(
+        {"messages": turns, "response": "Blue", "category": "chat"}, tokenizer, loss_on="all_assistant"
+    )
     assert row["prompt_text"] == "Name a colour"
     assert tokenizer.decode(row["input_ids"][row["prompt_length"] :]) == "Blue<end_of_turn>"
 
@@ -77,8 +81,10 @@ def test_prompt_text_is_the_last_user_turn(tokenizer):
 THREE_TURNS = {
     "messages": [
         {"role": "system", "content": "Answer in one word."},
-        {"role": "user", "content": "Sky colour?"}, {"role": "assistant", "content": "Blue"},
-        {"role": "user", "content": "Grass colour?"}, {"role": "assistant", "content": "Green"},
+        {"role": "user", "content": "Sky colour?"},
+        {"role": "assistant", "content": "Blue"},
+        {"role": "user", "content": "Grass colour?"},
+        {"role": "assistant", "content": "Green"},
         {"role": "user", "content": "Snow colour?"},
     ],
     "response": "White",
@@ -98,10 +104,13 @@ def labelled_spans(row: dict, tokenizer) -> list[str]:
     return [tokenizer.decode(span) for span in [*spans, current] if span]
 
 
-@pytest.mark.parametrize(("loss_on", "spans"), [
-    ("all_assistant", ["Blue<end_of_turn>", "Green<end_of_turn>", "White<end_of_turn>"]),
-    ("last_assistant", ["White<end_of_turn>"]),
-])
+@pytest.mark.parametrize(
+    ("loss_on", "spans"),
+    [
+        ("all_assistant", ["Blue<end_of_turn>", "Green<end_of_turn>", "White<end_of_turn>"]),
+        ("last_assistant", ["White<end_of_turn>"]),
+    ],
+)
 def test_loss_on_chooses_which_assistant_turns_carry_labels(tokenizer, loss_on, spans):
     row = encode_example(THREE_TURNS, tokenizer, loss_on)
     assert labelled_spans(row, tokenizer) == spans

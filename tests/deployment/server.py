@@ -62,16 +62,24 @@ class PrefectServer:
     def start(self, name: str, *args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.Popen:
         """Start a process in its own process group (so stopping it stops its children too)."""
         log = open(self.logs / f"{name}.log", "ab")
-        process = subprocess.Popen(args, cwd=cwd, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            args, cwd=cwd, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self._processes.append(process)
         return process
 
     def run(self, *args: str, cwd: Path = ROOT, timeout: float = 600, env: dict | None = None) -> str:
         """Run a command to completion; its output, or an error that shows it. On timeout its whole
         process group goes (a worker's flow run process with it)."""
-        process = subprocess.Popen(args, cwd=cwd, env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        process = subprocess.Popen(
+            args,
+            cwd=cwd,
+            env={**self.env, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -111,8 +119,9 @@ class PrefectServer:
             return False
 
     def __enter__(self) -> PrefectServer:
-        server = self.start("server", str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                            "--port", str(self.port))
+        server = self.start(
+            "server", str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)
+        )
         deadline = time.monotonic() + 180
         while not self.healthy():
             if server.poll() is not None or time.monotonic() > deadline:

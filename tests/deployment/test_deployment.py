@@ -54,8 +54,9 @@ def artifacts(server, key: str) -> list:
     from prefect.client.schemas.sorting import ArtifactSort
 
     with server.client_settings(), get_client(sync_client=True) as client:
-        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
-                                     sort=ArtifactSort.CREATED_DESC)
+        return client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
+        )
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,8 @@ def test_every_declared_deployment_is_deployed_with_its_recipe_and_schedule(depl
         form = deployment.parameter_openapi_schema["properties"]
         if flows[deployment.flow_id] == "plan":  # compiles for the recipe's chip, then queues the run it names
             assert set(form) == {"recipe", "overrides", "target", "then"} and declared["parameters"]["then"] in {
-                f"finetune/{other}" for other in DECLARED}
+                f"finetune/{other}" for other in DECLARED
+            }
             continue
         assert flows[deployment.flow_id] == "finetune" and deployment.job_variables["env"] == {"PYTHONHASHSEED": "0"}
         # The UI's run form: typed fields with the flow's defaults, the stages as choices.
@@ -108,7 +110,8 @@ def test_every_declared_deployment_is_deployed_with_its_recipe_and_schedule(depl
         assert (action.type, action.deployment_id) == ("run-deployment", deployment.id)
         assert automation.trigger.expect == {"prefect.flow-run.Crashed"}
         assert {"prefect.resource.role": "deployment", "prefect.resource.name": name} in [
-            spec.root for spec in automation.trigger.match_related]
+            spec.root for spec in automation.trigger.match_related
+        ]
     assert len(automations) == len(finetunes)
 
 
@@ -116,8 +119,10 @@ def test_a_deployment_run_executed_by_a_worker_runs_every_stage(deployed, first)
     run = flow_run(deployed, first)
     assert run.state.is_completed(), run.state.message
     assert run.name == NAME
-    assert task_states(deployed, first) == {**{f"{stage} · tiny gemma3 · lora r64": "Completed" for stage in ALL_STAGES},
-                                            "publish report": "Completed"}
+    assert task_states(deployed, first) == {
+        **{f"{stage} · tiny gemma3 · lora r64": "Completed" for stage in ALL_STAGES},
+        "publish report": "Completed",
+    }
 
 
 def test_the_run_publishes_its_artifacts_under_the_deployments_keys(deployed, first):
@@ -127,14 +132,20 @@ def test_the_run_publishes_its_artifacts_under_the_deployments_keys(deployed, fi
     image = report.data.split("![loss curve](data:image/png;base64,")[1].split(")")[0]
     assert base64.b64decode(image).startswith(b"\x89PNG") and len(image) > 10_000  # inline, no URL to fetch
     [metrics] = artifacts(deployed, "offline-nightly-metrics")
-    assert metrics.type == "table" and [row["metric"] for row in json.loads(metrics.data)] == ["eval loss", "perplexity", "exact match"]
+    assert metrics.type == "table" and [row["metric"] for row in json.loads(metrics.data)] == [
+        "eval loss",
+        "perplexity",
+        "exact match",
+    ]
     [progress] = artifacts(deployed, "offline-nightly-train-progress")
     assert progress.type == "progress" and float(progress.data) == 100.0
     [stages] = artifacts(deployed, "offline-nightly-stages")
     assert [row["stage"] for row in json.loads(stages.data)] == list(ALL_STAGES)
     for row in json.loads(stages.data):
         [stage] = artifacts(deployed, f"offline-nightly-stage-{row['stage'].replace('_', '-')}")
-        assert row["folder"] in stage.data and row["key"] in stage.data and Path(row["folder"], "manifest.json").is_file()
+        assert (
+            row["folder"] in stage.data and row["key"] in stage.data and Path(row["folder"], "manifest.json").is_file()
+        )
 
 
 def test_refreshing_one_stage_reruns_it_and_takes_everything_else_from_the_cache(deployed, first, store):
@@ -174,14 +185,22 @@ def restarts_of(server, run_id) -> list:
         return [r for r in client.read_flow_runs(limit=200) if r.parameters.get("restart_of") == str(run_id)]
 
 
-def test_a_run_killed_mid_train_is_started_again_by_prefect_and_resumes_to_the_uninterrupted_weights(deployed, tmp_path):
+def test_a_run_killed_mid_train_is_started_again_by_prefect_and_resumes_to_the_uninterrupted_weights(
+    deployed, tmp_path
+):
     """SIGKILL of a deployment run's process mid-train, the worker alive: the run ends Crashed, and
     the automation prefect.yaml declares (no person) starts it again with its parameters. The new
     run resumes from the checkpoint and ends with the weights and metrics of a run never killed."""
     whole_store, killed_store = tmp_path / "whole", tmp_path / "killed"
-    whole = deployed.run_deployment("offline-nightly", overrides=[*RESUMED, f"store.root={whole_store}"], until="final_eval")
-    killed = deployed.run_deployment("offline-nightly", overrides=[*RESUMED, f"store.root={killed_store}"], until="final_eval")
-    worker = deployed.start("worker-restart", str(BIN / "prefect"), "worker", "start", "--pool", "jaxtune", "--run-once")
+    whole = deployed.run_deployment(
+        "offline-nightly", overrides=[*RESUMED, f"store.root={whole_store}"], until="final_eval"
+    )
+    killed = deployed.run_deployment(
+        "offline-nightly", overrides=[*RESUMED, f"store.root={killed_store}"], until="final_eval"
+    )
+    worker = deployed.start(
+        "worker-restart", str(BIN / "prefect"), "worker", "start", "--pool", "jaxtune", "--run-once"
+    )
     deadline = time.monotonic() + 600
     process = flow_run_process(killed, deadline)
     while not (newest_checkpoint(killed_store) >= 20 and newest_logged(killed_store) > newest_checkpoint(killed_store)):
@@ -202,7 +221,11 @@ def test_a_run_killed_mid_train_is_started_again_by_prefect_and_resumes_to_the_u
     [restart] = restarted
     assert restart.deployment_id == crashed.deployment_id
     assert {k: restart.parameters[k] for k in ("recipe", "overrides", "until", "refresh")} == {
-        "recipe": "offline", "overrides": crashed.parameters["overrides"], "until": "final_eval", "refresh": []}
+        "recipe": "offline",
+        "overrides": crashed.parameters["overrides"],
+        "until": "final_eval",
+        "refresh": [],
+    }
     deployed.work_once()
     restart = flow_run(deployed, restart.id)
     assert restart.state.is_completed() and restart.name == f"{crashed.name} · restart", restart.state
@@ -217,8 +240,10 @@ def test_a_run_killed_mid_train_is_started_again_by_prefect_and_resumes_to_the_u
     for stage, name in (("train", "params.safetensors"), ("final_eval", "metrics.json")):
         [got], [expected] = (list(store.glob(f"{stage}/*/{name}")) for store in (killed_store, whole_store))
         assert got.read_bytes() == expected.read_bytes(), f"{stage}/{name}"
-    print(f"killed after step {reached} (checkpoint {saved}); the restart was created "
-          f"{restart.created.timestamp() - killed_at:.1f} s after the kill; it resumed from {saved}")
+    print(
+        f"killed after step {reached} (checkpoint {saved}); the restart was created "
+        f"{restart.created.timestamp() - killed_at:.1f} s after the kill; it resumed from {saved}"
+    )
 
 
 def test_a_run_cancelled_mid_train_ends_cancelled_and_is_not_started_again(deployed, tmp_path):
@@ -254,8 +279,9 @@ def test_jaxtune_serve_serves_the_deployments_with_their_schedules(deployed, fir
     """`jaxtune serve` registers the deployments from prefect.yaml and runs what is triggered."""
     from prefect.client.orchestration import get_client
 
-    serve = deployed.start("serve", str(BIN / "jaxtune"), "serve", "--only", "offline-nightly",
-                           env={"PREFECT_RUNNER_POLL_FREQUENCY": "2"})
+    serve = deployed.start(
+        "serve", str(BIN / "jaxtune"), "serve", "--only", "offline-nightly", env={"PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    )
     try:
         deadline = time.monotonic() + 120
         while "being served" not in deployed.log("serve"):
@@ -264,7 +290,9 @@ def test_jaxtune_serve_serves_the_deployments_with_their_schedules(deployed, fir
         with deployed.client_settings(), get_client(sync_client=True) as client:
             d = client.read_deployment_by_name("finetune/offline-nightly")
         assert [s.schedule.cron for s in d.schedules] == ["0 3 * * *"] and all(s.active for s in d.schedules)
-        assert d.work_pool_name is None and "finetune/offline-nightly was a work-pool deployment" in deployed.log("serve")
+        assert d.work_pool_name is None and "finetune/offline-nightly was a work-pool deployment" in deployed.log(
+            "serve"
+        )
         run_id = deployed.run_deployment("offline-nightly", overrides=[*TOY, f"store.root={store}"], until="tokenize")
         while not (run := flow_run(deployed, run_id)).state.is_final():
             assert serve.poll() is None and time.monotonic() < deadline + 120, deployed.log("serve")[-3000:]
@@ -291,7 +319,9 @@ def task_runs_of_store(server, store: Path, stage: str) -> list:
 
     with server.client_settings(), get_client(sync_client=True) as client:
         of_store = FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in flow_runs_of_store(client, store)]))
-        return client.read_task_runs(flow_run_filter=of_store, task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=f"{stage} · ")))
+        return client.read_task_runs(
+            flow_run_filter=of_store, task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=f"{stage} · "))
+        )
 
 
 def test_two_runs_started_together_build_each_stage_once(server, tmp_path):

@@ -20,11 +20,20 @@ pytestmark = [pytest.mark.parity, pytest.mark.slow]
 FAMILIES = [family for family in ARCHITECTURES if family != "gemma3"]
 
 SETTINGS = [
-    *TOY_MODEL, "data.max_train_rows=64", "data.max_eval_rows=24", "data.max_length=96",
+    *TOY_MODEL,
+    "data.max_train_rows=64",
+    "data.max_eval_rows=24",
+    "data.max_length=96",
     # Every family's own linear layers (GPT-2 and Phi-3 fuse q/k/v), no fully trained modules.
-    "lora.target_modules=all-linear", "lora.modules_to_save=[]",
-    "train.max_steps=8", "train.batch_size=4", "train.log_every=4", "train.warmup_steps=1",
-    "generate.num_prompts=4", "generate.max_new_tokens=6", "generate.batch_size=4",
+    "lora.target_modules=all-linear",
+    "lora.modules_to_save=[]",
+    "train.max_steps=8",
+    "train.batch_size=4",
+    "train.log_every=4",
+    "train.warmup_steps=1",
+    "generate.num_prompts=4",
+    "generate.max_new_tokens=6",
+    "generate.batch_size=4",
 ]
 
 

@@ -41,25 +41,36 @@ def test_only_stages_reading_from_the_hub_retry_and_train_never_does():
     assert downloads.retry_options("tokenize", {"model": HUB})["retry_delay_seconds"](3) == [10.0, 20.0, 40.0]
 
 
-@pytest.mark.parametrize(("error", "transient"), [
-    (httpx.ConnectError("connection reset"), True),
-    (TimeoutError("read timed out"), True),
-    (raised_from(httpx.ReadTimeout("slow"), OSError("We couldn't connect to 'https://huggingface.co'")), True),
-    (raised_from(httpx.ConnectError("reset"), DataError("acme/rows: could not load hub dataset")), True),
-    (hub_error(429), True),
-    (hub_error(500), True),
-    (hub_error(503), True),
-    (raised_from(hub_error(502), OSError("There was a specific connection error when trying to load acme/tiny")), True),
-    (hub_error(404), False),
-    (hub_error(401), False),
-    (hub_error(404, errors.RepositoryNotFoundError), False),
-    (raised_from(hub_error(404, errors.RepositoryNotFoundError), OSError("acme/tiny is not a valid model identifier")), False),
-    (hub_error(404, errors.RevisionNotFoundError), False),
-    (errors.OfflineModeIsEnabled("HF_HUB_OFFLINE=1"), False),
-    (raised_from(errors.OfflineModeIsEnabled("offline"), OSError("We couldn't connect")), False),
-    (DataError("rows.jsonl line 3: not valid JSON"), False),
-    (FileNotFoundError("no such file"), False),
-])
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [
+        (httpx.ConnectError("connection reset"), True),
+        (TimeoutError("read timed out"), True),
+        (raised_from(httpx.ReadTimeout("slow"), OSError("We couldn't connect to 'https://huggingface.co'")), True),
+        (raised_from(httpx.ConnectError("reset"), DataError("acme/rows: could not load hub dataset")), True),
+        (hub_error(429), True),
+        (hub_error(500), True),
+        (hub_error(503), True),
+        (
+            raised_from(hub_error(502), OSError("There was a specific connection error when trying to load acme/tiny")),
+            True,
+        ),
+        (hub_error(404), False),
+        (hub_error(401), False),
+        (hub_error(404, errors.RepositoryNotFoundError), False),
+        (
+            raised_from(
+                hub_error(404, errors.RepositoryNotFoundError), OSError("acme/tiny is not a valid model identifier")
+            ),
+            False,
+        ),
+        (hub_error(404, errors.RevisionNotFoundError), False),
+        (errors.OfflineModeIsEnabled("HF_HUB_OFFLINE=1"), False),
+        (raised_from(errors.OfflineModeIsEnabled("offline"), OSError("We couldn't connect")), False),
+        (DataError("rows.jsonl line 3: not valid JSON"), False),
+        (FileNotFoundError("no such file"), False),
+    ],
+)
 def test_network_failures_are_transient_and_everything_else_is_not(error, transient):
     assert downloads.is_transient(error) is transient
 
@@ -98,8 +109,11 @@ def _tokenize_run(store, monkeypatch, opener, backoff: float = 0.0):
 
     monkeypatch.setattr(tokenize, "open_tokenizer", opener)
     monkeypatch.setattr(downloads, "BACKOFF_SECONDS", backoff)
-    return finetune(overrides=["model.name=acme/tiny", "data.max_train_rows=32", "data.max_eval_rows=8",
-                               f"store.root={store}"], until="tokenize", return_state=True)
+    return finetune(
+        overrides=["model.name=acme/tiny", "data.max_train_rows=32", "data.max_eval_rows=8", f"store.root={store}"],
+        until="tokenize",
+        return_state=True,
+    )
 
 
 def _run_counts(state, settle_seconds: float = 30.0) -> dict[str, int]:
@@ -114,8 +128,12 @@ def _run_counts(state, settle_seconds: float = 30.0) -> dict[str, int]:
     deadline = time.monotonic() + settle_seconds
     with get_client(sync_client=True) as client:
         while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-            if (runs and all(run.state is not None and run.state.is_final() for run in runs)) or time.monotonic() > deadline:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+            )
+            if (
+                runs and all(run.state is not None and run.state.is_final() for run in runs)
+            ) or time.monotonic() > deadline:
                 return {run.task_key.split("-")[0]: run.run_count for run in runs}
             time.sleep(0.1)
 
@@ -149,11 +167,15 @@ def sleeps(monkeypatch) -> list[float]:
     clock = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
     clock.sleep = slept.append
     monkeypatch.setattr(task_engine, "time", clock)
-    monkeypatch.setattr(task_engine, "clamped_poisson_interval", lambda average_interval, clamping_factor: average_interval)
+    monkeypatch.setattr(
+        task_engine, "clamped_poisson_interval", lambda average_interval, clamping_factor: average_interval
+    )
     return slept
 
 
-def test_429_and_5xx_answers_are_retried_three_times_10_20_and_40_s_apart(tmp_path, monkeypatch, tokenizer_folder, sleeps):
+def test_429_and_5xx_answers_are_retried_three_times_10_20_and_40_s_apart(
+    tmp_path, monkeypatch, tokenizer_folder, sleeps
+):
     opener, calls = _tokenizer_failing([hub_error(429), hub_error(500), hub_error(503)], tokenizer_folder)
     state = _tokenize_run(tmp_path / "store", monkeypatch, opener, backoff=downloads.BACKOFF_SECONDS)
     assert state.is_completed() and state.result()["stages"] == {"tokenize": "Completed"}
@@ -170,7 +192,9 @@ def test_a_fourth_failure_is_not_retried(tmp_path, monkeypatch, tokenizer_folder
 
 
 def test_a_missing_repo_fails_at_once(tmp_path, monkeypatch, tokenizer_folder, sleeps):
-    missing = raised_from(hub_error(404, errors.RepositoryNotFoundError), OSError("acme/tiny is not a valid model identifier"))
+    missing = raised_from(
+        hub_error(404, errors.RepositoryNotFoundError), OSError("acme/tiny is not a valid model identifier")
+    )
     opener, calls = _tokenizer_failing([missing], tokenizer_folder)
     state = _tokenize_run(tmp_path / "store", monkeypatch, opener, backoff=downloads.BACKOFF_SECONDS)
     assert state.is_failed()

@@ -21,8 +21,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "jaxtune.cli", "run", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxtune.cli", "run", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_a_bad_data_file_ends_in_one_line_naming_it_and_prefect_keeps_the_traceback(tmp_path):
@@ -35,7 +41,10 @@ def test_a_bad_data_file_ends_in_one_line_naming_it_and_prefect_keeps_the_traceb
     done = run_cli("--set", f"data.source={bad}", "--set", f"store.root={store}")
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
-    assert last == f"jaxtune: build_tokenizer: {bad} line 3: not valid JSON (Expecting value at column 1) (--debug shows the traceback)"
+    assert (
+        last
+        == f"jaxtune: build_tokenizer: {bad} line 3: not valid JSON (Expecting value at column 1) (--debug shows the traceback)"
+    )
     assert "Traceback" not in done.stderr and done.stdout == ""
     assert not list(store.glob("*/*/manifest.json")) and not list(store.glob("*/.tmp-*")), "the store is as it was"
 

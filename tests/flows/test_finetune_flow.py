@@ -51,7 +51,9 @@ def test_first_run_computes_every_stage_and_reports(first, report):
 
 
 def test_exact_match_is_what_the_generations_say(store, first, report):
-    rows = [json.loads(line) for line in next((store / "generate").glob("*/generations.jsonl")).read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in next((store / "generate").glob("*/generations.jsonl")).read_text().splitlines()
+    ]
     assert len(rows) == 4
     for when in ("before", "after"):
         assert report["exact_match"][when] == sum(r[f"{when}_exact"] for r in rows) / 4
@@ -63,6 +65,7 @@ def test_exact_match_is_what_the_generations_say(store, first, report):
 def test_the_report_names_the_eval_rows_training_helped_least(store, report, first):
     """Both evals record each row's loss; the report's hardest rows are those whose loss fell
     least or rose, and its per-category shares of rows that got worse agree with the same numbers."""
+
     def rows(stage: str) -> list[float]:
         return json.loads(next((store / stage).glob("*/rows.json")).read_text())["loss"]
 
@@ -73,11 +76,15 @@ def test_the_report_names_the_eval_rows_training_helped_least(store, report, fir
     assert [r["change"] for r in hardest["rows"]] == pytest.approx(changes[:5], abs=2e-6)
     for r in hardest["rows"]:
         assert (r["baseline_loss"], r["final_loss"]) == (before[r["row"]], after[r["row"]])
-    generations = [json.loads(line) for line in next((store / "generate").glob("*/generations.jsonl")).read_text().splitlines()]
+    generations = [
+        json.loads(line) for line in next((store / "generate").glob("*/generations.jsonl")).read_text().splitlines()
+    ]
     assert [r["generation"] for r in hardest["rows"]] == [
-        generations[r["row"]]["after"] if r["row"] < 4 else None for r in hardest["rows"]]
+        generations[r["row"]]["after"] if r["row"] < 4 else None for r in hardest["rows"]
+    ]
     assert [r["prompt"] for r in hardest["rows"] if r["row"] < 4] == [
-        generations[r["row"]]["prompt"] for r in hardest["rows"] if r["row"] < 4]
+        generations[r["row"]]["prompt"] for r in hardest["rows"] if r["row"] < 4
+    ]
     worse = hardest["worse_by_category"]
     assert sum(m["rows"] for m in worse.values()) == 24
     assert sum(m["worse"] for m in worse.values()) == sum(a > b for b, a in zip(before, after))
@@ -94,9 +101,15 @@ def test_training_shows_progress_in_the_prefect_ui(store, first):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        [run] = [r for r in flow_runs_of_store(client, store) if r.parameters["overrides"] == [*TOY, f"store.root={store}"]]
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["offline-train-progress"]),
-                                                                     flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+        [run] = [
+            r for r in flow_runs_of_store(client, store) if r.parameters["overrides"] == [*TOY, f"store.root={store}"]
+        ]
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["offline-train-progress"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]),
+            )
+        )
     assert found and found[0].type == "progress" and float(found[0].data) == 100.0
 
 
@@ -104,10 +117,16 @@ def test_exported_adapter_loads_in_plain_pytorch_with_the_same_loss(store, repor
     adapter = report["export"]["path"]
     base = json.loads((Path(adapter).parent / "export.json").read_text())["base_model"]
     eval_arrow = next((store / "tokenize").glob("*/eval.arrow"))
-    [loss, base_loss] = plain_torch_losses([{"base": base, "adapter": adapter, "eval_arrow": eval_arrow},
-                                            {"base": base, "adapter": None, "eval_arrow": eval_arrow}])
-    print(f"plain PyTorch: adapter {loss:.6f} vs final {report['final']['loss']:.6f}; "
-          f"base {base_loss:.6f} vs baseline {report['baseline']['loss']:.6f}")
+    [loss, base_loss] = plain_torch_losses(
+        [
+            {"base": base, "adapter": adapter, "eval_arrow": eval_arrow},
+            {"base": base, "adapter": None, "eval_arrow": eval_arrow},
+        ]
+    )
+    print(
+        f"plain PyTorch: adapter {loss:.6f} vs final {report['final']['loss']:.6f}; "
+        f"base {base_loss:.6f} vs baseline {report['baseline']['loss']:.6f}"
+    )
     assert loss == pytest.approx(report["final"]["loss"], rel=EXPORT_RTOL)
     assert base_loss == pytest.approx(report["baseline"]["loss"], rel=EXPORT_RTOL)
 
@@ -116,8 +135,8 @@ def test_a_plan_larger_than_the_device_stops_training_before_step_1(store, first
     """The train stage reads XLA's memory plans (9.2 MiB peak here) of the step it will call, before
     calling it; on a device of 1 MiB (faked: the CPU reports no limit) train.remat auto tries every
     policy, then every split of the batch, and stops, naming what would fit."""
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures import memory
 
     def no_step(*args, **kwargs):  # the plan compiles the step from shapes alone (`steps.shared_train_step`)
         def step(*inputs):
@@ -128,8 +147,11 @@ def test_a_plan_larger_than_the_device_stops_training_before_step_1(store, first
     trained = sorted((store / "train").glob("*/manifest.json"))
     monkeypatch.setattr(memory, "device_limit", lambda: 2**20)
     monkeypatch.setattr(steps, "make_train_step", no_step)
-    with pytest.raises(MemoryError, match=r"do not fit the device: even remat layer with 1 row per micro-batch needs "
-                                          r"\d+\.\d MiB, and 1\.0 MiB is free") as refused:
+    with pytest.raises(
+        MemoryError,
+        match=r"do not fit the device: even remat layer with 1 row per micro-batch needs "
+        r"\d+\.\d MiB, and 1\.0 MiB is free",
+    ) as refused:
         run_toy(store, "train.seed=7", until="train")
     message = str(refused.value)  # what would fit by estimate: here 7 fsdp devices (rows of 135 tokens need 128+)
     assert re.search(r"Try (data\.max_length=\d+|mesh\.fsdp=\d+ on \d+ devices)", message), message
@@ -144,8 +166,14 @@ def test_full_fine_tune_exports_a_plain_hf_model_with_the_same_loss(store, first
     export_folder = Path(result["path"])
     assert json.loads((export_folder / "export.json").read_text())["kind"] == "hf_model"
     train_key = json.loads((export_folder / "manifest.json").read_text())["inputs"]["train"]
-    metrics = next(p for p in (store / "final_eval").glob("*/manifest.json")
-                   if json.loads(p.read_text())["inputs"].get("train") == train_key).parent / "metrics.json"
+    metrics = (
+        next(
+            p
+            for p in (store / "final_eval").glob("*/manifest.json")
+            if json.loads(p.read_text())["inputs"].get("train") == train_key
+        ).parent
+        / "metrics.json"
+    )
     final_loss = json.loads(metrics.read_text())["loss"]
     assert report["baseline"]["loss"] - final_loss >= TRAINED_MARGIN * report["baseline"]["loss"]
     eval_arrow = next((store / "tokenize").glob("*/eval.arrow"))

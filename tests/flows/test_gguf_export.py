@@ -61,7 +61,11 @@ def test_a_lora_run_writes_each_gguf_type_that_reads_back_as_its_merged_model(ll
     gguf = export / "gguf"
     assert [(f["file"], f["type"]) for f in info["gguf"]] == [("llama-f16.gguf", "f16"), ("llama-q8_0.gguf", "q8_0")]
     assert sorted(p.name for p in gguf.iterdir()) == [
-        "llama-f16.Modelfile", "llama-f16.gguf", "llama-q8_0.Modelfile", "llama-q8_0.gguf"]
+        "llama-f16.Modelfile",
+        "llama-f16.gguf",
+        "llama-q8_0.Modelfile",
+        "llama-q8_0.gguf",
+    ]
     assert [f["bytes"] for f in info["gguf"]] == [(gguf / f["file"]).stat().st_size for f in info["gguf"]]
     assert not any(p.name.startswith(".") for p in export.iterdir())  # the float32 source folder is gone
     assert (gguf / "llama-f16.Modelfile").read_text().startswith("FROM ./llama-f16.gguf\n")
@@ -73,16 +77,22 @@ def test_a_lora_run_writes_each_gguf_type_that_reads_back_as_its_merged_model(ll
     merged = _logits(export / "merged", ids)
     base = _logits(llama, ids)
     assert np.abs(merged - base).max() > 100 * SAME_ARITHMETIC  # the adapter moved the model
-    np.testing.assert_allclose(_logits(gguf, ids, "llama-f16.gguf"), _logits(export / "merged", ids, None, torch.float16),
-                               rtol=0, atol=SAME_ARITHMETIC)
+    np.testing.assert_allclose(
+        _logits(gguf, ids, "llama-f16.gguf"),
+        _logits(export / "merged", ids, None, torch.float16),
+        rtol=0,
+        atol=SAME_ARITHMETIC,
+    )
     q8 = _logits(gguf, ids, "llama-q8_0.gguf")
     assert np.abs(q8 - merged).max() <= Q8_0_BOUND
     # A random model's top two logits are often closer than the rounding: only a gap of more than
     # twice the bound guarantees the top token, and there it must be kept.
     top2 = np.sort(merged, -1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 2 * Q8_0_BOUND
-    print(f"q8_0: max |logit difference| {np.abs(q8 - merged).max():.2e}; top-1 kept at {int(clear.sum())} clear "
-          f"positions of {len(ids)}, at {int((q8.argmax(-1) == merged.argmax(-1)).sum())} in all")
+    print(
+        f"q8_0: max |logit difference| {np.abs(q8 - merged).max():.2e}; top-1 kept at {int(clear.sum())} clear "
+        f"positions of {len(ids)}, at {int((q8.argmax(-1) == merged.argmax(-1)).sum())} in all"
+    )
     assert clear.sum() >= 4 and (q8.argmax(-1) == merged.argmax(-1))[clear].all()
 
     # `jaxtune chat` / `generate` open the exported file (as `model.name` can), imported into the store.
@@ -91,16 +101,24 @@ def test_a_lora_run_writes_each_gguf_type_that_reads_back_as_its_merged_model(ll
     from jaxtune.runtime.modeling.model import load_torch_model
 
     imported = session.description.split("(imported as ")[1].rstrip(")")
-    expected = torch_greedy(load_torch_model(imported, None, False, "float32"), prompt, 8, tokenizer.pad_token_id,
-                            eos_ids=session.decoder.stop_ids)
+    expected = torch_greedy(
+        load_torch_model(imported, None, False, "float32"),
+        prompt,
+        8,
+        tokenizer.pad_token_id,
+        eos_ids=session.decoder.stop_ids,
+    )
     tokens = list(session.decoder.stream(prompt, 8))  # a stop token ends the stream, unyielded
-    assert expected in (tokens, [*tokens, *[t for t in expected[len(tokens):] if t in session.decoder.stop_ids][:1]])
+    assert expected in (tokens, [*tokens, *[t for t in expected[len(tokens) :] if t in session.decoder.stop_ids][:1]])
 
 
 def test_a_model_the_writer_cannot_write_is_refused_before_training(tmp_path):
     store = tmp_path / "store"
     # The toy recipes' Gemma 3 alternates sliding and global layers, a pattern llama.cpp would not run.
-    with pytest.raises(ModelError, match=r"^GGUF export: Gemma 3 layers must be five sliding-window layers to one "
-                                         r"global, as llama\.cpp runs them; this model's are sliding, full$"):
+    with pytest.raises(
+        ModelError,
+        match=r"^GGUF export: Gemma 3 layers must be five sliding-window layers to one "
+        r"global, as llama\.cpp runs them; this model's are sliding, full$",
+    ):
         run_toy(store, "export.gguf=[f16]")
     assert (store / "baseline_eval").is_dir() and not (store / "train").exists()

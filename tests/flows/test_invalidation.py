@@ -67,8 +67,9 @@ def _folder(store: Path, stage: str) -> Path:
     return store / stage / planned_keys(toy_config(store))[stage]
 
 
-@pytest.mark.parametrize("stage, name", [("train", "params.safetensors"), ("final_eval", "metrics.json"),
-                                         ("tokenize", "eval.arrow")])
+@pytest.mark.parametrize(
+    "stage, name", [("train", "params.safetensors"), ("final_eval", "metrics.json"), ("tokenize", "eval.arrow")]
+)
 def test_a_damaged_file_recomputes_its_stage_to_the_same_bytes(store, stage, name):
     file = _folder(store, stage) / name
     original = file.read_bytes()

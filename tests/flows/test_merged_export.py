@@ -83,14 +83,18 @@ print(json.dumps({
 def merge_check(export_folder: Path, store: Path, rows: int = 4) -> dict:
     """Compare `export_folder`'s merged/ with base + adapter/ on `rows` eval rows, in plain PyTorch."""
     eval_arrow = next(store.glob("tokenize/*/eval.arrow"))
-    return json.loads(run_plain(SCRIPT, str(export_folder), str(eval_arrow), str(rows), timeout=600).strip().splitlines()[-1])
+    return json.loads(
+        run_plain(SCRIPT, str(export_folder), str(eval_arrow), str(rows), timeout=600).strip().splitlines()[-1]
+    )
 
 
 def assert_merged_is_base_plus_adapter(check: dict) -> None:
     rel = check["merged_vs_adapter"] / check["magnitude"]
     base_rel = check["merged_vs_base"] / check["magnitude"]
-    print(f"merged vs base + adapter: {check['merged_vs_adapter']:.2e} on logits up to {check['magnitude']:.3f} "
-          f"({rel:.1e} relative, {check['tokens']} tokens); base alone: {base_rel:.2f} relative")
+    print(
+        f"merged vs base + adapter: {check['merged_vs_adapter']:.2e} on logits up to {check['magnitude']:.3f} "
+        f"({rel:.1e} relative, {check['tokens']} tokens); base alone: {base_rel:.2f} relative"
+    )
     assert check["tokens"] > 50
     assert rel <= MERGE_RTOL, f"merged differs from base + adapter by {rel:.2e} of the largest logit"
     assert base_rel >= 1e3 * MERGE_RTOL, f"the base alone is within {base_rel:.2e}: the check could not tell"
@@ -122,7 +126,9 @@ def test_merged_model_gives_the_logits_of_base_plus_adapter(store, merged_export
     assert_merged_is_base_plus_adapter(check)
     # An export that lost the LoRA tensors merges and adapts alike, to the base: only the trained model's own loss tells.
     final_eval = store / "final_eval" / planned_keys(toy_config(store, "export.merge=true"))["final_eval"]
-    assert check["merged_loss"] == pytest.approx(json.loads((final_eval / "metrics.json").read_text())["loss"], rel=EXPORT_RTOL)
+    assert check["merged_loss"] == pytest.approx(
+        json.loads((final_eval / "metrics.json").read_text())["loss"], rel=EXPORT_RTOL
+    )
     assert check["merged_names"] == check["base_names"]
     assert check["merged_tied"] is False
 
@@ -148,7 +154,6 @@ def test_without_merge_no_merged_folder(store, merged_export):
     assert not (folder / "merged").exists() and "merged" not in json.loads((folder / "export.json").read_text())
 
 
-
 def test_export_dtype_bfloat16_writes_bf16_tensors(store, merged_export):
     """`export.dtype=bfloat16`: every tensor of adapter/ and merged/ is bf16, the float32 export's value
     rounded once (the merge is taken in float32, then cast)."""
@@ -162,7 +167,10 @@ def test_export_dtype_bfloat16_writes_bf16_tensors(store, merged_export):
         files = sorted(p.name for p in (half_export / part).glob("*.safetensors"))
         assert files and files == sorted(p.name for p in (merged_export / part).glob("*.safetensors"))
         for file in files:
-            with safe_open(half_export / part / file, "pt") as half, safe_open(merged_export / part / file, "pt") as full:
+            with (
+                safe_open(half_export / part / file, "pt") as half,
+                safe_open(merged_export / part / file, "pt") as full,
+            ):
                 assert sorted(half.keys()) == sorted(full.keys())
                 for name in half.keys():
                     tensor, reference = half.get_tensor(name), full.get_tensor(name)

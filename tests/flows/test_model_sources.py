@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -43,20 +42,35 @@ def test_a_missing_gguf_file_is_named(tmp_path):
 def test_the_chat_template_setting_keys_every_stage_that_formats_or_decodes_text():
     plain, gemma = _keys(*TOY), _keys(*TOY, "model.chat_template=gemma")
     assert {stage for stage in plain if plain[stage] != gemma[stage]} == {
-        "tokenize", "baseline_eval", "train", "final_eval", "export", "generate", "report"}
+        "tokenize",
+        "baseline_eval",
+        "train",
+        "final_eval",
+        "export",
+        "generate",
+        "report",
+    }
 
 
 @pytest.mark.slow
 def test_the_offline_model_trains_its_tokenizer_on_a_users_own_file(tmp_path):
     from transformers import AutoTokenizer
 
-    rows = [{"prompt": f"Where does the quorbix number {i} live?", "completion": f"The quorbix {i} lives in Zandervale."}
-            for i in range(40)]
+    rows = [
+        {"prompt": f"Where does the quorbix number {i} live?", "completion": f"The quorbix {i} lives in Zandervale."}
+        for i in range(40)
+    ]
     data = tmp_path / "own.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     store = tmp_path / "store"
-    result = run_toy(store, f"data.source={data}", "data.format=prompt_completion", "data.max_train_rows=null",
-                     "data.max_eval_rows=null", until="tokenize")
+    result = run_toy(
+        store,
+        f"data.source={data}",
+        "data.format=prompt_completion",
+        "data.max_train_rows=null",
+        "data.max_eval_rows=null",
+        until="tokenize",
+    )
     assert states(result) == {"build_tokenizer": "Completed", "build_model": "Completed", "tokenize": "Completed"}
     (folder,) = (store / "build_tokenizer").iterdir()
     own = AutoTokenizer.from_pretrained(folder)

@@ -72,7 +72,10 @@ def test_recipe_runs_two_steps_on_a_tiny_model_keeping_its_settings(recipe, stor
         assert report["prompts"] == real.data.max_eval_rows
     else:
         assert report["train"]["steps"] == 2 and report["final"]["loss"] > 0
-    assert (report["data"]["train_rows"], report["data"]["eval_rows"]) == (real.data.max_train_rows, real.data.max_eval_rows)
+    assert (report["data"]["train_rows"], report["data"]["eval_rows"]) == (
+        real.data.max_train_rows,
+        real.data.max_eval_rows,
+    )
     assert report["data"]["length_percentiles"]["max"] <= real.data.max_length
     assert set(report["exact_match"]) == {"before", "after"} and report["parity"]["dtype"] == real.model.dtype
     assert report["parity"]["top1_agreement"] >= 0.9  # bf16 rounding may flip a near tie, rarely
@@ -86,6 +89,7 @@ def test_recipe_runs_two_steps_on_a_tiny_model_keeping_its_settings(recipe, stor
         assert any("v_row" in key for key in optimizer_state), "factored second moments"
         assert report["export"]["kind"] == "hf_model"
     else:
-        assert method["lora"]["r"] == real.lora.r and tuple(method["lora"]["target_modules"]) == real.lora.target_modules
+        assert (
+            method["lora"]["r"] == real.lora.r and tuple(method["lora"]["target_modules"]) == real.lora.target_modules
+        )
         assert any(".mu" in key for key in optimizer_state) and report["export"]["kind"] == "peft_adapter"
-

@@ -23,14 +23,24 @@ pytestmark = [pytest.mark.training, pytest.mark.slow]
 
 ROOT = Path(__file__).parents[2]
 SETTINGS = [
-    *TOY_MODEL, "data.max_train_rows=256", "data.max_eval_rows=16", "data.max_length=64", "lora.dropout=0.1",
-    "train.max_steps=60", "train.batch_size=4", "train.grad_accumulation=2", "train.checkpoint_every=5",
-    "train.log_every=3", "train.warmup_steps=2",
+    *TOY_MODEL,
+    "data.max_train_rows=256",
+    "data.max_eval_rows=16",
+    "data.max_length=64",
+    "lora.dropout=0.1",
+    "train.max_steps=60",
+    "train.batch_size=4",
+    "train.grad_accumulation=2",
+    "train.checkpoint_every=5",
+    "train.log_every=3",
+    "train.warmup_steps=2",
 ]
 
 
 def newest_checkpoint(store: Path) -> int:
-    steps = [int(p.name.removeprefix("step-")) for p in store.glob(".scratch/train/*/step-*") if (p / "state.json").is_file()]
+    steps = [
+        int(p.name.removeprefix("step-")) for p in store.glob(".scratch/train/*/step-*") if (p / "state.json").is_file()
+    ]
     return max(steps, default=0)
 
 
@@ -51,8 +61,14 @@ def run_and_kill(store: Path, after_step: int, sig: int = signal.SIGKILL) -> tup
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
     args = [a for s in [*SETTINGS, f"store.root={store}"] for a in ("--set", s)]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "run", *args, "--until", "train"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxtune.cli", "run", *args, "--until", "train"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 600
     while newest_logged(store) < after_step:
         if proc.poll() is not None:
@@ -68,8 +84,10 @@ def run_and_kill(store: Path, after_step: int, sig: int = signal.SIGKILL) -> tup
         print(f"SIGTERM to exit: {time.monotonic() - signalled:.1f} s")
         step = newest_checkpoint(store)
         assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-        assert err.strip().splitlines()[-1] == (f"jaxtune: train: stopped by SIGTERM at step {step}; checkpoint saved "
-                                                f"({next(store.glob(f'.scratch/train/*/step-{step:08d}'))}); run again to resume")
+        assert err.strip().splitlines()[-1] == (
+            f"jaxtune: train: stopped by SIGTERM at step {step}; checkpoint saved "
+            f"({next(store.glob(f'.scratch/train/*/step-{step:08d}'))}); run again to resume"
+        )
     return newest_logged(store), newest_checkpoint(store)
 
 
@@ -99,14 +117,19 @@ def test_training_killed_twice_resumes_to_the_uninterrupted_weights(tmp_path):
 
     with get_client(sync_client=True) as client:
         stopped = max(flow_runs_of_store(client, store), key=lambda run: run.start_time)
-    assert stopped.state.is_crashed() and stopped.state.message.startswith(f"train: stopped by SIGTERM at step {third}; ")
+    assert stopped.state.is_crashed() and stopped.state.message.startswith(
+        f"train: stopped by SIGTERM at step {third}; "
+    )
 
     resumed = train_in_process(store)
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["resumed_from"] == third
     interruptions = summary["interruptions"]  # what the report counts
-    assert [(i["stopped_by"], i["resumed_from"]) for i in interruptions] == [("killed", first), ("killed", second),
-                                                                             ("SIGTERM", third)]
+    assert [(i["stopped_by"], i["resumed_from"]) for i in interruptions] == [
+        ("killed", first),
+        ("killed", second),
+        ("SIGTERM", third),
+    ]
     assert interruptions[0]["reached"] >= killed and interruptions[1]["reached"] >= killed_again
     assert [i["lost_steps"] for i in interruptions] == [i["reached"] - i["resumed_from"] for i in interruptions]
     assert interruptions[2]["lost_steps"] == 0
@@ -115,8 +138,10 @@ def test_training_killed_twice_resumes_to_the_uninterrupted_weights(tmp_path):
     expected, got = load_file(str(reference / "params.safetensors")), load_file(str(resumed / "params.safetensors"))
     assert set(got) == set(expected)
     worst = max(float(np.abs(got[k] - expected[k]).max()) for k in expected)
-    print(f"killed after step {killed} (checkpoint {first}) and {killed_again} (checkpoint {second}), "
-          f"resumed from {summary['resumed_from']}: max abs weight diff {worst:.1e}")
+    print(
+        f"killed after step {killed} (checkpoint {first}) and {killed_again} (checkpoint {second}), "
+        f"resumed from {summary['resumed_from']}: max abs weight diff {worst:.1e}"
+    )
     for name in expected:  # bit-identical: same data position, same dropout keys, same compiled step
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
     assert not list(store.glob(".scratch/train/*/step-*")), "checkpoints are removed once the artifact is complete"

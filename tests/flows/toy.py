@@ -7,12 +7,28 @@ from pathlib import Path
 from tests.flows.shapes import TOY_MODEL
 
 TOY = [
-    *TOY_MODEL, "data.max_train_rows=64", "data.max_eval_rows=24",
-    "train.max_steps=4", "train.batch_size=4", "train.log_every=2", "train.warmup_steps=1",
-    "generate.num_prompts=4", "generate.max_new_tokens=6", "generate.batch_size=4",
+    *TOY_MODEL,
+    "data.max_train_rows=64",
+    "data.max_eval_rows=24",
+    "train.max_steps=4",
+    "train.batch_size=4",
+    "train.log_every=2",
+    "train.warmup_steps=1",
+    "generate.num_prompts=4",
+    "generate.max_new_tokens=6",
+    "generate.batch_size=4",
 ]
-ALL_STAGES = ("build_tokenizer", "build_model", "tokenize", "baseline_eval", "train", "final_eval", "export", "generate",
-              "report")
+ALL_STAGES = (
+    "build_tokenizer",
+    "build_model",
+    "tokenize",
+    "baseline_eval",
+    "train",
+    "final_eval",
+    "export",
+    "generate",
+    "report",
+)
 
 
 def toy_config(store: Path, *overrides: str):

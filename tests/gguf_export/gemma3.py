@@ -47,20 +47,36 @@ def save_tiny_gemma3(folder: Path, texts: list[str], layers: int = 6, sliding_wi
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.architectures import tiny_config
 
     tokenizer = save_spm_tokenizer(folder, texts)
     vocab = len(tokenizer)
-    shape = TinyModelConfig(architecture="gemma3", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=256, sliding_window=sliding_window,
-                            vocab_size=vocab)
-    config = tiny_config("gemma3", shape, vocab, tokenizer.pad_token_id, tokenizer.bos_token_id,
-                         tokenizer.convert_tokens_to_ids("<end_of_turn>"))
+    shape = TinyModelConfig(
+        architecture="gemma3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        sliding_window=sliding_window,
+        vocab_size=vocab,
+    )
+    config = tiny_config(
+        "gemma3",
+        shape,
+        vocab,
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.convert_tokens_to_ids("<end_of_turn>"),
+    )
     config.layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
     config.query_pre_attn_scalar = 256
-    config.rope_parameters = {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    config.rope_parameters = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms away from their zero start, so the +1 llama.cpp expects shows if missed

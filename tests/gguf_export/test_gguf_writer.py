@@ -94,8 +94,10 @@ def test_q8_0_keeps_every_top_token_within_its_bound(model_folder, ids, tmp_path
     assert np.abs(got - expected).max() <= Q8_0_BOUND
     assert (got.argmax(-1) == expected.argmax(-1)).all()
     float32_bytes = sum(f.stat().st_size for f in model_folder.glob("*.safetensors"))
-    print(f"q8_0: max |logit difference| {np.abs(got - expected).max():.2e}; "
-          f"{path.stat().st_size} bytes against {float32_bytes} of float32")
+    print(
+        f"q8_0: max |logit difference| {np.abs(got - expected).max():.2e}; "
+        f"{path.stat().st_size} bytes against {float32_bytes} of float32"
+    )
 
 
 # Text that exercises each kind of token: merged pieces, runs of spaces, characters outside the
@@ -114,7 +116,10 @@ def test_the_tokenizer_and_chat_template_come_back(model_folder, tmp_path):
     for text in TEXTS:
         assert reread.encode(text) == original.encode(text), text
     assert (reread.bos_token_id, reread.eos_token_id, reread.pad_token_id) == (
-        original.bos_token_id, original.eos_token_id, original.pad_token_id)
+        original.bos_token_id,
+        original.eos_token_id,
+        original.pad_token_id,
+    )
     assert reread.chat_template == original.chat_template
     conversation = [{"role": "user", "content": "a fox?"}, {"role": "assistant", "content": "yes"}]
     assert reread.apply_chat_template(conversation) == original.apply_chat_template(conversation)
@@ -124,7 +129,9 @@ def test_an_unsupported_model_is_one_line_naming_what_is_supported(tmp_path):
     from tests.conftest import tiny_model
 
     tiny_model("gemma2").save_pretrained(tmp_path)
-    with pytest.raises(ModelError, match=r"^GGUF export: model type 'gemma2' is not supported; supported: gemma3_text, llama$"):
+    with pytest.raises(
+        ModelError, match=r"^GGUF export: model type 'gemma2' is not supported; supported: gemma3_text, llama$"
+    ):
         write_gguf(tmp_path, tmp_path / "x.gguf")
     tiny_model("llama").save_pretrained(tmp_path)  # Llama 3's scaled RoPE
     with pytest.raises(ModelError, match=r"^GGUF export: RoPE scaling 'llama3' is not supported; only unscaled RoPE$"):
@@ -139,18 +146,27 @@ def test_a_gemma3_that_llama_cpp_would_run_otherwise_is_refused(gemma3):
 
     tokenizer = AutoTokenizer.from_pretrained(gemma3)
     check_exportable(AutoConfig.from_pretrained(gemma3), tokenizer)  # passes
-    with pytest.raises(ModelError, match=r"^GGUF export: Gemma 3 layers must be five sliding-window layers to one "
-                                         r"global, as llama\.cpp runs them; this model's are sliding, full$"):
+    with pytest.raises(
+        ModelError,
+        match=r"^GGUF export: Gemma 3 layers must be five sliding-window layers to one "
+        r"global, as llama\.cpp runs them; this model's are sliding, full$",
+    ):
         check_exportable(tiny_model("gemma3").config, tokenizer)  # alternating, as the toy recipes'
     config = AutoConfig.from_pretrained(gemma3)
     config.query_pre_attn_scalar = 64
-    with pytest.raises(ModelError, match=r"^GGUF export: Gemma 3 queries scaled by 1/sqrt\(64\) are not supported; "
-                                         r"llama\.cpp scales by 1/sqrt\(head_dim\) = 1/sqrt\(256\)$"):
+    with pytest.raises(
+        ModelError,
+        match=r"^GGUF export: Gemma 3 queries scaled by 1/sqrt\(64\) are not supported; "
+        r"llama\.cpp scales by 1/sqrt\(head_dim\) = 1/sqrt\(256\)$",
+    ):
         check_exportable(config, tokenizer)
     config = AutoConfig.from_pretrained(gemma3)
     config.rope_parameters["sliding_attention"]["rope_theta"] = 20000.0
-    with pytest.raises(ModelError, match=r"^GGUF export: a Gemma 3 local RoPE base of 20000 is not supported; "
-                                         r"llama\.cpp runs 10000$"):
+    with pytest.raises(
+        ModelError,
+        match=r"^GGUF export: a Gemma 3 local RoPE base of 20000 is not supported; "
+        r"llama\.cpp runs 10000$",
+    ):
         check_exportable(config, tokenizer)
 
 
@@ -160,7 +176,9 @@ def test_a_folder_without_a_bpe_tokenizer_is_refused_before_a_file_is_written(fo
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare)
     (bare / "tokenizer.json").unlink()
-    with pytest.raises(ModelError, match=r"tokenizer\.json: missing; GGUF export writes tokenizers from a tokenizer\.json only$"):
+    with pytest.raises(
+        ModelError, match=r"tokenizer\.json: missing; GGUF export writes tokenizers from a tokenizer\.json only$"
+    ):
         write_gguf(bare, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
 
@@ -208,7 +226,9 @@ def test_the_exportable_check_names_the_tokenizer_and_the_architecture(folder, t
     from tests.conftest import tiny_model
 
     check_exportable(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))  # passes
-    with pytest.raises(ModelError, match=r"^GGUF export: model type 'qwen3' is not supported; supported: gemma3_text, llama$"):
+    with pytest.raises(
+        ModelError, match=r"^GGUF export: model type 'qwen3' is not supported; supported: gemma3_text, llama$"
+    ):
         check_exportable(tiny_model("qwen3").config, AutoTokenizer.from_pretrained(folder))
 
 
@@ -247,19 +267,25 @@ def test_the_ollama_modelfile_formats_turns_as_the_chat_template_does(folder):
 
     gemma_style = AutoTokenizer.from_pretrained(folder)
     assert ollama_modelfile("llama-f16.gguf", gemma_style) == (
-        f'FROM ./llama-f16.gguf\n{OLLAMA_GEMMA}\nPARAMETER stop "<end_of_turn>"\n')
+        f'FROM ./llama-f16.gguf\n{OLLAMA_GEMMA}\nPARAMETER stop "<end_of_turn>"\n'
+    )
     chatml = AutoTokenizer.from_pretrained(folder)
     chatml.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     chatml.chat_template = CHATML
     assert ollama_modelfile("llama-q8_0.gguf", chatml) == (
-        f'FROM ./llama-q8_0.gguf\n{OLLAMA_CHATML}\nPARAMETER stop "<|im_end|>"\n')
+        f'FROM ./llama-q8_0.gguf\n{OLLAMA_CHATML}\nPARAMETER stop "<|im_end|>"\n'
+    )
     chatml.chat_template = None
     assert ollama_modelfile("llama-q8_0.gguf", chatml) == "FROM ./llama-q8_0.gguf\n"
 
 
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-LLAMA_3_SPLIT = {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"},
-                 "behavior": "Isolated", "invert": False}
+LLAMA_3_SPLIT = {
+    "type": "Split",
+    "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"},
+    "behavior": "Isolated",
+    "invert": False,
+}
 
 
 def test_the_pre_tokenizer_is_the_llama_cpp_one_that_splits_text_alike(folder, tmp_path):
@@ -270,12 +296,19 @@ def test_the_pre_tokenizer_is_the_llama_cpp_one_that_splits_text_alike(folder, t
     bpe = {"model": {"type": "BPE"}, "normalizer": None}
     assert llama_cpp_vocabulary({**bpe, "pre_tokenizer": BYTE_LEVEL}, "t") == Vocabulary("gpt2", "gpt-2")
     digits_first = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, BYTE_LEVEL]}
-    assert llama_cpp_vocabulary({**bpe, "pre_tokenizer": digits_first}, "t") == Vocabulary("gpt2", "smollm")  # SmolLM2's hub tokenizer
-    for other in ({**BYTE_LEVEL, "add_prefix_space": True},
-                  {"type": "Sequence", "pretokenizers": [LLAMA_3_SPLIT, {**BYTE_LEVEL, "use_regex": False}]}):
-        with pytest.raises(ModelError, match=r"^t: GGUF export writes byte-level BPE tokenizers that split text as "
-                                             r"GPT-2 or SmolLM do, and SentencePiece BPE tokenizers; this one is BPE "
-                                             r"with normalizer null and pre-tokenizer \{"):
+    assert llama_cpp_vocabulary({**bpe, "pre_tokenizer": digits_first}, "t") == Vocabulary(
+        "gpt2", "smollm"
+    )  # SmolLM2's hub tokenizer
+    for other in (
+        {**BYTE_LEVEL, "add_prefix_space": True},
+        {"type": "Sequence", "pretokenizers": [LLAMA_3_SPLIT, {**BYTE_LEVEL, "use_regex": False}]},
+    ):
+        with pytest.raises(
+            ModelError,
+            match=r"^t: GGUF export writes byte-level BPE tokenizers that split text as "
+            r"GPT-2 or SmolLM do, and SentencePiece BPE tokenizers; this one is BPE "
+            r"with normalizer null and pre-tokenizer \{",
+        ):
             llama_cpp_vocabulary({**bpe, "pre_tokenizer": other}, "t")
     path = write_gguf(folder, tmp_path / "model-f16.gguf", "f16")
     field = gguf.GGUFReader(path).fields["tokenizer.ggml.pre"]
@@ -296,7 +329,9 @@ def test_a_sentencepiece_vocabulary_is_written_for_llama_cpps_own_sentencepiece_
 
     assert llama_cpp_vocabulary({**SPM, "normalizer": TO_UNDERSCORE}, "t") == Vocabulary("llama", "default", False)
     prepended = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, TO_UNDERSCORE]}
-    assert llama_cpp_vocabulary({**SPM, "normalizer": prepended}, "t") == Vocabulary("llama", "default", True)  # Llama 2's
+    assert llama_cpp_vocabulary({**SPM, "normalizer": prepended}, "t") == Vocabulary(
+        "llama", "default", True
+    )  # Llama 2's
     path = write_gguf(gemma3, tmp_path / "model-f16.gguf", "f16")
     fields = gguf.GGUFReader(path).fields
     tokenizer = AutoTokenizer.from_pretrained(gemma3)
@@ -312,8 +347,13 @@ def test_a_sentencepiece_vocabulary_is_written_for_llama_cpps_own_sentencepiece_
     scores = dict(zip(tokens, fields["tokenizer.ggml.scores"].contents()))
     merges = json.loads((gemma3 / "tokenizer.json").read_text())["model"]["merges"]
     made = list(dict.fromkeys("".join(merge) for merge in merges))  # each merged token, by its best merge
-    assert [scores[t] for t in made] == sorted((scores[t] for t in made), reverse=True) and len(set(map(scores.get, made))) == len(made)
-    assert fields["gemma3.attention.sliding_window"].contents() == 8 and fields["gemma3.attention.key_length"].contents() == 256
+    assert [scores[t] for t in made] == sorted((scores[t] for t in made), reverse=True) and len(
+        set(map(scores.get, made))
+    ) == len(made)
+    assert (
+        fields["gemma3.attention.sliding_window"].contents() == 8
+        and fields["gemma3.attention.key_length"].contents() == 256
+    )
     assert (fields["gemma3.rope.freq_base"].contents(), fields["gemma3.rope.freq_base_swa"].contents()) == (1e6, 1e4)
 
 
@@ -322,8 +362,11 @@ def test_a_bpe_vocabulary_llama_cpp_would_merge_otherwise_is_refused():
     vocab = {"<0x41>": 0, "a": 1, "b": 2, "c": 3, "ab": 4, "bc": 5, "abc": 6}
     merges = [["b", "c"], ["a", "b"], ["ab", "c"]]  # "a" + "bc" makes "abc" too, but no merge says so
     spm = {**SPM, "normalizer": TO_UNDERSCORE, "added_tokens": []}
-    with pytest.raises(ModelError, match=r"^t: token 'abc' splits into 'a' and 'bc' but no merge joins them: not a "
-                                         r"SentencePiece BPE vocabulary llama\.cpp would tokenize alike$"):
+    with pytest.raises(
+        ModelError,
+        match=r"^t: token 'abc' splits into 'a' and 'bc' but no merge joins them: not a "
+        r"SentencePiece BPE vocabulary llama\.cpp would tokenize alike$",
+    ):
         sentencepiece_scores({**spm, "model": {**spm["model"], "vocab": vocab, "merges": merges}}, "t")
     complete = [*merges, ["a", "bc"]]
     scores = sentencepiece_scores({**spm, "model": {**spm["model"], "vocab": vocab, "merges": complete}}, "t")

@@ -37,8 +37,9 @@ def exported(request, real_store, tmp_path_factory) -> Path:
 
     case = {"smollm2": TestSmolLM2, "gemma3": TestGemma3}[request.param]
     checkpoint = checks.import_checkpoint(case.place, real_store, case.chat_template)
-    result = checks.three_lora_steps(checkpoint, tmp_path_factory.mktemp(case.name), "export.merge=true",
-                                     "export.gguf=[f16, q8_0]")
+    result = checks.three_lora_steps(
+        checkpoint, tmp_path_factory.mktemp(case.name), "export.merge=true", "export.gguf=[f16, q8_0]"
+    )
     return Path(result["path"])
 
 
@@ -55,9 +56,17 @@ def prompts(exported) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(exported / "merged")
     rows = [json.loads(line) for line in OFFLINE_DATA.read_text().splitlines()[HELD_OUT]]
-    questions = [f"{row['context']}\n\n{row['instruction']}" if row.get("context") else row["instruction"] for row in rows]
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)) for q in questions]
+    questions = [
+        f"{row['context']}\n\n{row['instruction']}" if row.get("context") else row["instruction"] for row in rows
+    ]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in questions
+    ]
 
 
 def llama(path: Path):
@@ -120,8 +129,10 @@ def test_f16_greedy_answers_equal_jaxtunes_but_at_near_ties(exported, prompts):
         gap = (top2[0] - top2[1]).item() / logits.abs().max().item()
         assert gap <= F16_TIE, (part, gap, ours, theirs)
         ties += 1
-    print(f"{gguf_file(exported, 'f16').name}: {same} of {len(prompts)} greedy answers identical, {ties} parted at a near tie; "
-          f"decode: jaxtune {ours_tokens / ours_seconds:.1f} tokens/s, llama.cpp {theirs_tokens / theirs_seconds:.1f} tokens/s")
+    print(
+        f"{gguf_file(exported, 'f16').name}: {same} of {len(prompts)} greedy answers identical, {ties} parted at a near tie; "
+        f"decode: jaxtune {ours_tokens / ours_seconds:.1f} tokens/s, llama.cpp {theirs_tokens / theirs_seconds:.1f} tokens/s"
+    )
     assert same >= len(prompts) // 2
 
 
@@ -143,5 +154,7 @@ def test_q8_0_keeps_the_top_token_under_teacher_forcing(exported, prompts):
         got = np.argmax(model.scores[: len(tokens)], axis=-1)
         agreed += int((got == expected).sum())
         total += len(tokens)
-    print(f"{gguf_file(exported, 'q8_0').name}: teacher-forced top-1 kept at {agreed} of {total} positions ({agreed / total:.3f})")
+    print(
+        f"{gguf_file(exported, 'q8_0').name}: teacher-forced top-1 kept at {agreed} of {total} positions ({agreed / total:.3f})"
+    )
     assert agreed >= Q8_0_TOP1 * total

@@ -23,7 +23,9 @@ STEPS = 5
 VOCAB, PAD, BOS, EOS = 256, 0, 2, 1
 LENGTHS = [9, 14, 22, 30, 41, 47, 60, 12, 18, 35, 50, 25, 7, 33, 28, 16] * 2
 HISTORY_MESHES = (MESHES[0],)  # the runs whose moments are kept step by step: the reference the bounds come from
-PLAN_LENGTH = 2  # the memory plan's tokens a row, one row a device: activations next to nothing, the state's bytes alone
+PLAN_LENGTH = (
+    2  # the memory plan's tokens a row, one row a device: activations next to nothing, the state's bytes alone
+)
 OVERRIDE_MESH = (1, 4, 2)
 # Two weights the built-in rules place otherwise: lm_head [tensor, fsdp] becomes [fsdp, tensor],
 # layer 0's q_proj [tensor, fsdp] becomes whole.
@@ -34,12 +36,20 @@ def tiny_llama():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxtune.offline.architectures import tiny_config
     from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.architectures import tiny_config
 
-    shape = TinyModelConfig(architecture="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-                            tie_word_embeddings=False)
+    shape = TinyModelConfig(
+        architecture="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     config = tiny_config("llama", shape, VOCAB, PAD, BOS, EOS)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
@@ -62,8 +72,12 @@ def _placed(array) -> dict:
     its batch dimension the devices hold, each distinct [start, stop) once."""
     axis = 1 if array.ndim == 3 else 0  # (micro_batches, rows, t) or (rows, t)
     held = {(s.index[axis].start or 0, s.index[axis].stop or array.shape[axis]) for s in array.addressable_shards}
-    return {"spec": _spec(array.sharding), "shape": list(array.shape),
-            "shard_shape": list(array.sharding.shard_shape(array.shape)), "rows": sorted(map(list, held))}
+    return {
+        "spec": _spec(array.sharding),
+        "shape": list(array.shape),
+        "shard_shape": list(array.sharding.shard_shape(array.shape)),
+        "rows": sorted(map(list, held)),
+    }
 
 
 def _moments(opt_state) -> dict:
@@ -141,18 +155,19 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
     import numpy as np
 
     from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-    from jaxtune.runtime.train import training
-    from jaxtune.runtime.measures import memory
-    from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import memory
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.train import training
 
     data, fsdp, tensor = sizes
     placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
     module = tiny_llama()
-    lora = LoraConfig(r=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                     "down_proj"])
+    lora = LoraConfig(
+        r=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     if method == "lora":
         module = rt_model.attach_lora(module, lora)
     else:
@@ -163,13 +178,24 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
     initial = {name: np.asarray(value) for name, value in model.weights.items()}  # training donates them
 
     ids, labels = rows()
-    cfg = TrainConfig(method=method, max_steps=STEPS, batch_size=8, learning_rate=1e-3, warmup_steps=1, log_every=1, seed=0)
+    cfg = TrainConfig(
+        method=method, max_steps=STEPS, batch_size=8, learning_rate=1e-3, warmup_steps=1, log_every=1, seed=0
+    )
     recorder.take()
     # The memory plan compiles the step once more: for the fully fine-tuned runs only, at one row
     # of PLAN_LENGTH tokens a device, so that XLA's bytes are the state's (the test says why).
     # The policy train.remat auto takes where no memory is reported (the CPU), as the run below does.
-    plan = memory.memory_plan(model, steps.make_optimizer(cfg), cfg.model_copy(update={"remat": "matmuls"}), PLAN_LENGTH,
-                              rows=placement.batch_shards) if method == "full" else None
+    plan = (
+        memory.memory_plan(
+            model,
+            steps.make_optimizer(cfg),
+            cfg.model_copy(update={"remat": "matmuls"}),
+            PLAN_LENGTH,
+            rows=placement.batch_shards,
+        )
+        if method == "full"
+        else None
+    )
     counter.train_steps = 0
     result = training.train(model, ids, labels, cfg, PAD, 64, check_memory=False)
     compiles = counter.train_steps
@@ -187,20 +213,28 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
         module.save_pretrained(folder)
     records = [r for r in result.log if "loss" in r]
     return {
-        "method": method, "mesh": list(sizes), "devices": placement.mesh.size,
+        "method": method,
+        "mesh": list(sizes),
+        "devices": placement.mesh.size,
         "losses": [r["loss"] for r in records],
-        "lrs": [r["lr"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
+        "lrs": [r["lr"] for r in records],
+        "grad_norms": [r["grad_norm"] for r in records],
         "train_step_compiles": compiles,
-        "specs": specs, "shapes": shapes,
+        "specs": specs,
+        "shapes": shapes,
         "optimizer_specs": _optimizer_specs(cfg, model),
-        "eval_loss": evaluation["loss"], "eval_tokens": evaluation["tokens"], "generated": tokens,
+        "eval_loss": evaluation["loss"],
+        "eval_tokens": evaluation["tokens"],
+        "generated": tokens,
         "adapter": str(folder) if method == "lora" else None,
-        "weights": str(_save_weights(result.weights, out, method, sizes, initial,
-                                     moments if sizes in HISTORY_MESHES else [])),
-        "summary_mesh": result.summary["mesh"],
-        "batch_shape": result.summary["batch_shape"],
+        "weights": str(
+            _save_weights(result.weights, out, method, sizes, initial, moments if sizes in HISTORY_MESHES else [])
+        ),
+        "summary_mesh": result.summary.mesh,
+        "batch_shape": result.summary.batch_shape,
         "batches": batches,
-        "memory": plan, "xla_memory": xla,
+        "memory": plan,
+        "xla_memory": xla,
     }
 
 
@@ -236,14 +270,16 @@ def overridden(sizes: tuple[int, int, int]) -> dict:
     """The tiny Llama placed (nothing trained) on a mesh of `sizes` with OVERRIDES in its config:
     {weight: its jax.Array's spec and per-device shape}."""
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.modeling import model as rt_model
 
     data, fsdp, tensor = sizes
     placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor, shardings=OVERRIDES))
     model = rt_model.to_jax(tiny_llama(), placement)
-    return {name: {"spec": _spec(value.sharding), "shard_shape": list(value.sharding.shard_shape(value.shape))}
-            for name, value in model.weights.items()}
+    return {
+        name: {"spec": _spec(value.sharding), "shard_shape": list(value.sharding.shard_shape(value.shape))}
+        for name, value in model.weights.items()
+    }
 
 
 def main(out: Path) -> None:

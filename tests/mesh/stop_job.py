@@ -9,8 +9,8 @@ import signal
 import sys
 import time
 
-from jaxtune.host import processes, stopping
 from jaxtune.config import MeshConfig
+from jaxtune.host import processes, stopping
 
 AT = 5
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.host import launch
 from jaxtune.cli.main import main
+from jaxtune.host import launch
 
 pytestmark = pytest.mark.mesh
 
-ARGS = ["run", "configs/x.yaml", "--set", "data.source=my data.jsonl", "--set", "train.note=it's \"quoted\" $HOME"]
+ARGS = ["run", "configs/x.yaml", "--set", "data.source=my data.jsonl", "--set", 'train.note=it\'s "quoted" $HOME']
 
 
 def test_local_processes_get_the_job_variables_and_the_same_command():
@@ -42,7 +42,11 @@ def test_local_processes_get_the_job_variables_and_the_same_command():
 def test_without_cpu_devices_the_platform_is_left_alone():
     [p] = launch.plan(1, ["run"], coordinator="10.0.0.2:1234", base_env={"XLA_FLAGS": "--xla_dump_to=/d"})
     assert "JAX_PLATFORMS" not in p.env and p.env["XLA_FLAGS"] == "--xla_dump_to=/d"
-    assert (p.env["JAX_COORDINATOR_ADDRESS"], p.env["JAX_NUM_PROCESSES"], p.env["JAX_PROCESS_ID"]) == ("10.0.0.2:1234", "1", "0")
+    assert (p.env["JAX_COORDINATOR_ADDRESS"], p.env["JAX_NUM_PROCESSES"], p.env["JAX_PROCESS_ID"]) == (
+        "10.0.0.2:1234",
+        "1",
+        "0",
+    )
 
 
 def test_host_command_receives_the_quoted_command_with_its_environment():
@@ -54,8 +58,16 @@ def test_host_command_receives_the_quoted_command_with_its_environment():
         assert words[:7] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-pod", "--zone"]
         assert words[8] == f"--worker={i}" and words[9] == "--command" and len(words) == 11
         remote = shlex.split(words[10])  # as the remote shell splits the one argument it gets
-        assert remote == ["env", "JAX_COORDINATOR_ADDRESS=10.0.0.2:8476", "JAX_NUM_PROCESSES=2", f"JAX_PROCESS_ID={i}",
-                          "XLA_FLAGS=--xla_force_host_platform_device_count=4", "JAX_PLATFORMS=cpu", "jaxtune", *ARGS]
+        assert remote == [
+            "env",
+            "JAX_COORDINATOR_ADDRESS=10.0.0.2:8476",
+            "JAX_NUM_PROCESSES=2",
+            f"JAX_PROCESS_ID={i}",
+            "XLA_FLAGS=--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS=cpu",
+            "jaxtune",
+            *ARGS,
+        ]
 
 
 def test_host_command_without_coordinator_leaves_it_to_jax():
@@ -64,15 +76,18 @@ def test_host_command_without_coordinator_leaves_it_to_jax():
     assert shlex.split(shlex.split(p.shown)[2]) == ["env", "JAX_NUM_PROCESSES=2", "JAX_PROCESS_ID=0", "jaxtune", "run"]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"count": 0}, "--processes"),
-    ({"cpu_devices": 0}, "--cpu-devices"),
-    ({"arguments": []}, "no jaxtune command"),
-    ({"arguments": ["launch", "--processes", "2"]}, "itself"),
-    ({"host_command": "ssh h {command}"}, "{process_id}"),
-    ({"host_command": "ssh h{process_id}"}, "{command}"),
-    ({"coordinator": "no-port"}, "HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"count": 0}, "--processes"),
+        ({"cpu_devices": 0}, "--cpu-devices"),
+        ({"arguments": []}, "no jaxtune command"),
+        ({"arguments": ["launch", "--processes", "2"]}, "itself"),
+        ({"host_command": "ssh h {command}"}, "{process_id}"),
+        ({"host_command": "ssh h{process_id}"}, "{command}"),
+        ({"coordinator": "no-port"}, "HOST:PORT"),
+    ],
+)
 def test_launch_arguments_that_describe_no_job_are_refused(kwargs, message):
     arguments = {"count": 2, "arguments": ["run"], **kwargs}
     with pytest.raises(launch.LaunchError, match=message.replace("{", r"\{").replace("}", r"\}")):
@@ -109,7 +124,9 @@ def test_output_lines_are_prefixed_with_the_process_index():
 def test_a_failing_process_stops_the_others_and_gives_its_status(tmp_path):
     marker = tmp_path / "survived"
     # Process 0 would outlive the test by far, and its child (as Prefect's server would) too.
-    status, out, err, seconds = _run([f"(sleep 60; touch {marker}) & sleep 60; touch {marker}", "echo bye; sleep 0.3; exit 3"])
+    status, out, err, seconds = _run(
+        [f"(sleep 60; touch {marker}) & sleep 60; touch {marker}", "echo bye; sleep 0.3; exit 3"]
+    )
     assert status == 3 and seconds < 20
     assert "[1] bye" in out
     assert "process 1 exited with status 3; stopping process 0" in err
@@ -129,14 +146,23 @@ def test_sigterm_to_the_launcher_is_passed_on_to_every_process(tmp_path):
     import signal
     import subprocess
 
-    scripts = [f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; touch {tmp_path}/started-{i}; sleep 60 & wait"
-               for i in (0, 1)]
-    code = ("import os, signal, sys; from jaxtune.host import launch; "
-            f"scripts = {scripts!r}; "
-            "status = launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]); "
-            "print(status, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
-    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[2], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    scripts = [
+        f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; touch {tmp_path}/started-{i}; sleep 60 & wait"
+        for i in (0, 1)
+    ]
+    code = (
+        "import os, signal, sys; from jaxtune.host import launch; "
+        f"scripts = {scripts!r}; "
+        "status = launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]); "
+        "print(status, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 20
     while not all((tmp_path / f"started-{i}").exists() for i in (0, 1)):
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
@@ -154,25 +180,33 @@ def test_sigterm_while_the_processes_are_being_started_still_stops_them_all(tmp_
     its output relays are. Every process is still terminated, with its grace, and the job exits 143."""
     import subprocess
 
-    scripts = [f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; touch {tmp_path}/started-{i}; "
-               f"while [ ! -e {tmp_path}/started-{1 - i} ]; do sleep 0.01; done; sleep 60 & wait" for i in (0, 1)]
-    code = ("import os, signal, subprocess; from jaxtune.host import launch; "
-            "spawn = subprocess.Popen\n"
-            "def popen(*args, **kwargs):\n"
-            "    child = spawn(*args, **kwargs)\n"
-            "    if args[0][-1].startswith('trap') and '/started-1;' in args[0][-1]: os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    return child\n"
-            "subprocess.Popen = popen\n"
-            f"scripts = {scripts!r}\n"
-            "print(launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
-                          timeout=60)
+    scripts = [
+        f"trap 'echo saved > {tmp_path}/{i}; exit 143' TERM; touch {tmp_path}/started-{i}; "
+        f"while [ ! -e {tmp_path}/started-{1 - i} ]; do sleep 0.01; done; sleep 60 & wait"
+        for i in (0, 1)
+    ]
+    code = (
+        "import os, signal, subprocess; from jaxtune.host import launch; "
+        "spawn = subprocess.Popen\n"
+        "def popen(*args, **kwargs):\n"
+        "    child = spawn(*args, **kwargs)\n"
+        "    if args[0][-1].startswith('trap') and '/started-1;' in args[0][-1]: os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return child\n"
+        "subprocess.Popen = popen\n"
+        f"scripts = {scripts!r}\n"
+        "print(launch.run([launch.Process(i, ['/bin/sh', '-c', c], dict(os.environ), c) for i, c in enumerate(scripts)]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=60
+    )
     assert (done.returncode, done.stdout.strip()) == (0, "143"), done.stderr[-2000:]
     assert (tmp_path / "0").read_text() == "saved\n"  # the first had its grace
     # The last may be terminated before its shell sets its trap; what must not happen is that it runs on.
     time.sleep(0.5)
-    assert not any(p.stdout.strip() for p in [subprocess.run(["pgrep", "-f", f"{tmp_path}/started-1"],
-                                                             capture_output=True, text=True)])
+    assert not any(
+        p.stdout.strip()
+        for p in [subprocess.run(["pgrep", "-f", f"{tmp_path}/started-1"], capture_output=True, text=True)]
+    )
 
 
 def test_host_command_runs_the_command_it_is_given(tmp_path):
@@ -182,11 +216,15 @@ def test_host_command_runs_the_command_it_is_given(tmp_path):
     fake.write_text('#!/bin/sh\necho "$JAX_PROCESS_ID/$JAX_NUM_PROCESSES $JAX_COORDINATOR_ADDRESS $*"\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
-    procs = launch.plan(2, ["run", "--set", "a=b c"], coordinator="h:1", host_command="sh -c {command} # {process_id}",
-                        base_env=env)
+    procs = launch.plan(
+        2, ["run", "--set", "a=b c"], coordinator="h:1", host_command="sh -c {command} # {process_id}", base_env=env
+    )
     out = io.BytesIO()
     assert launch.run(procs, out, io.BytesIO(), poll_seconds=0.02) == 0
-    assert sorted(out.getvalue().decode().splitlines()) == ["[0] 0/2 h:1 run --set a=b c", "[1] 1/2 h:1 run --set a=b c"]
+    assert sorted(out.getvalue().decode().splitlines()) == [
+        "[0] 0/2 h:1 run --set a=b c",
+        "[1] 1/2 h:1 run --set a=b c",
+    ]
 
 
 def test_launch_imports_neither_jax_nor_prefect():

@@ -41,8 +41,14 @@ def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mesh")
     flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"  # beside the suite's own
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "tests.mesh.mesh_runs", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.mesh.mesh_runs", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return {(r["method"], tuple(r["mesh"])): r for r in json.loads((out / "results.json").read_text())}
 
@@ -103,8 +109,11 @@ def test_every_tensor_and_its_optimizer_state_is_split_as_the_rules_say(runs, me
     assert len(run["specs"]) == (51 if method == "lora" else 23)
     for name, spec in run["specs"].items():
         assert spec == expected_spec(name, sizes), name
-    trainable = [n for n in run["specs"] if ".lora_" in n] if method == "lora" else \
-        [n for n in run["specs"] if "rotary_emb" not in n]
+    trainable = (
+        [n for n in run["specs"] if ".lora_" in n]
+        if method == "lora"
+        else [n for n in run["specs"] if "rotary_emb" not in n]
+    )
     assert sorted(run["optimizer_specs"]) == sorted(trainable)
     for name, specs in run["optimizer_specs"].items():  # Adam's two moments live where their parameter does
         assert specs == [run["specs"][name]] * 2, name
@@ -122,8 +131,10 @@ def over_adam_bound(got: np.ndarray, reference: dict, lrs: list[float], name: st
     if (apart <= bound).all():
         return None
     worst = np.unravel_index(np.argmax(apart - bound), bound.shape)
-    return (f"{name}{[int(i) for i in worst]}: {got[worst]:.7g} against {reference[name][worst]:.7g} on one device, "
-            f"{apart[worst]:.3g} apart, bound {bound[worst]:.3g}; {int((apart > bound).sum())} of {apart.size} elements over")
+    return (
+        f"{name}{[int(i) for i in worst]}: {got[worst]:.7g} against {reference[name][worst]:.7g} on one device, "
+        f"{apart[worst]:.3g} apart, bound {bound[worst]:.3g}; {int((apart > bound).sum())} of {apart.size} elements over"
+    )
 
 
 @pytest.mark.parametrize("sizes", MESHES[1:], ids=lambda s: "x".join(map(str, s)))
@@ -131,13 +142,20 @@ def test_the_exported_adapter_equals_the_one_device_adapter(runs, sizes):
     """Each adapter weight within the AdamW bound of `tests.mesh.bounds` (the one-device run's
     moments: float32 noise in the gradients, amplified where a gradient is near zero)."""
     one, mesh = Path(runs[("lora", (1, 1, 1))]["adapter"]), Path(runs[("lora", sizes)]["adapter"])
-    assert json.loads((mesh / "adapter_config.json").read_text()) == json.loads((one / "adapter_config.json").read_text())
-    expected, got = load_file(str(one / "adapter_model.safetensors")), load_file(str(mesh / "adapter_model.safetensors"))
+    assert json.loads((mesh / "adapter_config.json").read_text()) == json.loads(
+        (one / "adapter_config.json").read_text()
+    )
+    expected, got = (
+        load_file(str(one / "adapter_model.safetensors")),
+        load_file(str(mesh / "adapter_model.safetensors")),
+    )
     assert sorted(got) == sorted(expected) and len(got) == 28
     reference = load_file(runs[("lora", (1, 1, 1))]["weights"])  # the trained weights, from which the export came
     over = []
     for key in expected:
-        name = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
+        name = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight"
+        )
         np.testing.assert_array_equal(expected[key], reference[name], err_msg=key)  # the export writes them as trained
         over.append(over_adam_bound(got[key], reference, runs[("lora", (1, 1, 1))]["lrs"], name))
     assert not any(over), "\n".join(filter(None, over))
@@ -169,7 +187,11 @@ def test_fully_fine_tuned_weights_equal_the_one_device_weights(runs, sizes):
 def shard_bytes(run: dict, name: str) -> int:
     """Bytes of one device's shard of float32 tensor `name`, from its spec and shape as placed."""
     axes = dict(zip(("data", "fsdp", "tensor"), run["mesh"]))
-    parts = [int(np.prod([axes[a] for a in ([axis] if isinstance(axis, str) else axis)])) for axis in run["specs"][name] if axis]
+    parts = [
+        int(np.prod([axes[a] for a in ([axis] if isinstance(axis, str) else axis)]))
+        for axis in run["specs"][name]
+        if axis
+    ]
     return 4 * int(np.prod(run["shapes"][name])) // int(np.prod(parts))
 
 
@@ -206,7 +228,9 @@ def test_the_memory_plan_is_one_devices_share(runs, sizes):
         assert xla[figure] == 3 * weights + rest, (figure, xla[figure], 3 * weights + rest)
     assert weights <= xla["temp_bytes"], xla
     if axes["fsdp"] * axes["tensor"] > 1:
-        assert xla["temp_bytes"] < whole, f"temporaries {xla['temp_bytes']} bytes: the whole gradients ({whole}) fit in them"
+        assert xla["temp_bytes"] < whole, (
+            f"temporaries {xla['temp_bytes']} bytes: the whole gradients ({whole}) fit in them"
+        )
         assert plan["peak"] < one["memory"]["peak"]
 
 
@@ -239,9 +263,18 @@ def test_mesh_shardings_overrides_reach_the_placed_weights(runs):
     overrides' specs and shards on their jax.Arrays, every other weight the rules' spec."""
     placed = runs[("overrides", OVERRIDE_MESH)]["placed"]
     assert len(placed) == 21
-    assert OVERRIDES == {r"lm_head\.weight$": ["fsdp", "tensor"], r"layers\.0\.self_attn\.q_proj\.weight$": [None, None]}
-    assert placed["lm_head.weight"] == {"spec": ["fsdp", "tensor"], "shard_shape": [256 // 4, 64 // 2]}  # rules: [tensor, fsdp]
-    assert placed["model.layers.0.self_attn.q_proj.weight"] == {"spec": [], "shard_shape": [64, 64]}  # rules: [tensor, fsdp]
+    assert OVERRIDES == {
+        r"lm_head\.weight$": ["fsdp", "tensor"],
+        r"layers\.0\.self_attn\.q_proj\.weight$": [None, None],
+    }
+    assert placed["lm_head.weight"] == {
+        "spec": ["fsdp", "tensor"],
+        "shard_shape": [256 // 4, 64 // 2],
+    }  # rules: [tensor, fsdp]
+    assert placed["model.layers.0.self_attn.q_proj.weight"] == {
+        "spec": [],
+        "shard_shape": [64, 64],
+    }  # rules: [tensor, fsdp]
     for name, where in placed.items():
         if name not in ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight"):
             assert where["spec"] == expected_spec(name, OVERRIDE_MESH), name

@@ -26,8 +26,13 @@ pytestmark = pytest.mark.mesh
 ROOT = Path(__file__).parents[2]
 STAGES = ("build_tokenizer", "build_model", "tokenize", "baseline_eval", "train")
 SETTINGS = [
-    *TOY_MODEL, "data.max_train_rows=64", "data.max_eval_rows=16",
-    "train.max_steps=3", "train.batch_size=8", "train.warmup_steps=1", "train.eval_every=null",
+    *TOY_MODEL,
+    "data.max_train_rows=64",
+    "data.max_eval_rows=16",
+    "train.max_steps=3",
+    "train.batch_size=8",
+    "train.warmup_steps=1",
+    "train.eval_every=null",
     "train.checkpoint_every=2",  # one checkpoint, written by process 0 while the other waits
     "mesh.fsdp=4",  # data -1: 2, so the batch (and fsdp's parameter shards) spans both processes
 ]
@@ -40,8 +45,22 @@ def launch(store: Path, processes: int, devices: int, *extra: str) -> subprocess
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": path}
     sets = [a for s in [*SETTINGS, f"store.root={store}"] for a in ("--set", s)]
-    command = [sys.executable, "-m", "jaxtune.cli", "launch", "--processes", str(processes), "--cpu-devices", str(devices),
-               "--", "run", "--until", "train", *sets, *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "jaxtune.cli",
+        "launch",
+        "--processes",
+        str(processes),
+        "--cpu-devices",
+        str(devices),
+        "--",
+        "run",
+        "--until",
+        "train",
+        *sets,
+        *extra,
+    ]
     started = time.monotonic()
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     print(f"{processes} process(es) x {devices} devices: {time.monotonic() - started:.1f} s")
@@ -83,7 +102,9 @@ def test_two_processes_train_as_one_and_process_0_alone_writes(tmp_path):
     assert last == {0: f"[0] {train_folder}", 1: f"[1] {train_folder}"}
 
     # One verified artifact per stage, and nothing else: no temporary folder, no checkpoint left.
-    assert sorted(p.name for p in store.iterdir() if not p.name.startswith(".") and p.name != "xla-cache") == sorted(STAGES)
+    assert sorted(p.name for p in store.iterdir() if not p.name.startswith(".") and p.name != "xla-cache") == sorted(
+        STAGES
+    )
     for stage in STAGES:
         [folder] = (store / stage).iterdir()
         assert ArtifactStore(store).verify(stage, folder.name) and (folder / "result.json").is_file()

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxtune.host import processes
 from jaxtune.artifacts import ArtifactStore
 from jaxtune.config import MeshConfig
+from jaxtune.host import processes
 from jaxtune.tasks.stage import build_artifact
 
 pytestmark = pytest.mark.mesh
@@ -47,10 +47,14 @@ def job(monkeypatch):
 def test_another_process_builds_outside_the_store_and_publishes_nothing(tmp_path, job):
     job.be(1)
     seen = []
-    ref = build_artifact(tmp_path / "store", "baseline_eval", MODULE, SECTION, {}, lambda folder: seen.append(folder) or write(folder))
+    ref = build_artifact(
+        tmp_path / "store", "baseline_eval", MODULE, SECTION, {}, lambda folder: seen.append(folder) or write(folder)
+    )
     assert len(seen) == 1 and not seen[0].is_relative_to(tmp_path) and not seen[0].exists()  # built, then deleted
     assert not (tmp_path / "store" / "baseline_eval").exists()
-    assert ref.path == str(ArtifactStore(tmp_path / "store").folder("baseline_eval", ref.key))  # where process 0 publishes
+    assert ref.path == str(
+        ArtifactStore(tmp_path / "store").folder("baseline_eval", ref.key)
+    )  # where process 0 publishes
 
 
 def test_process_0_of_a_job_builds_when_called_even_if_the_artifact_is_there(tmp_path, job):
@@ -106,9 +110,11 @@ def test_another_process_follows_process_0_and_reads_its_artifact(tmp_path, job,
 
 
 def test_a_one_process_run_joins_nothing_and_imports_no_jax():
-    code = ("import os, sys\n"
-            "for v in ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'): os.environ.pop(v, None)\n"
-            "from jaxtune.host import processes\nfrom jaxtune.config import MeshConfig\n"
-            "print(processes.join(MeshConfig()), processes.join(MeshConfig(num_processes=1, process_id=0)), 'jax' in sys.modules)")
+    code = (
+        "import os, sys\n"
+        "for v in ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'): os.environ.pop(v, None)\n"
+        "from jaxtune.host import processes\nfrom jaxtune.config import MeshConfig\n"
+        "print(processes.join(MeshConfig()), processes.join(MeshConfig(num_processes=1, process_id=0)), 'jax' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.stdout.split() == ["False", "False", "False"], out.stderr

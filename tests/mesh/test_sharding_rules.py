@@ -15,21 +15,28 @@ pytestmark = pytest.mark.mesh
 MESH = {"data": 2, "fsdp": 4, "tensor": 2}
 
 
-@pytest.mark.parametrize(("name", "shape", "spec"), [
-    ("model.layers.3.self_attn.q_proj.weight", (2048, 1024), P("tensor", "fsdp")),
-    ("model.layers.3.self_attn.o_proj.weight", (1024, 2048), P("fsdp", "tensor")),
-    ("model.layers.3.mlp.up_proj.weight", (4096, 1024), P("tensor", "fsdp")),
-    ("model.layers.3.mlp.down_proj.weight", (1024, 4096), P("fsdp", "tensor")),
-    ("model.layers.3.self_attn.q_proj.bias", (2048,), P("tensor")),  # Qwen's q/k/v biases follow their output
-    ("model.layers.3.self_attn.o_proj.bias", (1024,), P()),
-    ("model.embed_tokens.weight", (32000, 1024), P(None, ("fsdp", "tensor"))),
-    ("lm_head.weight", (32000, 1024), P("tensor", "fsdp")),
-    ("model.layers.3.input_layernorm.weight", (1024,), P()),
-    ("model.norm.weight", (1024,), P()),
-    ("model.rotary_emb.inv_freq", (32,), P()),
-    ("model.vision_tower.patch_embedding.weight", (1152, 3, 14, 14), P("fsdp")),  # any other array: fsdp on its largest dim
-    ("some.other.matrix", (12, 64), P(None, "fsdp")),
-])
+@pytest.mark.parametrize(
+    ("name", "shape", "spec"),
+    [
+        ("model.layers.3.self_attn.q_proj.weight", (2048, 1024), P("tensor", "fsdp")),
+        ("model.layers.3.self_attn.o_proj.weight", (1024, 2048), P("fsdp", "tensor")),
+        ("model.layers.3.mlp.up_proj.weight", (4096, 1024), P("tensor", "fsdp")),
+        ("model.layers.3.mlp.down_proj.weight", (1024, 4096), P("fsdp", "tensor")),
+        ("model.layers.3.self_attn.q_proj.bias", (2048,), P("tensor")),  # Qwen's q/k/v biases follow their output
+        ("model.layers.3.self_attn.o_proj.bias", (1024,), P()),
+        ("model.embed_tokens.weight", (32000, 1024), P(None, ("fsdp", "tensor"))),
+        ("lm_head.weight", (32000, 1024), P("tensor", "fsdp")),
+        ("model.layers.3.input_layernorm.weight", (1024,), P()),
+        ("model.norm.weight", (1024,), P()),
+        ("model.rotary_emb.inv_freq", (32,), P()),
+        (
+            "model.vision_tower.patch_embedding.weight",
+            (1152, 3, 14, 14),
+            P("fsdp"),
+        ),  # any other array: fsdp on its largest dim
+        ("some.other.matrix", (12, 64), P(None, "fsdp")),
+    ],
+)
 def test_built_in_rules_by_name(name, shape, spec):
     assert spec_for(name, shape, MESH) == spec
 
@@ -69,7 +76,9 @@ def test_an_override_wins_and_a_wrong_one_names_the_tensor_and_pattern():
     assert spec_for("model.layers.0.self_attn.k_proj.weight", (512, 1024), MESH, overrides) == P("tensor", "fsdp")
     with pytest.raises(ValueError, match=r"mesh.shardings\['q_proj'\] gives 2 axes but .*q_proj.bias has 1 dimensions"):
         spec_for("model.layers.0.self_attn.q_proj.bias", (2048,), MESH, overrides)
-    with pytest.raises(ValueError, match=r"lm_head.weight dimension 32001 does not divide over the 4 devices of the fsdp axis"):
+    with pytest.raises(
+        ValueError, match=r"lm_head.weight dimension 32001 does not divide over the 4 devices of the fsdp axis"
+    ):
         spec_for("lm_head.weight", (32001, 1024), MESH, overrides)
 
 

@@ -73,8 +73,14 @@ def test_callers_sharing_a_store_import_a_file_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(import_gguf, "write_hf_folder", slow_write)
     refs = {}
-    callers = [threading.Thread(target=lambda p=p: refs.__setitem__(p, import_gguf.imported(tmp_path / "store", model_ref(ModelConfig(name=str(p))))))
-               for p in (file, copy)]
+    callers = [
+        threading.Thread(
+            target=lambda p=p: refs.__setitem__(
+                p, import_gguf.imported(tmp_path / "store", model_ref(ModelConfig(name=str(p))))
+            )
+        )
+        for p in (file, copy)
+    ]
     for caller in callers:
         caller.start()
     for caller in callers:

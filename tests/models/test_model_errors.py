@@ -23,19 +23,23 @@ def first_line(error: pytest.ExceptionInfo) -> str:
     return str(error.value).splitlines()[0]
 
 
-@pytest.mark.parametrize(("family", "saved", "layers"), [
-    ("llama", (), "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
-    # With modules_to_save (the offline recipe's), PEFT says so in other words.
-    ("gemma3", ("embed_tokens", "lm_head"), "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
-    ("gpt2", (), "c_attn, c_proj, c_fc"),  # Conv1D layers, which all-linear adapts too
-])
+@pytest.mark.parametrize(
+    ("family", "saved", "layers"),
+    [
+        ("llama", (), "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+        # With modules_to_save (the offline recipe's), PEFT says so in other words.
+        ("gemma3", ("embed_tokens", "lm_head"), "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+        ("gpt2", (), "c_attn, c_proj, c_fc"),  # Conv1D layers, which all-linear adapts too
+    ],
+)
 def test_lora_targets_that_match_no_layer_name_the_linear_layers(family, saved, layers):
     from jaxtune.runtime.modeling.model import attach_lora
 
     with pytest.raises(ModelError) as caught:
         attach_lora(tiny_model(family, layers=1), LoraConfig(target_modules=("q_projj",), modules_to_save=saved))
     assert first_line(caught) == (
-        f"lora.target_modules [q_projj] matches no layer of this model; its linear layers are: {layers} (or all-linear)")
+        f"lora.target_modules [q_projj] matches no layer of this model; its linear layers are: {layers} (or all-linear)"
+    )
 
 
 def test_lora_targets_that_match_some_layer_attach():
@@ -45,8 +49,18 @@ def test_lora_targets_that_match_some_layer_attach():
     assert any("v_proj.lora_A" in name for name, _ in module.named_parameters())
 
 
-@pytest.mark.parametrize("name", ["./no-model", "/no/such/model", "~/no-such-jaxtune-model", "models/smol/v2",
-                                  "smol.safetensors", "weights.bin", "models\\smol"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "./no-model",
+        "/no/such/model",
+        "~/no-such-jaxtune-model",
+        "models/smol/v2",
+        "smol.safetensors",
+        "weights.bin",
+        "models\\smol",
+    ],
+)
 def test_a_path_that_does_not_exist_is_named(name):
     with pytest.raises(ModelNotFoundError) as caught:
         model_ref(ModelConfig(name=name))
@@ -67,20 +81,27 @@ def test_a_missing_offline_checkpoint_names_the_command_that_places_it(tmp_path,
     name = ".jaxtune/models/gemma-3-270m-q4_k_m.gguf"  # what configs/gemma3-270m-offline-lora.yaml sets
     with pytest.raises(ModelNotFoundError) as caught:
         model_ref(ModelConfig(name=name))
-    assert first_line(caught) == (f"model.name {name!r}: no such GGUF file; place it with "
-                                  "`python -m jaxtune.offline.checkpoints` (or `make demo-real`)")
+    assert first_line(caught) == (
+        f"model.name {name!r}: no such GGUF file; place it with "
+        "`python -m jaxtune.offline.checkpoints` (or `make demo-real`)"
+    )
     elsewhere = str(tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     with pytest.raises(ModelNotFoundError) as caught:
         model_ref(ModelConfig(name=elsewhere))
-    assert first_line(caught) == (f"model.name {elsewhere!r}: no such GGUF file; place it with "
-                                  f"`python -m jaxtune.offline.checkpoints {tmp_path / 'models'}`")
+    assert first_line(caught) == (
+        f"model.name {elsewhere!r}: no such GGUF file; place it with "
+        f"`python -m jaxtune.offline.checkpoints {tmp_path / 'models'}`"
+    )
 
 
 def test_owner_slash_name_stays_a_hub_id_and_a_bare_word_is_refused():
     assert model_ref(ModelConfig(name="HuggingFaceTB/SmolLM2-135M")).stage == "hub"
     with pytest.raises(ModelError) as caught:
         model_ref(ModelConfig(name="smollm2"))
-    assert first_line(caught) == "model.name 'smollm2': no such file or folder, and not a hub id like 'google/gemma-3-1b-it'"
+    assert (
+        first_line(caught)
+        == "model.name 'smollm2': no such file or folder, and not a hub id like 'google/gemma-3-1b-it'"
+    )
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):
@@ -111,18 +132,26 @@ def test_an_unreadable_config_json_is_named(tmp_path):
     assert first_line(caught).startswith(f"{tmp_path / 'config.json'}: not readable JSON (")
 
 
-@pytest.mark.parametrize(("config", "named"), [
-    ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "'bert' (BertForMaskedLM)"),
-    ({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, "'t5' (T5ForConditionalGeneration)"),
-    ({"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"]}, "'qwen3' (Qwen3ForSequenceClassification)"),
-    ({"model_type": "no_such_family"}, "'no_such_family'"),
-])
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "'bert' (BertForMaskedLM)"),
+        ({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, "'t5' (T5ForConditionalGeneration)"),
+        (
+            {"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"]},
+            "'qwen3' (Qwen3ForSequenceClassification)",
+        ),
+        ({"model_type": "no_such_family"}, "'no_such_family'"),
+    ],
+)
 def test_a_folder_of_another_kind_of_model_is_not_a_causal_lm(config, named, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelError) as caught:
         model_ref(ModelConfig(name=str(tmp_path)))
-    assert first_line(caught) == (f"{tmp_path}: model_type {named} is not a causal LM; "
-                                  "jaxtune fine-tunes AutoModelForCausalLM models such as llama, gemma3, qwen3")
+    assert first_line(caught) == (
+        f"{tmp_path}: model_type {named} is not a causal LM; "
+        "jaxtune fine-tunes AutoModelForCausalLM models such as llama, gemma3, qwen3"
+    )
 
 
 def test_a_checkpoint_with_its_own_causal_lm_code_passes(tmp_path):
@@ -131,10 +160,13 @@ def test_a_checkpoint_with_its_own_causal_lm_code_passes(tmp_path):
     assert model_ref(ModelConfig(name=str(tmp_path), trust_remote_code=True)).stage == "source"
 
 
-@pytest.mark.parametrize(("content", "why"), [
-    (b"version https://git-lfs.github.com/spec/v1\n", "it starts with b'vers', not b'GGUF'"),
-    (b"GGUF\x03\0\0\0", "8 bytes, too short to hold a model"),
-])
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"version https://git-lfs.github.com/spec/v1\n", "it starts with b'vers', not b'GGUF'"),
+        (b"GGUF\x03\0\0\0", "8 bytes, too short to hold a model"),
+    ],
+)
 def test_a_file_that_does_not_start_like_gguf_is_refused(content, why, tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
@@ -167,10 +199,20 @@ def write_tiny_gguf(path: Path, hidden: int = 32, ff: int = 64, heads: int = 2) 
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     rng = np.random.default_rng(0)
-    shapes = {"token_embd": (len(tokens), hidden), "output": (len(tokens), hidden), "output_norm": (hidden,),
-              "blk.0.attn_norm": (hidden,), "blk.0.ffn_norm": (hidden,), "blk.0.attn_q": (hidden, hidden),
-              "blk.0.attn_k": (hidden, hidden), "blk.0.attn_v": (hidden, hidden), "blk.0.attn_output": (hidden, hidden),
-              "blk.0.ffn_gate": (ff, hidden), "blk.0.ffn_up": (ff, hidden), "blk.0.ffn_down": (hidden, ff)}
+    shapes = {
+        "token_embd": (len(tokens), hidden),
+        "output": (len(tokens), hidden),
+        "output_norm": (hidden,),
+        "blk.0.attn_norm": (hidden,),
+        "blk.0.ffn_norm": (hidden,),
+        "blk.0.attn_q": (hidden, hidden),
+        "blk.0.attn_k": (hidden, hidden),
+        "blk.0.attn_v": (hidden, hidden),
+        "blk.0.attn_output": (hidden, hidden),
+        "blk.0.ffn_gate": (ff, hidden),
+        "blk.0.ffn_up": (ff, hidden),
+        "blk.0.ffn_down": (hidden, ff),
+    }
     for name, shape in shapes.items():
         writer.add_tensor(f"{name}.weight", (rng.standard_normal(shape) * 0.02).astype(np.float32))
     writer.write_header_to_file()
@@ -202,18 +244,34 @@ def test_a_tokenizer_without_a_chat_template_names_the_model_and_the_setting():
     with pytest.raises(ChatTemplateError) as caught:
         require_chat_template(tokenizer, "/models/gemma-3-270m")
     assert first_line(caught) == (
-        "/models/gemma-3-270m: its tokenizer has no chat template; set model.chat_template to 'gemma' or a Jinja template string")
+        "/models/gemma-3-270m: its tokenizer has no chat template; set model.chat_template to 'gemma' or a Jinja template string"
+    )
     require_chat_template(apply_chat_template_setting(tokenizer, "gemma"), "/models/gemma-3-270m")
 
 
 def _summary(trust_remote_code: bool | None) -> dict:
     loss = {"loss": 2.0, "perplexity": 7.4}
     summary = {
-        "baseline": loss, "final": loss, "exact_match": {"before": 0.0, "after": 0.5}, "per_category": {},
-        "train": {"steps": 3, "seconds": 1.0, "compile_seconds": 0.5, "tokens_per_second": 100.0, "trainable_parameters": 10},
+        "baseline": loss,
+        "final": loss,
+        "exact_match": {"before": 0.0, "after": 0.5},
+        "per_category": {},
+        "train": {
+            "steps": 3,
+            "seconds": 1.0,
+            "compile_seconds": 0.5,
+            "tokens_per_second": 100.0,
+            "trainable_parameters": 10,
+        },
         "export": {"kind": "peft_adapter", "path": "/store/export/k"},
-        "parity": {"rows": 2, "tokens": 20, "dtype": "float32", "max_abs_diff": 1e-6, "max_abs_logit": 3.0,
-                   "top1_agreement": 1.0},
+        "parity": {
+            "rows": 2,
+            "tokens": 20,
+            "dtype": "float32",
+            "max_abs_diff": 1e-6,
+            "max_abs_logit": 3.0,
+            "top1_agreement": 1.0,
+        },
     }
     return summary if trust_remote_code is None else {**summary, "trust_remote_code": trust_remote_code}
 

@@ -67,8 +67,16 @@ def test_answers_are_short(rows):
 
 def test_categories_are_dolly_and_balanced(rows):
     counts = Counter(r["category"] for r in rows)
-    dolly = {"closed_qa", "open_qa", "general_qa", "classification", "information_extraction",
-             "summarization", "creative_writing", "brainstorming"}
+    dolly = {
+        "closed_qa",
+        "open_qa",
+        "general_qa",
+        "classification",
+        "information_extraction",
+        "summarization",
+        "creative_writing",
+        "brainstorming",
+    }
     assert set(counts) <= dolly
     assert len(counts) >= 6
     assert min(counts.values()) >= 0.10 * len(rows)

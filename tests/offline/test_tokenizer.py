@@ -33,7 +33,14 @@ def tok(tok_dir: Path):
     return AutoTokenizer.from_pretrained(tok_dir)
 
 
-ODD_TEXTS = ["Item 7 helps.", "  leading and trailing  ", "héllo wörld 🙂 ∑ 中文", "tabs\tand\nnewlines\r\n", "", "<b>x</b>"]
+ODD_TEXTS = [
+    "Item 7 helps.",
+    "  leading and trailing  ",
+    "héllo wörld 🙂 ∑ 中文",
+    "tabs\tand\nnewlines\r\n",
+    "",
+    "<b>x</b>",
+]
 
 
 @pytest.mark.parametrize("text", ODD_TEXTS)
@@ -98,7 +105,10 @@ def test_training_is_deterministic(tok_dir, tmp_path):
 
 
 def test_texts_for_tokenizer_skips_empty_fields():
-    rows = [{"instruction": "Q", "context": "", "response": "A"}, {"instruction": "Q2", "context": "C", "response": "A2"}]
+    rows = [
+        {"instruction": "Q", "context": "", "response": "A"},
+        {"instruction": "Q2", "context": "C", "response": "A2"},
+    ]
     assert texts_for_tokenizer(rows) == ["Q", "A", "Q2", "C", "A2"]
 
 

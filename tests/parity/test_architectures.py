@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from jaxtune.config import ARCHITECTURES, LoraConfig, MeshConfig
-from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.measures import parity
-from jaxtune.runtime.decoding import inference
 from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.decoding import inference
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import parity
+from jaxtune.runtime.modeling import model as rt_model
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity
@@ -63,7 +63,9 @@ def jax_model(torch_model):
 @pytest.fixture(scope="module")
 def lora_model(family):
     """LoRA on every linear layer, with B drawn at random: at PEFT's B = 0 every A gradient is zero."""
-    module = rt_model.attach_lora(tiny_model(family, sliding_window=WINDOW), LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    module = rt_model.attach_lora(
+        tiny_model(family, sliding_window=WINDOW), LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -108,8 +110,11 @@ def test_bf16_logits_are_as_close_to_fp32_as_pytorch_bf16(torch_model, jax_model
     valid = batch["attention_mask"].astype(bool)
     reference = parity.torch_logits(jax_model, batch)[valid]
     bf16 = rt_model.to_jax(copy.deepcopy(torch_model).to(torch.bfloat16), make_placement(MeshConfig()))
-    assert bf16.dtype == np.dtype("bfloat16") and all(v.dtype == np.dtype("bfloat16") for v in bf16.buffers.values()
-                                                      if np.issubdtype(v.dtype, np.floating) and v.ndim == 2)
+    assert bf16.dtype == np.dtype("bfloat16") and all(
+        v.dtype == np.dtype("bfloat16")
+        for v in bf16.buffers.values()
+        if np.issubdtype(v.dtype, np.floating) and v.ndim == 2
+    )
     torch_error = np.abs(parity.torch_logits(bf16, batch)[valid] - reference).max()
     jax_error = np.abs(parity.jax_logits(bf16, batch)[valid] - reference).max()
     assert 1e-5 < jax_error <= 2 * torch_error, (jax_error, torch_error)

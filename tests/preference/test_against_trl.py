@@ -36,17 +36,19 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.compiled import preference, steps
-from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.decoding.inference import row_nll
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train.feed import make_feed
 from tests.conftest import EOS, PAD, VOCAB, tiny_model
 
-pytestmark = [pytest.mark.preference,
-              # transformers 5 renamed gradient checkpointing to activation checkpointing; TRL 1.16's configs (and
-              # the models' forward) still use the old names.
-              pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning")]
+pytestmark = [
+    pytest.mark.preference,
+    # transformers 5 renamed gradient checkpointing to activation checkpointing; TRL 1.16's configs (and
+    # the models' forward) still use the old names.
+    pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning"),
+]
 IGNORE = -100
 PAIRS = 4
 
@@ -98,8 +100,9 @@ def tokenizer():
 
     backend = Tokenizer(models.WordLevel({name: i for i, name in enumerate(NAMES)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +154,9 @@ def jaxtune_pair_metrics(objective, logp, tokens, reference) -> dict[str, np.nda
 def jaxtune_step(model, objective, ids, labels, reference) -> tuple[float, dict[str, np.ndarray]]:
     """The train step's mean loss over one packed micro-batch of every pair, and its gradient w.r.t. the LoRA weights."""
     pairs = len(ids) // 2
-    feed = make_feed([len(r) for r in ids], TrainConfig(batch_size=pairs, max_steps=1), 64, batch_shards=1, packed=True,
-                     pairs=True)
+    feed = make_feed(
+        [len(r) for r in ids], TrainConfig(batch_size=pairs, max_steps=1), 64, batch_shards=1, packed=True, pairs=True
+    )
     batch = next(feed.micro_batches(ids, labels, PAD, reference))
     assert batch["input_ids"].shape[0] < len(ids)  # packed: several rows to a sequence
     batch_labels = batch.pop("labels")
@@ -162,8 +166,9 @@ def jaxtune_step(model, objective, ids, labels, reference) -> tuple[float, dict[
         total, count = summed(weights, buffers, batch, batch_labels, jax.random.PRNGKey(0))
         return total / count, count
 
-    (loss, count), grads = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(model.weights, model.buffers, batch,
-                                                                                batch_labels)
+    (loss, count), grads = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(
+        model.weights, model.buffers, batch, batch_labels
+    )
     assert int(count) == pairs
     return float(loss), {name: np.asarray(g) for name, g in grads.items()}
 
@@ -182,8 +187,15 @@ def assert_same_gradients(ours: dict[str, np.ndarray], theirs: dict[str, np.ndar
 
 def trl_args(config_class, tmp_path, **settings):
     """TRL's config for a quiet CPU run: no reporting, float32 (TRL defaults to bf16), no checkpointing."""
-    return config_class(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
-                        gradient_checkpointing=False, dataloader_pin_memory=False, **settings)
+    return config_class(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        dataloader_pin_memory=False,
+        **settings,
+    )
 
 
 def text_dataset(pairs):
@@ -193,8 +205,13 @@ def text_dataset(pairs):
     def text(ids):
         return " ".join(NAMES[i] for i in ids)
 
-    return Dataset.from_dict({"prompt": [text(p) + " " for p, _, _ in pairs], "chosen": [text(c) for _, c, _ in pairs],
-                              "rejected": [text(r) for _, _, r in pairs]})
+    return Dataset.from_dict(
+        {
+            "prompt": [text(p) + " " for p, _, _ in pairs],
+            "chosen": [text(c) for _, c, _ in pairs],
+            "rejected": [text(r) for _, _, r in pairs],
+        }
+    )
 
 
 def dpo_trainer(lora_module, tokenizer, pairs, tmp_path, cfg: PreferenceConfig):
@@ -204,20 +221,35 @@ def dpo_trainer(lora_module, tokenizer, pairs, tmp_path, cfg: PreferenceConfig):
     from each batch."""
     from trl import DPOConfig, DPOTrainer
 
-    losses = dict(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight]) if cfg.sft_weight else \
-        dict(loss_type=cfg.loss_type)
-    args = trl_args(DPOConfig, tmp_path, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
-                    precompute_ref_log_probs=True, precompute_ref_batch_size=1, **losses)
-    return DPOTrainer(model=copy.deepcopy(lora_module), args=args, train_dataset=text_dataset(pairs),
-                      processing_class=tokenizer)
+    losses = (
+        dict(loss_type=[cfg.loss_type, "sft"], loss_weights=[1.0, cfg.sft_weight])
+        if cfg.sft_weight
+        else dict(loss_type=cfg.loss_type)
+    )
+    args = trl_args(
+        DPOConfig,
+        tmp_path,
+        beta=cfg.beta,
+        label_smoothing=cfg.label_smoothing,
+        precompute_ref_log_probs=True,
+        precompute_ref_batch_size=1,
+        **losses,
+    )
+    return DPOTrainer(
+        model=copy.deepcopy(lora_module), args=args, train_dataset=text_dataset(pairs), processing_class=tokenizer
+    )
 
 
 def trl_pair_results(trainer, examples) -> dict[str, np.ndarray]:
     """TRL's loss, rewards and log-probabilities of each pair alone (its `_compute_loss` logs batch means)."""
     import torch
 
-    logged_as = {"chosen_reward": "rewards/chosen", "rejected_reward": "rewards/rejected", "chosen_logp": "logps/chosen",
-                 "rejected_logp": "logps/rejected"}
+    logged_as = {
+        "chosen_reward": "rewards/chosen",
+        "rejected_reward": "rewards/rejected",
+        "chosen_logp": "logps/chosen",
+        "rejected_logp": "logps/rejected",
+    }
     out = {"loss": [], **{key: [] for key in logged_as}}
     for example in examples:
         with torch.no_grad():
@@ -235,19 +267,31 @@ def dpo_setup(lora_module, jax_model, tokenizer, pairs, tmp_path, cfg):
     logp, tokens = jaxtune_logps(jax_model, ids, labels)
     reference = (logp + np.random.default_rng(1).normal(0, 2, len(logp))).astype(np.float32)
     trainer = dpo_trainer(lora_module, tokenizer, pairs, tmp_path, cfg)
-    examples = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "ref_chosen_logps": float(reference[2 * i]),
-                 "ref_rejected_logps": float(reference[2 * i + 1])} for i, (p, c, r) in enumerate(pairs)]
+    examples = [
+        {
+            "prompt_ids": p,
+            "chosen_ids": c,
+            "rejected_ids": r,
+            "ref_chosen_logps": float(reference[2 * i]),
+            "ref_rejected_logps": float(reference[2 * i + 1]),
+        }
+        for i, (p, c, r) in enumerate(pairs)
+    ]
     return ids, labels, logp, tokens, reference, trainer, examples, trl_pair_results(trainer, examples)
 
 
-DPO_CONFIGS = [PreferenceConfig(beta=0.5), PreferenceConfig(beta=0.5, loss_type="robust", label_smoothing=0.2),
-               PreferenceConfig(beta=0.5, loss_type="ipo")]
+DPO_CONFIGS = [
+    PreferenceConfig(beta=0.5),
+    PreferenceConfig(beta=0.5, loss_type="robust", label_smoothing=0.2),
+    PreferenceConfig(beta=0.5, loss_type="ipo"),
+]
 
 
 @pytest.mark.parametrize("cfg", DPO_CONFIGS, ids=["sigmoid", "robust", "ipo"])
 def test_dpo_loss_rewards_and_lora_gradients_match_trl(lora_module, jax_model, tokenizer, pairs, tmp_path, cfg):
-    ids, labels, logp, tokens, reference, trainer, examples, theirs = dpo_setup(lora_module, jax_model, tokenizer, pairs,
-                                                                                 tmp_path, cfg)
+    ids, labels, logp, tokens, reference, trainer, examples, theirs = dpo_setup(
+        lora_module, jax_model, tokenizer, pairs, tmp_path, cfg
+    )
     trl_loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
     trl_loss.backward()
 
@@ -272,8 +316,9 @@ def test_the_sft_term_matches_trls_sigmoid_plus_sft_on_each_pair(lora_module, ja
     """RPO: TRL's loss_type [sigmoid, sft] weighted [1, w]. TRL averages the SFT term over a batch's
     chosen tokens and jaxtune over each pair's, which agree for one pair: so one-pair batches."""
     cfg = PreferenceConfig(beta=0.5, sft_weight=0.7)
-    ids, labels, logp, tokens, reference, trainer, examples, theirs = dpo_setup(lora_module, jax_model, tokenizer, pairs,
-                                                                                 tmp_path, cfg)
+    ids, labels, logp, tokens, reference, trainer, examples, theirs = dpo_setup(
+        lora_module, jax_model, tokenizer, pairs, tmp_path, cfg
+    )
 
     objective = preference.Objective("dpo", cfg)
     ours = jaxtune_pair_metrics(objective, logp, tokens, reference)
@@ -282,8 +327,9 @@ def test_the_sft_term_matches_trls_sigmoid_plus_sft_on_each_pair(lora_module, ja
     np.testing.assert_allclose(ours["loss"] + 0.7 * reference_nll, theirs["loss"], rtol=0, atol=PAIR_LOSS_ATOL)
     # The term is there: each loss is its DPO loss plus 0.7 times the chosen NLL's rise over the reference's.
     without = jaxtune_pair_metrics(preference.Objective("dpo", PreferenceConfig(beta=0.5)), logp, tokens, reference)
-    np.testing.assert_allclose(ours["loss"] - without["loss"], 0.7 * (-logp[0::2] / tokens[0::2] - reference_nll),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        ours["loss"] - without["loss"], 0.7 * (-logp[0::2] / tokens[0::2] - reference_nll), rtol=1e-5
+    )
     assert np.abs(ours["loss"] - without["loss"]).min() > 0.03  # 1000 times PAIR_LOSS_ATOL
 
     trl_loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples[:1]))
@@ -298,26 +344,40 @@ def test_simpo_matches_trl_cpo_with_loss_type_simpo(lora_module, jax_model, toke
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     cfg = PreferenceConfig(beta=2.0, simpo_gamma=0.3, label_smoothing=0.1)
-    args = trl_args(CPOConfig, tmp_path, loss_type="simpo", cpo_alpha=0.0, beta=cfg.beta, simpo_gamma=cfg.simpo_gamma,
-                    label_smoothing=cfg.label_smoothing, max_length=64, remove_unused_columns=False)
+    args = trl_args(
+        CPOConfig,
+        tmp_path,
+        loss_type="simpo",
+        cpo_alpha=0.0,
+        beta=cfg.beta,
+        simpo_gamma=cfg.simpo_gamma,
+        label_smoothing=cfg.label_smoothing,
+        max_length=64,
+        remove_unused_columns=False,
+    )
     # The dataset only builds the trainer (CPO's own tokenisation of text is not word-level): the
     # batch below is of the very rows jaxtune scores.
-    trainer = CPOTrainer(model=copy.deepcopy(lora_module), args=args, train_dataset=text_dataset(pairs),
-                         processing_class=tokenizer)
+    trainer = CPOTrainer(
+        model=copy.deepcopy(lora_module), args=args, train_dataset=text_dataset(pairs), processing_class=tokenizer
+    )
     assert (trainer.loss_type, trainer.cpo_alpha, trainer.alpha) == ("simpo", 0.0, 0.0)
     ids, labels = rows(pairs)
     features = []
     for i, (prompt, _, _) in enumerate(pairs):
         feature = {"prompt_input_ids": prompt, "prompt_attention_mask": [1] * len(prompt)}
         for side, row in (("chosen", 2 * i), ("rejected", 2 * i + 1)):
-            feature |= {f"{side}_input_ids": ids[row].tolist(), f"{side}_attention_mask": [1] * len(ids[row]),
-                        f"{side}_labels": labels[row].tolist()}
+            feature |= {
+                f"{side}_input_ids": ids[row].tolist(),
+                f"{side}_attention_mask": [1] * len(ids[row]),
+                f"{side}_labels": labels[row].tolist(),
+            }
         features.append(feature)
     inputs = trainer.data_collator(features)
     with torch.no_grad():
         chosen_mean, rejected_mean, *_ = trainer.concatenated_forward(trainer.model, inputs)
-        trl_losses, trl_chosen, trl_rejected = (t.numpy().astype(np.float64)
-                                                for t in trainer.cpo_loss(chosen_mean, rejected_mean))
+        trl_losses, trl_chosen, trl_rejected = (
+            t.numpy().astype(np.float64) for t in trainer.cpo_loss(chosen_mean, rejected_mean)
+        )
     trl_loss = trainer.compute_loss(trainer.model, inputs)
     trl_loss.backward()
 
@@ -349,8 +409,10 @@ def test_at_step_0_trl_and_jaxtune_lose_ln_2_on_every_pair(lora_module, jax_mode
     trainer = dpo_trainer(lora_module, tokenizer, pairs, tmp_path, cfg)
     dataset = trainer.train_dataset
     assert [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in dataset] == [tuple(p) for p in pairs]
-    examples = [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")}
-                for r in dataset]
+    examples = [
+        {k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps")}
+        for r in dataset
+    ]
     theirs = trl_pair_results(trainer, examples)
 
     ids, labels = rows(pairs)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.compiled import preference, steps
-from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.decoding.inference import pair_summary, row_nll
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train.feed import make_feed
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.preference
@@ -55,10 +55,12 @@ def summed(model, objective, batch):
     return float(total), int(count)
 
 
-OBJECTIVES = [preference.Objective("dpo", PreferenceConfig(beta=0.5)),
-              preference.Objective("dpo", PreferenceConfig(beta=0.5, loss_type="robust", label_smoothing=0.2)),
-              preference.Objective("dpo", PreferenceConfig(beta=0.5, loss_type="ipo")),
-              preference.Objective("simpo", PreferenceConfig(beta=2.0, simpo_gamma=0.3, label_smoothing=0.1))]
+OBJECTIVES = [
+    preference.Objective("dpo", PreferenceConfig(beta=0.5)),
+    preference.Objective("dpo", PreferenceConfig(beta=0.5, loss_type="robust", label_smoothing=0.2)),
+    preference.Objective("dpo", PreferenceConfig(beta=0.5, loss_type="ipo")),
+    preference.Objective("simpo", PreferenceConfig(beta=2.0, simpo_gamma=0.3, label_smoothing=0.1)),
+]
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES, ids=["sigmoid", "robust", "ipo", "simpo"])
@@ -85,8 +87,9 @@ def test_a_micro_batch_of_pairs_scores_as_each_row_alone(model, objective, packe
 def test_with_the_reference_equal_to_the_policy_every_pair_loses_ln_2(model, loss_type):
     ids, labels = pair_rows(5, seed=2)
     nll, tokens = row_nll(model, ids, labels, batch_size=4, pad_id=PAD, progress=False)
-    objective = preference.Objective("dpo", PreferenceConfig(beta=0.1, loss_type=loss_type,
-                                                             label_smoothing=0.3 if loss_type == "robust" else 0.0))
+    objective = preference.Objective(
+        "dpo", PreferenceConfig(beta=0.1, loss_type=loss_type, label_smoothing=0.3 if loss_type == "robust" else 0.0)
+    )
     feed = make_feed([len(r) for r in ids], TrainConfig(batch_size=5, max_steps=1), 64, 1, packed=True, pairs=True)
     total, count = summed(model, objective, next(feed.micro_batches(ids, labels, PAD, -nll)))
     assert count == 5 and total / count == pytest.approx(math.log(2), abs=2e-6)
@@ -108,14 +111,16 @@ def test_the_sft_term_adds_the_chosen_answers_mean_nll_and_is_reported_apart():
     logp = np.array([-2.0, -3.0, -9.0, -1.0])  # chosen answers of 4 and 3 tokens: mean NLL 0.5 and 3.0
     tokens = np.array([4, 5, 3, 2])
     plain = pair_summary(preference.Objective("dpo", PreferenceConfig(beta=0.1)), logp, tokens, logp, ["c"] * 4)
-    rpo = pair_summary(preference.Objective("dpo", PreferenceConfig(beta=0.1, sft_weight=0.4)), logp, tokens, logp,
-                       ["c"] * 4)
+    rpo = pair_summary(
+        preference.Objective("dpo", PreferenceConfig(beta=0.1, sft_weight=0.4)), logp, tokens, logp, ["c"] * 4
+    )
     # Policy = reference: the DPO term is ln 2, and the SFT term, the chosen NLL less the reference's, 0.
     assert plain["preference_loss"] == plain["loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert rpo["preference_loss"] == rpo["loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert rpo["chosen_nll"] == plain["chosen_nll"] == pytest.approx(1.75)
     # The policy's chosen answers 1 and 2 nats less likely than the reference's: + 0.4 x (1/4 + 2/3) / 2.
     moved = logp - np.array([1.0, 0.0, 2.0, 0.0])
-    rpo = pair_summary(preference.Objective("dpo", PreferenceConfig(beta=0.1, sft_weight=0.4)), moved, tokens, logp,
-                       ["c"] * 4)
+    rpo = pair_summary(
+        preference.Objective("dpo", PreferenceConfig(beta=0.1, sft_weight=0.4)), moved, tokens, logp, ["c"] * 4
+    )
     assert rpo["loss"] - rpo["preference_loss"] == pytest.approx(0.4 * (1 / 4 + 2 / 3) / 2, abs=1e-6)

@@ -9,18 +9,27 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, PreferenceConfig, TrainConfig
-from jaxtune.runtime.train import checkpoint, training
+from jaxtune.errors import NonFiniteLoss
 from jaxtune.runtime.compiled import preference, steps
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.decoding.inference import row_nll
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train import checkpoint, training
 from tests.conftest import PAD, tiny_model
 from tests.preference.test_pair_step import pair_rows
 from tests.training.test_loop import Killed, nan_loss_at, stops_after
 
 pytestmark = [pytest.mark.preference, pytest.mark.training]
-CFG = TrainConfig(max_steps=6, batch_size=4, grad_accumulation=2, learning_rate=5e-3, warmup_steps=1, log_every=1,
-                  checkpoint_every=2, seed=3)
+CFG = TrainConfig(
+    max_steps=6,
+    batch_size=4,
+    grad_accumulation=2,
+    learning_rate=5e-3,
+    warmup_steps=1,
+    log_every=1,
+    checkpoint_every=2,
+    seed=3,
+)
 DPO = preference.Objective("dpo", PreferenceConfig(beta=0.5))
 
 
@@ -33,10 +42,23 @@ def run(checkpoint_dir=None):
     model = fresh_model()
     ids, labels = pair_rows(24, seed=5)
     eval_ids, eval_labels = pair_rows(4, seed=6)
-    reference = [-row_nll(model, i, l, batch_size=8, pad_id=PAD, progress=False)[0].astype(np.float32)
-                 for i, l in ((ids, labels), (eval_ids, eval_labels))]
-    return training.train(model, ids, labels, CFG, PAD, 64, eval_data=(eval_ids, eval_labels), check_memory=False,
-                          checkpoint_dir=checkpoint_dir, objective=DPO, reference=tuple(reference))
+    reference = [
+        -row_nll(model, i, l, batch_size=8, pad_id=PAD, progress=False)[0].astype(np.float32)
+        for i, l in ((ids, labels), (eval_ids, eval_labels))
+    ]
+    return training.train(
+        model,
+        ids,
+        labels,
+        CFG,
+        PAD,
+        64,
+        eval_data=(eval_ids, eval_labels),
+        check_memory=False,
+        checkpoint_dir=checkpoint_dir,
+        objective=DPO,
+        reference=tuple(reference),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +80,14 @@ def test_a_resumed_dpo_run_ends_where_an_uninterrupted_one_does(uninterrupted, t
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002"]
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed = run(checkpoint_dir=tmp_path)
-    assert resumed.summary["resumed_from"] == 2 and losses(resumed) == first
+    assert resumed.summary.resumed_from == 2 and losses(resumed) == first
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
 
 
 def test_the_nan_guard_stops_a_dpo_run_naming_the_step_and_the_kept_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(steps, "make_train_step", nan_loss_at(5))
-    with pytest.raises(training.NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
+    with pytest.raises(NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
         run(checkpoint_dir=tmp_path)
 
 

@@ -7,7 +7,6 @@ import math
 import shutil
 
 import numpy as np
-
 import pytest
 
 from jaxtune.data.rows import OFFLINE_PAIRS
@@ -24,10 +23,22 @@ def dpo_run(tmp_path_factory):
 
 def test_dpo_runs_the_reference_stage_and_starts_at_ln_2(dpo_run):
     store, result = dpo_run
-    assert list(states(result)) == ["build_tokenizer", "build_model", "tokenize", "reference", "baseline_eval", "train",
-                                    "final_eval", "export", "generate", "report"]
+    assert list(states(result)) == [
+        "build_tokenizer",
+        "build_model",
+        "tokenize",
+        "reference",
+        "baseline_eval",
+        "train",
+        "final_eval",
+        "export",
+        "generate",
+        "report",
+    ]
     log = [json.loads(line) for line in (artifact(store, "train") / "log.jsonl").read_text().splitlines()]
-    assert log[0]["step"] == 1 and log[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # LoRA's B = 0: policy = reference
+    assert log[0]["step"] == 1 and log[0]["loss"] == pytest.approx(
+        math.log(2), abs=1e-5
+    )  # LoRA's B = 0: policy = reference
     baseline = json.loads((artifact(store, "baseline_eval") / "metrics.json").read_text())["preference"]
     assert baseline["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert (baseline["accuracy"], baseline["margin"], baseline["pairs"]) == (0.5, pytest.approx(0.0, abs=1e-5), 24)
@@ -66,7 +77,9 @@ def test_the_report_names_the_pairs_training_helped_least(dpo_run):
     hardest = json.loads((artifact(store, "report") / "report.json").read_text())["hardest"]
     changes = sorted(a - b for b, a in zip(before["margin"], after["margin"]))
     assert hardest["compared"] == 24 and [p["change"] for p in hardest["pairs"]] == pytest.approx(changes[:5], abs=2e-6)
-    source = {(r["prompt"], r["chosen"], r["rejected"]) for r in map(json.loads, OFFLINE_PAIRS.read_text().splitlines())}
+    source = {
+        (r["prompt"], r["chosen"], r["rejected"]) for r in map(json.loads, OFFLINE_PAIRS.read_text().splitlines())
+    }
     for p in hardest["pairs"]:
         assert (p["baseline_margin"], p["final_margin"]) == (before["margin"][p["pair"]], after["margin"][p["pair"]])
         assert (p["prompt"], p["chosen"], p["rejected"]) in source
@@ -89,7 +102,9 @@ def test_a_second_run_is_cached_and_the_reference_follows_the_base_model(dpo_run
 
 
 def test_simpo_has_no_reference_stage(tmp_path):
-    result = run_toy(tmp_path, "data.format=preference", "train.objective=simpo", "preference.beta=2.0", until="baseline_eval")
+    result = run_toy(
+        tmp_path, "data.format=preference", "train.objective=simpo", "preference.beta=2.0", until="baseline_eval"
+    )
     assert "reference" not in states(result)
     baseline = json.loads((artifact(tmp_path, "baseline_eval") / "metrics.json").read_text())["preference"]
     # SimPO's reward is beta times the mean token log-probability: the model's own ranking, before any training.
@@ -111,7 +126,9 @@ def test_a_run_can_start_from_an_earlier_runs_export(tmp_path):
     from tests.flows.toy import TOY
 
     sft = tmp_path / "sft.yaml"
-    sft_config = load_config(None, [*TOY, f"store.root={tmp_path / 'store'}", "export.merge=true"]).model_dump(mode="json")
+    sft_config = load_config(None, [*TOY, f"store.root={tmp_path / 'store'}", "export.merge=true"]).model_dump(
+        mode="json"
+    )
     sft.write_text(yaml.safe_dump(sft_config))
     dpo = [*TOY, f"store.root={tmp_path / 'store'}", f"model.name={sft}", "model.dtype=float32", *DPO[:2]]
     with pytest.raises(ConfigError, match="export.merge: true"):
@@ -161,12 +178,16 @@ def test_a_run_can_start_from_an_adapter_and_its_base(tmp_path):
     adapter = tmp_path / "adapter"
     shutil.copytree(export / "adapter", adapter)
     weights = load_file(str(adapter / "adapter_model.safetensors"))
-    save_file({k: v * 2 if "lora_B" in k else v for k, v in weights.items()}, str(adapter / "adapter_model.safetensors"))
+    save_file(
+        {k: v * 2 if "lora_B" in k else v for k, v in weights.items()}, str(adapter / "adapter_model.safetensors")
+    )
     other = [*dpo, f"model.name={adapter}"]
     assert planned_keys(load_config(None, other))["reference"] != planned_keys(load_config(None, dpo))["reference"]
     assert states(finetune(overrides=other, until="tokenize"))["merge_adapter"] == "Completed"
 
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
-    with pytest.raises(ModelError, match=r"adapter_config.json: a IA3 adapter; jaxtune starts from LoRA adapters alone"):
+    with pytest.raises(
+        ModelError, match=r"adapter_config.json: a IA3 adapter; jaxtune starts from LoRA adapters alone"
+    ):
         finetune(overrides=other, until="tokenize")

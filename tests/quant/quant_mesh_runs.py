@@ -16,10 +16,10 @@ def run(sizes: tuple[int, int, int]) -> dict:
     import numpy as np
 
     from jaxtune.config import MeshConfig
-    from jaxtune.runtime.measures import parity
-    from jaxtune.runtime.modeling import quantize
-    from jaxtune.runtime.modeling import model as rt_model
     from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures import parity
+    from jaxtune.runtime.modeling import model as rt_model
+    from jaxtune.runtime.modeling import quantize
     from tests.quant.test_quantized_base import batch, lora_model
 
     data, fsdp, tensor = sizes
@@ -28,8 +28,10 @@ def run(sizes: tuple[int, int, int]) -> dict:
     model = rt_model.to_jax(module, make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor)))
     ids, labels = batch()
     loss, grads = parity.jax_loss_and_grads(model, {"input_ids": ids, "attention_mask": np.ones_like(ids)}, labels)
-    specs = {field: [list(a) if isinstance(a, tuple) else a for a in model.buffers[f"{CODES}.{field}"].sharding.spec]
-             for field in ("codes", "scales")}
+    specs = {
+        field: [list(a) if isinstance(a, tuple) else a for a in model.buffers[f"{CODES}.{field}"].sharding.spec]
+        for field in ("codes", "scales")
+    }
     return {"loss": loss, "grads": {name: g.tolist() for name, g in grads.items()}, "specs": specs}
 
 

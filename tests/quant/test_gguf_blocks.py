@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from jaxtune.gguf import blocks as gguf_blocks
 from jaxtune.config import MeshConfig
+from jaxtune.gguf import blocks as gguf_blocks
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.measures import parity
 from jaxtune.runtime.modeling import quantize
-from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling.model import to_jax
 
 pytestmark = pytest.mark.quant
@@ -30,14 +30,17 @@ def folders(tmp_path_factory):
     from tests.gguf_export.gemma3 import save_tiny_gemma3
     from tests.gguf_export.llama import save_tiny_llama
 
-    return {"llama": save_tiny_llama(tmp_path_factory.mktemp("llama"), TEXTS, 64, 4, 2, eos_id=5),
-            "gemma3": save_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), TEXTS, layers=2)}
+    return {
+        "llama": save_tiny_llama(tmp_path_factory.mktemp("llama"), TEXTS, 64, 4, 2, eos_id=5),
+        "gemma3": save_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), TEXTS, layers=2),
+    }
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_the_files_blocks_are_kept_byte_for_byte_and_give_the_readers_weights_and_logits(folders, family, qtype, tmp_path,
-                                                                                          monkeypatch):
+def test_the_files_blocks_are_kept_byte_for_byte_and_give_the_readers_weights_and_logits(
+    folders, family, qtype, tmp_path, monkeypatch
+):
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -67,8 +70,9 @@ def test_the_files_blocks_are_kept_byte_for_byte_and_give_the_readers_weights_an
     module = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     module.requires_grad_(False)
     held = quantize.load_base(module, {k: torch.from_numpy(v) for k, v in tensors.items()}, schemes)
-    assert len(held) == 14 and not any(name.endswith(".weight") and "layers" in name and "proj" in name
-                                       for name, _ in module.named_parameters())
+    assert len(held) == 14 and not any(
+        name.endswith(".weight") and "layers" in name and "proj" in name for name, _ in module.named_parameters()
+    )
     model = to_jax(module, make_placement(MeshConfig()))
     ids = np.random.default_rng(0).integers(3, theirs.config.vocab_size, (2, 20)).astype(np.int32)
     batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from jaxtune.config import LoraConfig, MeshConfig
-from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.measures import parity
-from jaxtune.runtime.modeling import quantize
 from jaxtune.runtime.devices.mesh import make_placement
-from tests.conftest import PAD, VOCAB, tiny_model
+from jaxtune.runtime.measures import parity
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.modeling import quantize
+from tests.conftest import VOCAB, tiny_model
 
 pytestmark = pytest.mark.quant
 SCHEMES = ("int8", "int4", "nf4")
@@ -30,10 +30,26 @@ GRAD_ATOL = 1e-4  # of each tensor's largest entry, as tests/preference's
 
 # QLoRA's NF4 levels as the QLoRA paper's appendix and bitsandbytes list them, written out here
 # rather than read from jaxtune.
-NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-                -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-                0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-                0.7229568362236023, 1.0])
+NF4 = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ]
+)
 
 
 def numpy_dequantized(codes: np.ndarray, scales: np.ndarray, scheme: str) -> np.ndarray:
@@ -82,9 +98,17 @@ def test_each_value_is_within_half_a_step_of_its_block_and_codes_are_packed_as_s
 def test_nf4_holds_normally_distributed_weights_closer_than_int4():
     """What NF4 is for: weights are about normal, and its levels, dense near zero, lose less of them."""
     weight = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)) * 0.02
-    errors = {scheme: (quantize.dequantize(quantize.quantize(weight, scheme), scheme, torch.float32) - weight).pow(2).mean().sqrt().item()
-              for scheme in ("int4", "nf4")}
-    assert errors["nf4"] < 0.9 * errors["int4"], errors  # measured 0.86: 16 levels against int4's 15, placed where weights lie
+    errors = {
+        scheme: (quantize.dequantize(quantize.quantize(weight, scheme), scheme, torch.float32) - weight)
+        .pow(2)
+        .mean()
+        .sqrt()
+        .item()
+        for scheme in ("int4", "nf4")
+    }
+    assert errors["nf4"] < 0.9 * errors["int4"], (
+        errors
+    )  # measured 0.86: 16 levels against int4's 15, placed where weights lie
 
 
 def test_int4_puts_each_pairs_first_code_in_the_low_nibble():
@@ -97,8 +121,10 @@ def test_int4_puts_each_pairs_first_code_in_the_low_nibble():
 
 
 def lora_model(family: str) -> torch.nn.Module:
-    module = rt_model.attach_lora(tiny_model(family, layers=2, hidden_size=64, intermediate_size=128),
-                                  LoraConfig(r=4, target_modules="all-linear"))
+    module = rt_model.attach_lora(
+        tiny_model(family, layers=2, hidden_size=64, intermediate_size=128),
+        LoraConfig(r=4, target_modules="all-linear"),
+    )
     with torch.no_grad():
         for name, param in module.named_parameters():
             if "lora_B" in name:
@@ -165,8 +191,11 @@ def test_a_full_fine_tune_over_a_quantized_base_is_refused():
     from jaxtune.config import load_config
     from jaxtune.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="model.base_quantization=int4 needs train.method=lora: a full fine-tune "
-                                          "trains the base weights, which a quantized base holds frozen"):
+    with pytest.raises(
+        ConfigError,
+        match="model.base_quantization=int4 needs train.method=lora: a full fine-tune "
+        "trains the base weights, which a quantized base holds frozen",
+    ):
         load_config(None, ["model.base_quantization=int4", "train.method=full"])
 
 
@@ -201,10 +230,14 @@ def test_the_memory_plan_counts_the_base_layers_as_held(scheme, ratio):
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     int8, int4 = (1 + 2 / 64) * weights, (0.5 + 2 / 64) * weights
     assert base["by_scheme"] == {"int8": int8, "int4": int4}
-    assert base_text(base) == {
-        "none": f"{mib(2 * weights)} in bfloat16; int8 would hold {mib(int8)}, int4 {mib(int4)}",
-        "int8": f"{mib(int8)} as int8 (0.52x of {mib(2 * weights)} in bfloat16); int4 would hold {mib(int4)}",
-        "int4": f"{mib(int4)} as int4 (0.27x of {mib(2 * weights)} in bfloat16); int8 would hold {mib(int8)}"}[scheme]
+    assert (
+        base_text(base)
+        == {
+            "none": f"{mib(2 * weights)} in bfloat16; int8 would hold {mib(int8)}, int4 {mib(int4)}",
+            "int8": f"{mib(int8)} as int8 (0.52x of {mib(2 * weights)} in bfloat16); int4 would hold {mib(int4)}",
+            "int4": f"{mib(int4)} as int4 (0.27x of {mib(2 * weights)} in bfloat16); int8 would hold {mib(int8)}",
+        }[scheme]
+    )
 
 
 @pytest.mark.slow
@@ -220,8 +253,9 @@ def test_on_a_mesh_the_codes_are_split_and_loss_and_gradients_are_one_devices():
     assert runs["mesh"]["loss"] == pytest.approx(runs["one"]["loss"], rel=1e-6)
     for name, expected in runs["one"]["grads"].items():
         expected = np.asarray(expected)
-        np.testing.assert_allclose(runs["mesh"]["grads"][name], expected, rtol=0, atol=GRAD_ATOL * np.abs(expected).max(),
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            runs["mesh"]["grads"][name], expected, rtol=0, atol=GRAD_ATOL * np.abs(expected).max(), err_msg=name
+        )
 
 
 @pytest.mark.target
@@ -239,8 +273,10 @@ def test_on_a_tpu_the_int4_step_peaks_below_the_bfloat16_one():
     devices = targets.devices(targets.resolve("v5e-1"))
     plans = {}
     for scheme in ("none", "int4"):
-        module = rt_model.attach_lora(tiny_model("gemma3", layers=8, hidden_size=1024, intermediate_size=4096),
-                                      LoraConfig(r=8, target_modules="all-linear")).to(torch.bfloat16)
+        module = rt_model.attach_lora(
+            tiny_model("gemma3", layers=8, hidden_size=1024, intermediate_size=4096),
+            LoraConfig(r=8, target_modules="all-linear"),
+        ).to(torch.bfloat16)
         if scheme != "none":
             quantize.quantize_base(module, scheme)
         model = rt_model.to_jax(module, make_placement(MeshConfig(), devices), shapes_only=True)

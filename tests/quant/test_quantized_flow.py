@@ -14,8 +14,12 @@ from tests.flows.toy import artifact, run_in_new_store, run_toy, states
 pytestmark = [pytest.mark.quant, pytest.mark.slow]
 # Width 64, so q, k, v, gate and up (64 inputs) and down (128) split into blocks of 64; o_proj's
 # 32 inputs (2 heads of 16) do not, and it stays a float weight.
-INT4 = ("model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.base_quantization=int4",
-        "export.merge=true")
+INT4 = (
+    "model.tiny.hidden_size=64",
+    "model.tiny.intermediate_size=128",
+    "model.base_quantization=int4",
+    "export.merge=true",
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +29,27 @@ def int4_run(tmp_path_factory):
 
 def test_the_base_is_quantized_once_and_the_report_says_the_adapter_learned_against_it(int4_run):
     store, result = int4_run
-    assert list(states(result)) == ["build_tokenizer", "build_model", "quantize_base", "tokenize", "baseline_eval",
-                                    "train", "final_eval", "export", "generate", "report"]
+    assert list(states(result)) == [
+        "build_tokenizer",
+        "build_model",
+        "quantize_base",
+        "tokenize",
+        "baseline_eval",
+        "train",
+        "final_eval",
+        "export",
+        "generate",
+        "report",
+    ]
     info = json.loads((artifact(store, "quantize_base") / "quantize.json").read_text())
     assert info["kinds"] == {"int4": 2 * 6} and not any("o_proj" in layer for layer in info["layers"])
     # int4: half a byte a weight and a bfloat16 scale per 64, against float32's 4 bytes (the offline model's dtype)
     assert info["held_bytes"] / info["unquantized_bytes"] == pytest.approx((0.5 + 2 / 64) / 4)
     report = (artifact(store, "report") / "report.md").read_text()
-    assert "**Trained against a quantized base** (`model.base_quantization: int4`): 12 frozen linear layers held as 12 int4" in report
+    assert (
+        "**Trained against a quantized base** (`model.base_quantization: int4`): 12 frozen linear layers held as 12 int4"
+        in report
+    )
     assert json.loads((artifact(store, "export") / "export.json").read_text())["trained_on_quantized_base"] == "int4"
 
 
@@ -51,14 +68,17 @@ def test_the_merged_export_is_the_dequantized_base_plus_the_adapter(int4_run):
     layer = "model.layers.1.mlp.down_proj"
     a = adapter[f"base_model.model.{layer}.lora_A.weight"]
     b = adapter[f"base_model.model.{layer}.lora_B.weight"]
-    dequantized = dequantize({"codes": stored[f"{layer}.codes"], "scales": stored[f"{layer}.scales"]}, "int4", torch.float32)
+    dequantized = dequantize(
+        {"codes": stored[f"{layer}.codes"], "scales": stored[f"{layer}.scales"]}, "int4", torch.float32
+    )
     expected = dequantized + (config["lora_alpha"] / config["r"]) * (b @ a)
     np.testing.assert_allclose(merged[f"{layer}.weight"].numpy(), expected.numpy(), rtol=0, atol=1e-6)
     assert not torch.equal(dequantized, base[f"{layer}.weight"])  # the base as held, not as it was
     # o_proj stayed a float weight: merged into the base as it was
     o_proj = "model.layers.1.self_attn.o_proj"
     expected = base[f"{o_proj}.weight"] + (config["lora_alpha"] / config["r"]) * (
-        adapter[f"base_model.model.{o_proj}.lora_B.weight"] @ adapter[f"base_model.model.{o_proj}.lora_A.weight"])
+        adapter[f"base_model.model.{o_proj}.lora_B.weight"] @ adapter[f"base_model.model.{o_proj}.lora_A.weight"]
+    )
     np.testing.assert_allclose(merged[f"{o_proj}.weight"].numpy(), expected.numpy(), rtol=0, atol=1e-6)
 
 

@@ -30,12 +30,31 @@ SCHEMES = ("int8", "int4", "nf4")
 
 def config_of(family: str, tied: bool, layers: int = 2, hidden: int = 64, intermediate: int = 128):
     if family == "qwen2":  # no offline family of its own: Qwen2's config, sized alike
-        return AutoConfig.for_model("qwen2", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
-                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                    tie_word_embeddings=tied, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
-    shape = TinyModelConfig(architecture=family, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                            vocab_size=VOCAB, tie_word_embeddings=tied)
+        return AutoConfig.for_model(
+            "qwen2",
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tied,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        )
+    shape = TinyModelConfig(
+        architecture=family,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        vocab_size=VOCAB,
+        tie_word_embeddings=tied,
+    )
     return tiny_config(family, shape, VOCAB, PAD, BOS, EOS)
 
 
@@ -53,6 +72,7 @@ def saved(folder: Path, family: str, tied: bool = False, sharded: bool = False, 
 @pytest.fixture
 def streamed_only(monkeypatch):
     """Loading whole fails the test: what is compared is the streamed load, not the fallback."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("loaded whole, not a layer at a time")
 
@@ -101,8 +121,11 @@ def test_gpt2_s_original_keys_without_the_model_prefix_load(tmp_path, streamed_o
     state = load_file(str(folder / "model.safetensors"))
     original = tmp_path / "original"
     original.mkdir()
-    save_file({key.removeprefix("transformer."): value for key, value in state.items()}, str(original / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {key.removeprefix("transformer."): value for key, value in state.items()},
+        str(original / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     for name in ("config.json", "generation_config.json"):
         (original / name).write_text((folder / name).read_text())
     assert not any(key.startswith("transformer.") for key in load_file(str(original / "model.safetensors")))
@@ -117,8 +140,11 @@ def test_what_cannot_be_mapped_is_loaded_by_from_pretrained(tmp_path, caplog):
 
     folder = Path(saved(tmp_path, "llama"))
     state = load_file(str(folder / "model.safetensors"))
-    save_file({key.replace("mlp.up_proj", "mlp.w3"): value for key, value in state.items()},
-              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {key.replace("mlp.up_proj", "mlp.w3"): value for key, value in state.items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with caplog.at_level("INFO", logger=streaming.__name__):
         ours = streaming.load_model(str(folder), None)
     assert "loading" in caplog.text and "whole with from_pretrained: checkpoint keys do not map" in caplog.text
@@ -134,7 +160,9 @@ def test_quantized_on_the_way_as_quantize_base_quantizes_the_loaded_model(tmp_pa
     names = quantize.quantize_base(whole, scheme)
     module, (stored, schemes) = rt_model.load_quantized(folder, None, False, "bfloat16", scheme)
     assert list(schemes) == names and set(schemes.values()) == {scheme}
-    expected = {f"{layer}.{field}": tensor for layer in names for field, tensor in whole.get_submodule(layer).tensors().items()}
+    expected = {
+        f"{layer}.{field}": tensor for layer in names for field, tensor in whole.get_submodule(layer).tensors().items()
+    }
     assert list(stored) == list(expected)
     for key, tensor in expected.items():
         assert stored[key].dtype == tensor.dtype and torch.equal(stored[key], tensor), key
@@ -148,17 +176,23 @@ def assert_same_jax_model(ours: rt_model.JaxModel, theirs: rt_model.JaxModel) ->
         ours_t, theirs_t = getattr(ours, kind), getattr(theirs, kind)
         assert list(ours_t) == list(theirs_t), kind
         for name, expected in theirs_t.items():
-            assert ours_t[name].dtype == expected.dtype and np.array_equal(np.asarray(ours_t[name]), np.asarray(expected)), name
+            assert ours_t[name].dtype == expected.dtype and np.array_equal(
+                np.asarray(ours_t[name]), np.asarray(expected)
+            ), name
     assert ours.casts == theirs.casts and str(ours.module) == str(theirs.module)
     ids = np.arange(3, 27, dtype=np.int32).reshape(2, 12)
     inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     np.testing.assert_array_equal(parity.jax_logits(ours, inputs), parity.jax_logits(theirs, inputs))
 
 
-@pytest.mark.parametrize("scheme, lora", [("int4", LoraConfig(r=4, target_modules="all-linear")),
-                                          ("nf4", LoraConfig(r=4, target_modules=("q_proj", "v_proj"),
-                                                             modules_to_save=("up_proj",))),
-                                          ("int8", None)])
+@pytest.mark.parametrize(
+    "scheme, lora",
+    [
+        ("int4", LoraConfig(r=4, target_modules="all-linear")),
+        ("nf4", LoraConfig(r=4, target_modules=("q_proj", "v_proj"), modules_to_save=("up_proj",))),
+        ("int8", None),
+    ],
+)
 def test_open_model_holds_what_it_held_loading_whole(tmp_path, scheme, lora):
     """As open_model did before it streamed: load whole, attach LoRA, quantize the frozen base. q and
     v's LoRA wraps them (`base_layer`); up_proj, saved whole by LoRA, is held quantized as its frozen
@@ -228,8 +262,13 @@ print(json.dumps({"peak": rss("VmHWM") - before}))
 
 
 def load_peak(folder: str, warm_up: str, how: str) -> int:
-    done = subprocess.run([sys.executable, "-c", MEMORY_CHILD, folder, warm_up, how], capture_output=True, text=True,
-                          check=True, cwd=Path(__file__).parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_CHILD, folder, warm_up, how],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
 
 
@@ -241,7 +280,12 @@ def test_a_4_bit_base_loads_in_a_fraction_of_the_memory_that_loading_whole_takes
     float32) and the temporaries of quantizing 1024 rows."""
     folder = saved(tmp_path / "model", "llama", sharded=True, shard="10MB", layers=32, hidden=256, intermediate=1024)
     warm_up = saved(tmp_path / "warm_up", "llama", layers=1)
-    size = 2 * AutoModelForCausalLM.from_config(config_of("llama", False, 32, 256, 1024), dtype=torch.float32).num_parameters()
+    size = (
+        2
+        * AutoModelForCausalLM.from_config(
+            config_of("llama", False, 32, 256, 1024), dtype=torch.float32
+        ).num_parameters()
+    )
     assert 53e6 < size < 55e6
     peaks = {how: load_peak(folder, warm_up, how) for how in ("int4", "nf4", "from_pretrained", "whole_then_int4")}
     print({how: f"{peak / 2**20:.1f} MiB" for how, peak in peaks.items()}, f"bfloat16 model {size / 2**20:.1f} MiB")

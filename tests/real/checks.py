@@ -80,8 +80,8 @@ def tokenizer_of(checkpoint: Checkpoint):
 
 def lora_model(checkpoint: Checkpoint):
     """The float32 model with random-B LoRA on every linear layer, on JAX (`doctor`'s set-up)."""
-    from jaxtune.config import load_config
     from jaxtune.checks.doctor import as_trained
+    from jaxtune.config import load_config
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import load_torch_model, to_jax
 
@@ -91,8 +91,14 @@ def lora_model(checkpoint: Checkpoint):
 
 
 def prompts(tokenizer) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)) for q in QUESTIONS]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS
+    ]
 
 
 def parity_batch(tokenizer) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -114,8 +120,9 @@ def loss_and_gradient_errors(model, tokenizer) -> tuple[float, float, str, float
     jax_loss, jax_grads = parity.jax_loss_and_grads(model, batch, labels)
     torch_loss, torch_grads = parity.torch_loss_and_grads(model, batch, labels)
     names = sorted(torch_grads)
-    together = parity.relative_diff(np.concatenate([jax_grads[n].ravel() for n in names]),
-                                    np.concatenate([torch_grads[n].ravel() for n in names]))
+    together = parity.relative_diff(
+        np.concatenate([jax_grads[n].ravel() for n in names]), np.concatenate([torch_grads[n].ravel() for n in names])
+    )
     name, worst = parity.worst_gradient(jax_grads, torch_grads)
     return abs(jax_loss - torch_loss) / abs(torch_loss), together, name, worst
 
@@ -139,10 +146,20 @@ def three_lora_steps(checkpoint: Checkpoint, tmp: Path, *overrides: str) -> dict
 
     rows = tmp / "rows.jsonl"  # a few rows: tokenizing all 6,000 would take longer than training
     rows.write_text("".join(OFFLINE_DATA.read_text().splitlines(keepends=True)[:24]))
-    settings = [f"model.name={checkpoint.gguf}", "model.dtype=float32", f"store.root={checkpoint.store}",
-                f"data.source={rows}", "data.eval_fraction=0.25", "data.max_length=96",
-                "lora.r=8", "train.max_steps=3", "train.batch_size=4", "train.warmup_steps=0",
-                "train.learning_rate=1e-3", "train.log_every=1"]
+    settings = [
+        f"model.name={checkpoint.gguf}",
+        "model.dtype=float32",
+        f"store.root={checkpoint.store}",
+        f"data.source={rows}",
+        "data.eval_fraction=0.25",
+        "data.max_length=96",
+        "lora.r=8",
+        "train.max_steps=3",
+        "train.batch_size=4",
+        "train.warmup_steps=0",
+        "train.learning_rate=1e-3",
+        "train.log_every=1",
+    ]
     if checkpoint.chat_template:
         settings.append(f"model.chat_template={checkpoint.chat_template}")
     config = load_config(None, [*settings, *overrides])
@@ -154,8 +171,8 @@ def check_gguf_export(export: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxtune.runtime.measures import parity
     from jaxtune.gguf.reader import parsed_once
+    from jaxtune.runtime.measures import parity
 
     def load(folder, gguf_file=None):
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()

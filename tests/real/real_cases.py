@@ -53,7 +53,9 @@ class RealCheckpointTests:
         from tests.data.test_tokenize import THREE_TURNS, labelled_spans
 
         row = encode_example(THREE_TURNS, tokenizer, "all_assistant")
-        assert labelled_spans(row, tokenizer) == [f"{answer}{self.end_of_turn}\n" for answer in ("Blue", "Green", "White")]
+        assert labelled_spans(row, tokenizer) == [
+            f"{answer}{self.end_of_turn}\n" for answer in ("Blue", "Green", "White")
+        ]
         last = encode_example(THREE_TURNS, tokenizer, "last_assistant")
         assert labelled_spans(last, tokenizer) == [f"White{self.end_of_turn}\n"]
 
@@ -110,10 +112,19 @@ def check_three_steps_export(checkpoint: checks.Checkpoint, result: dict) -> Non
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
     final = _metrics(store, keys, "final_eval")["loss"]
     baseline = _metrics(store, keys, "baseline_eval")["loss"]
-    (plain,) = plain_torch_losses([{"base": checkpoint.folder, "adapter": export / "adapter",
-                                    "eval_arrow": store / "tokenize" / keys["tokenize"] / "eval.arrow"}])
-    print(f"exported adapter: plain PyTorch loss {plain:.6f}, final eval {final:.6f}, relative {abs(plain - final) / final:.2e}; "
-          f"baseline {baseline:.6f}")
+    (plain,) = plain_torch_losses(
+        [
+            {
+                "base": checkpoint.folder,
+                "adapter": export / "adapter",
+                "eval_arrow": store / "tokenize" / keys["tokenize"] / "eval.arrow",
+            }
+        ]
+    )
+    print(
+        f"exported adapter: plain PyTorch loss {plain:.6f}, final eval {final:.6f}, relative {abs(plain - final) / final:.2e}; "
+        f"baseline {baseline:.6f}"
+    )
     assert abs(plain - final) <= checks.EXPORT_LOSS_RTOL * final, (plain, final)
     # The check above tells a trained adapter from an untrained one only if training moved the loss by more.
     assert baseline - final > 2 * checks.EXPORT_LOSS_RTOL * final, (baseline, final)

@@ -32,4 +32,6 @@ def test_a_checkpoint_imported_once_is_found_by_the_next_module_at_any_path(real
     again = checks.import_checkpoint(elsewhere, real_store)
     assert again.folder == first.folder and manifest.stat().st_mtime_ns == made
     assert again.gguf != first.gguf
-    assert [p.name for p in (real_store / "import_gguf").iterdir() if p.name == first.folder.name] == [first.folder.name]
+    assert [p.name for p in (real_store / "import_gguf").iterdir() if p.name == first.folder.name] == [
+        first.folder.name
+    ]

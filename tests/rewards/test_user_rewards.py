@@ -73,29 +73,53 @@ def test_a_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
 
 
 def test_a_callable_object_is_a_reward(user_module):
-    user_module("jt_callable_rw", """
+    user_module(
+        "jt_callable_rw",
+        """
         class Always:
             def __call__(self, prompts, completions, rows):
                 return [True] * len(completions)
 
         always = Always()
-    """)
+    """,
+    )
     assert load_rewards(["jt_callable_rw:always"]).score(["q"] * 2, ["a", "b"], [{}, {}]).tolist() == [[1.0], [1.0]]
 
 
-@pytest.mark.parametrize("source, spec, message", [
-    (None, "jt_absent_pkg.rw:score", "rl.rewards: 'jt_absent_pkg.rw:score' cannot be imported: No module named 'jt_absent_pkg'"),
-    ("raise RuntimeError('no model here')\n", "jt_raising_rw:score",
-     "rl.rewards: 'jt_raising_rw:score' cannot be imported: RuntimeError: no model here"),
-    (LENGTH, "jt_named_rw:score", "rl.rewards: 'jt_named_rw:score': module jt_named_rw has no 'score'"),
-    ("score = 3\n", "jt_value_rw:score", "rl.rewards: 'jt_value_rw:score' is not callable: score is of type int"),
-    ("def score(completions):\n    return [0.0]\n", "jt_narrow_rw:score",
-     "rl.rewards: 'jt_narrow_rw:score' cannot be called as function(prompts, completions, rows): too many positional arguments"),
-    (None, "jt_rw.score", "rl.rewards: 'jt_rw.score' is not a reward; give exact_answer, exact_answer:MARKER, "
-                          "format:REGEX or package.module:function"),
-    (None, "jt_rw:score:x", "rl.rewards: 'jt_rw:score:x' is not a reward; give exact_answer, exact_answer:MARKER, "
-                            "format:REGEX or package.module:function"),
-])
+@pytest.mark.parametrize(
+    "source, spec, message",
+    [
+        (
+            None,
+            "jt_absent_pkg.rw:score",
+            "rl.rewards: 'jt_absent_pkg.rw:score' cannot be imported: No module named 'jt_absent_pkg'",
+        ),
+        (
+            "raise RuntimeError('no model here')\n",
+            "jt_raising_rw:score",
+            "rl.rewards: 'jt_raising_rw:score' cannot be imported: RuntimeError: no model here",
+        ),
+        (LENGTH, "jt_named_rw:score", "rl.rewards: 'jt_named_rw:score': module jt_named_rw has no 'score'"),
+        ("score = 3\n", "jt_value_rw:score", "rl.rewards: 'jt_value_rw:score' is not callable: score is of type int"),
+        (
+            "def score(completions):\n    return [0.0]\n",
+            "jt_narrow_rw:score",
+            "rl.rewards: 'jt_narrow_rw:score' cannot be called as function(prompts, completions, rows): too many positional arguments",
+        ),
+        (
+            None,
+            "jt_rw.score",
+            "rl.rewards: 'jt_rw.score' is not a reward; give exact_answer, exact_answer:MARKER, "
+            "format:REGEX or package.module:function",
+        ),
+        (
+            None,
+            "jt_rw:score:x",
+            "rl.rewards: 'jt_rw:score:x' is not a reward; give exact_answer, exact_answer:MARKER, "
+            "format:REGEX or package.module:function",
+        ),
+    ],
+)
 def test_a_reward_that_cannot_load_is_a_config_error_naming_it(source, spec, message, user_module):
     if source is not None:
         user_module(spec.partition(":")[0], source)
@@ -105,16 +129,22 @@ def test_a_reward_that_cannot_load_is_a_config_error_naming_it(source, spec, mes
 def test_a_module_that_does_not_parse_is_named_with_its_line(user_module):
     user_module("jt_syntax_rw", "def score(:\n")
     message = config_error(["jt_syntax_rw:score"])
-    assert message.startswith("rl.rewards: 'jt_syntax_rw:score' cannot be imported: SyntaxError: ")  # Python's own words follow
+    assert message.startswith(
+        "rl.rewards: 'jt_syntax_rw:score' cannot be imported: SyntaxError: "
+    )  # Python's own words follow
     assert message.endswith("(jt_syntax_rw.py, line 1)")
 
 
 def test_the_list_and_its_weights_are_checked():
-    assert config_error([]) == ("rl.rewards: no rewards; give at least one: exact_answer, exact_answer:MARKER, "
-                                "format:REGEX or package.module:function")
+    assert config_error([]) == (
+        "rl.rewards: no rewards; give at least one: exact_answer, exact_answer:MARKER, "
+        "format:REGEX or package.module:function"
+    )
     assert config_error(["exact_answer", "format:.*", "exact_answer"]) == (
-        "rl.rewards: 'exact_answer' is given twice; give each reward once, and its weight in rl.reward_weights")
+        "rl.rewards: 'exact_answer' is given twice; give each reward once, and its weight in rl.reward_weights"
+    )
     assert config_error(["exact_answer", "format:.*"], [1.0]) == (
-        "rl.reward_weights has 1 weights for 2 rewards (exact_answer, format:.*): give one each, or null for all 1")
+        "rl.reward_weights has 1 weights for 2 rewards (exact_answer, format:.*): give one each, or null for all 1"
+    )
     assert config_error(["exact_answer"], [float("nan")]) == "rl.reward_weights: nan is not a finite number"
     assert load_rewards(["exact_answer", "format:.*"]).weights == (1.0, 1.0)

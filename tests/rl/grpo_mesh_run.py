@@ -24,14 +24,16 @@ def run(sizes: tuple[int, int, int]) -> list[dict]:
     from tests.rl.test_rollouts import PROMPTS, even_share, lora_model
 
     data, fsdp, tensor = sizes
-    placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:data * fsdp * tensor])
+    placement = make_placement(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[: data * fsdp * tensor])
     model = lora_model(placement)
-    cfg = TrainConfig(max_steps=STEPS, batch_size=16, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant",
-                      weight_decay=0.0)
+    cfg = TrainConfig(
+        max_steps=STEPS, batch_size=16, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant", weight_decay=0.0
+    )
     rl = RLConfig(num_generations=4, max_completion_length=8, beta=0.02)
     log: list[dict] = []
-    rollouts.train_grpo(model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend,
-                        check_memory=False)
+    rollouts.train_grpo(
+        model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend, check_memory=False
+    )
     return [r for r in log if "loss" in r]
 
 

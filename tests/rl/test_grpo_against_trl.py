@@ -28,12 +28,21 @@ from jaxtune.config import RLConfig
 from jaxtune.runtime.compiled import grpo, preference, steps
 from jaxtune.runtime.modeling import model as rt_model
 from tests.conftest import EOS, PAD, VOCAB
-# The preference tests' tiny LoRA Llama (random B), its JAX copy and their word-level tokenizer.
-from tests.preference.test_against_trl import (assert_same_gradients, jax_model, lora_module,  # noqa: F401
-                                               tokenizer, torch_grads, trl_args)
 
-pytestmark = [pytest.mark.rl,
-              pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning")]
+# The preference tests' tiny LoRA Llama (random B), its JAX copy and their word-level tokenizer.
+from tests.preference.test_against_trl import (  # noqa: F401
+    assert_same_gradients,
+    jax_model,
+    lora_module,
+    tokenizer,
+    torch_grads,
+    trl_args,
+)
+
+pytestmark = [
+    pytest.mark.rl,
+    pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning"),
+]
 
 GROUPS, GENERATIONS, ANSWER = 2, 3, 9  # prompts, answers per prompt, TRL's padded answer length
 LENGTH = 32  # jaxtune's row length
@@ -73,22 +82,42 @@ def trl_inputs(rollout):
     completion_ids = torch.full((len(answers), ANSWER), PAD)
     completion_mask = torch.zeros((len(answers), ANSWER), dtype=torch.long)
     for row, (p, a) in enumerate(zip(prompts, answers)):
-        prompt_ids[row, width - len(p):], prompt_mask[row, width - len(p):] = torch.tensor(p), 1
-        completion_ids[row, :len(a)], completion_mask[row, :len(a)] = torch.tensor(a), 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask}
+        prompt_ids[row, width - len(p) :], prompt_mask[row, width - len(p) :] = torch.tensor(p), 1
+        completion_ids[row, : len(a)], completion_mask[row, : len(a)] = torch.tensor(a), 1
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
 
 
 def trl_trainer(lora_module, tokenizer, tmp_path, rl: RLConfig):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    args = trl_args(GRPOConfig, tmp_path, num_generations=GENERATIONS, per_device_train_batch_size=GROUPS * GENERATIONS,
-                    max_completion_length=rl.max_completion_length, beta=rl.beta, epsilon=rl.epsilon,
-                    epsilon_high=rl.epsilon_high, loss_type=rl.loss_type, scale_rewards=rl.scale_rewards,
-                    num_iterations=rl.num_iterations, use_bias_correction_kl=rl.use_bias_correction_kl, temperature=rl.temperature)
-    trainer = GRPOTrainer(model=copy.deepcopy(lora_module), reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
-                          args=args, train_dataset=Dataset.from_dict({"prompt": ["t5"] * GROUPS}), processing_class=tokenizer)
+    args = trl_args(
+        GRPOConfig,
+        tmp_path,
+        num_generations=GENERATIONS,
+        per_device_train_batch_size=GROUPS * GENERATIONS,
+        max_completion_length=rl.max_completion_length,
+        beta=rl.beta,
+        epsilon=rl.epsilon,
+        epsilon_high=rl.epsilon_high,
+        loss_type=rl.loss_type,
+        scale_rewards=rl.scale_rewards,
+        num_iterations=rl.num_iterations,
+        use_bias_correction_kl=rl.use_bias_correction_kl,
+        temperature=rl.temperature,
+    )
+    trainer = GRPOTrainer(
+        model=copy.deepcopy(lora_module),
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["t5"] * GROUPS}),
+        processing_class=tokenizer,
+    )
     trainer.current_gradient_accumulation_steps = 1  # what its training loop sets: one micro-batch a step
     return trainer
 
@@ -116,7 +145,9 @@ def jaxtune_rows(rollout):
 def jaxtune_logps(model, rollout, weights=None) -> np.ndarray:
     batch, prompt_lengths = jaxtune_rows(rollout)
     labels = batch.pop("labels")
-    logp = steps.make_token_logp_step(model)(model.weights if weights is None else weights, model.buffers, batch, labels)
+    logp = steps.make_token_logp_step(model)(
+        model.weights if weights is None else weights, model.buffers, batch, labels
+    )
     return on_answer_axis(np.asarray(logp), prompt_lengths, ANSWER)
 
 
@@ -127,7 +158,7 @@ def on_token_axis(values: np.ndarray, prompt_lengths: np.ndarray, length: int) -
     out = np.zeros((values.shape[0], length - 1), np.float32)
     for row, (p, v) in enumerate(zip(prompt_lengths, values)):
         n = min(len(v), length - p)
-        out[row, p - 1:p - 1 + n] = v[:n]
+        out[row, p - 1 : p - 1 + n] = v[:n]
     return out
 
 
@@ -137,7 +168,7 @@ def on_answer_axis(values: np.ndarray, prompt_lengths: np.ndarray, answer_length
     out = np.zeros((values.shape[0], answer_length), values.dtype)
     for row, (p, v) in enumerate(zip(prompt_lengths, values)):
         n = min(answer_length, len(v) - (p - 1))
-        out[row, :n] = v[p - 1:p - 1 + n]
+        out[row, :n] = v[p - 1 : p - 1 + n]
     return out
 
 
@@ -149,16 +180,20 @@ def test_answer_rows_put_each_answer_token_where_the_step_scores_it(rollout):
     for row, (p, a) in enumerate(zip(*rollout)):
         # Entry i scores token i + 1: the answer's tokens are scored from the prompt's last position.
         assert np.flatnonzero(scored[row]).tolist() == list(range(len(p) - 1, len(p) - 1 + len(a)))
-        assert batch["input_ids"][row, len(p):len(p) + len(a)].tolist() == a
+        assert batch["input_ids"][row, len(p) : len(p) + len(a)].tolist() == a
     np.testing.assert_array_equal(on_answer_axis(placed, prompt_lengths, ANSWER), values)
 
 
-def test_the_reference_is_the_base_as_peft_disable_adapter_gives_it(lora_module, jax_model, tokenizer, rollout, tmp_path):
+def test_the_reference_is_the_base_as_peft_disable_adapter_gives_it(
+    lora_module, jax_model, tokenizer, rollout, tmp_path
+):
     trainer = trl_trainer(lora_module, tokenizer, tmp_path, RLConfig(beta=0.1))
     inputs = trl_inputs(rollout)
     mask = inputs["completion_mask"].numpy().astype(bool)
-    ours_on, ours_off = jaxtune_logps(jax_model, rollout), jaxtune_logps(jax_model, rollout,
-                                                                         rt_model.adapters_off(jax_model.weights))
+    ours_on, ours_off = (
+        jaxtune_logps(jax_model, rollout),
+        jaxtune_logps(jax_model, rollout, rt_model.adapters_off(jax_model.weights)),
+    )
     theirs_on, theirs_off = trl_logps(trainer, inputs), trl_logps(trainer, inputs, adapters=False)
     np.testing.assert_allclose(ours_on[mask], theirs_on[mask], rtol=0, atol=LOGP_ATOL)
     np.testing.assert_allclose(ours_off[mask], theirs_off[mask], rtol=0, atol=LOGP_ATOL)
@@ -175,7 +210,9 @@ def test_advantages_are_trls_group_relative_ones():
     group_std = nanstd(r.view(-1, 3), dim=1).repeat_interleave(3)
     expected = {"group": (r - mean) / (group_std + 1e-4), "batch": (r - mean) / (nanstd(r) + 1e-4), "none": r - mean}
     for scale, theirs in expected.items():
-        np.testing.assert_allclose(grpo.advantages(rewards, 3, scale), theirs.numpy(), rtol=1e-6, atol=1e-6, err_msg=scale)
+        np.testing.assert_allclose(
+            grpo.advantages(rewards, 3, scale), theirs.numpy(), rtol=1e-6, atol=1e-6, err_msg=scale
+        )
     assert grpo.advantages(rewards, 3, "group")[3:6].tolist() == [0.0, 0.0, 0.0]  # a group scored alike teaches nothing
 
 
@@ -185,8 +222,9 @@ CASES = {
     # Log-probabilities of softmax(logits / T), as TRL scores the answers it sampled at T.
     "grpo-tempered-kl": RLConfig(loss_type="grpo", temperature=0.7, beta=0.1, max_completion_length=ANSWER),
     "bnpo-plain-kl": RLConfig(loss_type="bnpo", beta=0.05, use_bias_correction_kl=False, max_completion_length=ANSWER),
-    "dapo-clipped": RLConfig(loss_type="dapo", num_iterations=2, epsilon=0.1, epsilon_high=0.3,
-                             max_completion_length=ANSWER),
+    "dapo-clipped": RLConfig(
+        loss_type="dapo", num_iterations=2, epsilon=0.1, epsilon_high=0.3, max_completion_length=ANSWER
+    ),
 }
 
 
@@ -234,5 +272,3 @@ def test_loss_and_lora_gradients_match_trls(lora_module, jax_model, tokenizer, r
     # grpo's loss without a KL term is the advantages' mean, 0 in each group: its value says nothing there.
     assert float(loss) == pytest.approx(trl_loss.item(), rel=LOSS_RTOL, abs=1e-7)
     assert_same_gradients({k: np.asarray(v) for k, v in grads.items()}, torch_grads(trainer.model))
-
-

@@ -22,8 +22,14 @@ ROOT = Path(__file__).parents[2]
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("grpo-mesh")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "tests.rl.grpo_mesh_run", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.rl.grpo_mesh_run", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "results.json").read_text())
 

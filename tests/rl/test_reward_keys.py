@@ -14,9 +14,15 @@ def test_editing_a_reward_changes_the_keys_of_the_stages_that_use_it(tmp_path, m
     module = tmp_path / "my_rewards.py"
     module.write_text("def score(prompts, completions, rows):\n    return [1.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    config = config_from_dict({"data": {"format": "prompt_answer"}, "train": {"objective": "grpo"},
-                               "lora": {"modules_to_save": []}, "rl": {"rewards": ["my_rewards:score", "exact_answer"]},
-                               "store": {"root": str(tmp_path / "store")}})
+    config = config_from_dict(
+        {
+            "data": {"format": "prompt_answer"},
+            "train": {"objective": "grpo"},
+            "lora": {"modules_to_save": []},
+            "rl": {"rewards": ["my_rewards:score", "exact_answer"]},
+            "store": {"root": str(tmp_path / "store")},
+        }
+    )
     before = planned_keys(config)
     module.write_text("def score(prompts, completions, rows):\n    return [0.0] * len(completions)\n")
     after = planned_keys(config)

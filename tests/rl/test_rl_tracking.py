@@ -11,10 +11,25 @@ from jaxtune.tracking.tensorboard import TensorBoardWriter
 
 pytestmark = pytest.mark.rl
 
-RECORDS = [{"step": s, "loss": 0.1 * s, "lr": 1e-4, "grad_norm": 0.5, "tokens": 100, "tokens_per_second": 10.0,
-            "reward": 0.2 * s, "reward_std": 0.3, "reward/exact_answer": 0.1 * s, "reward/format:.*####.*": 0.5,
-            "kl": 0.01 * s, "clip_fraction": 0.0, "completion_length": 12.0, "truncated": 0.25}
-           for s in (1, 2, 3)]
+RECORDS = [
+    {
+        "step": s,
+        "loss": 0.1 * s,
+        "lr": 1e-4,
+        "grad_norm": 0.5,
+        "tokens": 100,
+        "tokens_per_second": 10.0,
+        "reward": 0.2 * s,
+        "reward_std": 0.3,
+        "reward/exact_answer": 0.1 * s,
+        "reward/format:.*####.*": 0.5,
+        "kl": 0.01 * s,
+        "clip_fraction": 0.0,
+        "completion_length": 12.0,
+        "truncated": 0.25,
+    }
+    for s in (1, 2, 3)
+]
 
 
 def test_tensorboard_shows_the_reward_kl_and_each_reward_per_step(tmp_path):
@@ -26,17 +41,30 @@ def test_tensorboard_shows_the_reward_kl_and_each_reward_per_step(tmp_path):
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"rl/reward", "rl/kl", "rl/clip_fraction", "rl/completion_length", "rl/truncated", "rl/reward_std",
-            "rl/reward/exact_answer"} <= tags
+    assert {
+        "rl/reward",
+        "rl/kl",
+        "rl/clip_fraction",
+        "rl/completion_length",
+        "rl/truncated",
+        "rl/reward_std",
+        "rl/reward/exact_answer",
+    } <= tags
     assert any(tag.startswith("rl/reward/format") for tag in tags)  # TensorBoard's own spelling of the regex
     assert [(e.step, round(e.value, 6)) for e in events.Scalars("rl/reward")] == [(1, 0.2), (2, 0.4), (3, 0.6)]
     assert [round(e.value, 6) for e in events.Scalars("rl/kl")] == [0.01, 0.02, 0.03]
 
 
 def test_the_live_table_adds_reward_and_kl_only_for_runs_that_log_them():
-    assert live.latest_figures(RECORDS) == {"step": 3, "loss": pytest.approx(0.3), "eval_loss": None,
-                                                 "tokens_per_second": 10.0, "mfu": None, "reward": pytest.approx(0.6),
-                                                 "kl": pytest.approx(0.03)}
+    assert live.latest_figures(RECORDS) == {
+        "step": 3,
+        "loss": pytest.approx(0.3),
+        "eval_loss": None,
+        "tokens_per_second": 10.0,
+        "mfu": None,
+        "reward": pytest.approx(0.6),
+        "kl": pytest.approx(0.03),
+    }
     sft = [{"step": 1, "loss": 2.0, "tokens_per_second": 5.0}]
     assert set(live.latest_figures(sft)) == set(live.FIGURES)
 
@@ -63,8 +91,13 @@ def test_mlflow_gets_every_step_figure_and_the_evals_rewards(tmp_path):
         folder.mkdir()
     evals = {"reward": 0.25, "rewards": {"exact_answer": 0.25, "format:.*####.*": 0.5}, "prompts": 8}
     done = {
-        "train": _Ref(folders["train"], {"log.jsonl": "\n".join(json.dumps(r) for r in RECORDS),
-                                         "summary.json": json.dumps({"steps": 3, "objective": "grpo"})}),
+        "train": _Ref(
+            folders["train"],
+            {
+                "log.jsonl": "\n".join(json.dumps(r) for r in RECORDS),
+                "summary.json": json.dumps({"steps": 3, "objective": "grpo"}),
+            },
+        ),
         "baseline_eval": _Ref(folders["baseline_eval"], {"metrics.json": json.dumps(evals)}),
         "final_eval": _Ref(folders["final_eval"], {"metrics.json": json.dumps({**evals, "reward": 0.75})}),
     }
@@ -75,4 +108,3 @@ def test_mlflow_gets_every_step_figure_and_the_evals_rewards(tmp_path):
     assert metrics[("baseline_eval_reward", 0)] == 0.25 and metrics[("final_eval_reward", 0)] == 0.75
     assert metrics[("final_eval_reward/format_._____._", 0)] == 0.5
     assert not any(key.endswith("_loss") for key, _ in metrics if key.startswith(("baseline", "final")))
-

@@ -55,19 +55,27 @@ def test_answers_keep_their_first_end_token_and_report_truncation():
 
 def test_the_reward_rises_and_every_figure_is_logged():
     model = lora_model()
-    cfg = TrainConfig(max_steps=16, batch_size=16, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant",
-                      weight_decay=0.0, log_every=1)
+    cfg = TrainConfig(
+        max_steps=16,
+        batch_size=16,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        lr_schedule="constant",
+        weight_decay=0.0,
+        log_every=1,
+    )
     rl = RLConfig(num_generations=4, max_completion_length=8, beta=0.02, num_iterations=2, loss_type="dapo")
     log: list[dict] = []
-    result = rollouts.train_grpo(model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend,
-                                 check_memory=True)
+    result = rollouts.train_grpo(
+        model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend, check_memory=True
+    )
     (plan,) = [r for r in log if "memory_plan" in r]  # the step was planned with its advantages, reference and old
     assert plan["memory_plan"]["shape"] == {"micro_batches": 1, "rows_per_device": 16, "length": 32}
     assert plan["memory_plan"]["activations_per_micro_batch"] > 0
     records = [r for r in log if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 17))
     assert 0.3 < records[0]["reward"] < 0.7  # a random model: about half its tokens are even
-    assert result.summary["reward_last_quarter"] > 0.8, [r["reward"] for r in records]
+    assert result.summary.reward_last_quarter > 0.8, [r["reward"] for r in records]
     for r in records:
         assert r["reward"] == r["reward/even"]
         assert 0 < r["completion_length"] <= 8 and 0 <= r["truncated"] <= 1
@@ -75,7 +83,7 @@ def test_the_reward_rises_and_every_figure_is_logged():
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the adapters start at B = 0: the policy is the reference
     assert records[-1]["kl"] > 1e-4  # and moves away from it
     assert all(r["clip_fraction"] == 0.0 for r in records[0::2])  # a rollout's first step is on-policy
-    assert result.summary["answers_per_step"] == 16 and result.summary["prompts_per_rollout"] == 4
+    assert result.summary.answers_per_step == 16 and result.summary.prompts_per_rollout == 4
 
 
 def test_a_full_fine_tunes_reference_is_its_starting_weights():
@@ -88,12 +96,20 @@ def test_a_full_fine_tunes_reference_is_its_starting_weights():
         base.lm_head.weight.mul_(20.0)
     model = rt_model.to_jax(base, make_placement(MeshConfig()))
     start = {name: np.asarray(value) for name, value in model.weights.items()}
-    cfg = TrainConfig(method="full", max_steps=4, batch_size=8, learning_rate=1e-3, warmup_steps=0,
-                      lr_schedule="constant", weight_decay=0.0)
+    cfg = TrainConfig(
+        method="full",
+        max_steps=4,
+        batch_size=8,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        lr_schedule="constant",
+        weight_decay=0.0,
+    )
     rl = RLConfig(num_generations=4, max_completion_length=6, beta=0.1)
     log: list[dict] = []
-    result = rollouts.train_grpo(model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend,
-                                 check_memory=False)
+    result = rollouts.train_grpo(
+        model, PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS], on_log=log.extend, check_memory=False
+    )
     kl = [r["kl"] for r in log if "loss" in r]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-4, kl
     changed = [name for name in start if not np.array_equal(start[name], result.weights[name])]
@@ -103,17 +119,40 @@ def test_a_full_fine_tunes_reference_is_its_starting_weights():
 def test_a_resumed_run_samples_and_trains_as_an_uninterrupted_one(tmp_path):
     """Killed after its step-2 checkpoint, a run started again resumes there: it samples step 3's
     answers from the same key with the same weights, so it ends with the same weights and log."""
-    cfg = TrainConfig(max_steps=4, batch_size=8, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant",
-                      checkpoint_every=2)
+    cfg = TrainConfig(
+        max_steps=4, batch_size=8, learning_rate=1e-2, warmup_steps=0, lr_schedule="constant", checkpoint_every=2
+    )
     rl = RLConfig(num_generations=4, max_completion_length=6)
     whole: list[dict] = []
-    uninterrupted = rollouts.train_grpo(lora_model(), PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS],
-                                        on_log=whole.extend, checkpoint_dir=tmp_path, check_memory=False)
+    uninterrupted = rollouts.train_grpo(
+        lora_model(),
+        PROMPTS,
+        even_share,
+        ["even"],
+        cfg,
+        rl,
+        PAD,
+        [EOS],
+        on_log=whole.extend,
+        checkpoint_dir=tmp_path,
+        check_memory=False,
+    )
     assert [p.name for p in tmp_path.glob("step-*")] == ["step-00000002"]  # what a kill after step 2 leaves
     again: list[dict] = []
-    resumed = rollouts.train_grpo(lora_model(), PROMPTS, even_share, ["even"], cfg, rl, PAD, [EOS],
-                                  on_log=again.extend, checkpoint_dir=tmp_path, check_memory=False)
-    assert resumed.summary["resumed_from"] == 2
+    resumed = rollouts.train_grpo(
+        lora_model(),
+        PROMPTS,
+        even_share,
+        ["even"],
+        cfg,
+        rl,
+        PAD,
+        [EOS],
+        on_log=again.extend,
+        checkpoint_dir=tmp_path,
+        check_memory=False,
+    )
+    assert resumed.summary.resumed_from == 2
     steps_of = lambda log: [(r["step"], r["reward"], r["loss"]) for r in log if "loss" in r]  # noqa: E731
     assert steps_of(again) == steps_of(whole)
     for name, value in uninterrupted.weights.items():

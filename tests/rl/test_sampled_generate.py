@@ -53,9 +53,9 @@ def test_the_first_token_follows_the_tempered_top_k_distribution(model):
     model's own forward pass. The total variation distance of an empirical distribution of 2,048
     draws over 4 outcomes is about 0.02 by chance; a wrong temperature or top-k moves it past 0.1."""
     import jax.numpy as jnp
+    from torchax import interop
 
     from jaxtune.runtime.modeling.forward import forward_logits
-    from torchax import interop
 
     sampling = Sampling(temperature=0.7, top_k=4)
     drawn = generate(model, 2048, 1, sampling, seed=0)[:, 0]
@@ -70,4 +70,6 @@ def test_the_first_token_follows_the_tempered_top_k_distribution(model):
     seen = np.asarray([(drawn == t).mean() for t in top])
     assert 0.5 * np.abs(seen - expected).sum() < 0.05, (seen, expected)  # measured: 0.006
     untempered = np.exp(logits[top] - logits[top].max())
-    assert 0.5 * np.abs(seen - untempered / untempered.sum()).sum() > 0.1  # temperature 1 would not pass (measured: 0.13)
+    assert (
+        0.5 * np.abs(seen - untempered / untempered.sum()).sum() > 0.1
+    )  # temperature 1 would not pass (measured: 0.13)

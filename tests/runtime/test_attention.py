@@ -13,12 +13,12 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.data.tokenize import IGNORE_INDEX
-from jaxtune.runtime.train import packing
 from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.modeling.forward import forward_token_nll
-from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.train import packing
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity
@@ -78,8 +78,8 @@ def test_left_padding_gives_no_nan_and_each_row_its_own_loss(family):
     t = 20
     batch = {"input_ids": np.full((2, t), PAD, np.int32), "attention_mask": np.zeros((2, t), np.int32)}
     for r, row in enumerate(ids):
-        batch["input_ids"][r, t - len(row):] = row
-        batch["attention_mask"][r, t - len(row):] = 1
+        batch["input_ids"][r, t - len(row) :] = row
+        batch["attention_mask"][r, t - len(row) :] = 1
     batch["position_ids"] = np.maximum(np.cumsum(batch["attention_mask"], 1) - 1, 0).astype(np.int32)
     labels = np.where(batch["attention_mask"] == 1, batch["input_ids"], IGNORE_INDEX).astype(np.int32)
     labels[1, t - len(ids[1])] = IGNORE_INDEX  # a row's first token is never scored alone (nothing precedes it)
@@ -99,12 +99,15 @@ def test_every_tested_family_runs_fused_attention():
 def test_fused_step_keeps_a_fraction_of_eager_activations():
     """XLA's memory plan for one train step at 4 x 512, no remat: eager attention keeps (b, heads, t, t)
     float32 scores per layer and full logits; the fused step keeps q, k, v and chunked losses."""
-    module = rt_model.attach_lora(tiny_model("llama", layers=4, hidden_size=128, intermediate_size=256),
-                                  LoraConfig(r=4, alpha=8))
+    module = rt_model.attach_lora(
+        tiny_model("llama", layers=4, hidden_size=128, intermediate_size=256), LoraConfig(r=4, alpha=8)
+    )
     model = rt_model.to_jax(module, make_placement(MeshConfig()))
     optimizer = steps.make_optimizer(TrainConfig())
-    plan = {fused: steps.train_step_memory(model, optimizer, 1, 4, 512, remat="none", fused=fused)["temp_bytes"]
-            for fused in (True, False)}
+    plan = {
+        fused: steps.train_step_memory(model, optimizer, 1, 4, 512, remat="none", fused=fused)["temp_bytes"]
+        for fused in (True, False)
+    }
     # measured: fused 109 MiB, eager 267 MiB (each (4, 4, 512, 512) float32 score tensor is 16 MiB)
     assert plan[True] <= 0.5 * plan[False], plan
 

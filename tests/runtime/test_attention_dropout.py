@@ -10,9 +10,9 @@ import pytest
 
 from jaxtune.config import MeshConfig
 from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import VOCAB, tiny_model
 
 pytestmark = pytest.mark.parity
@@ -29,8 +29,17 @@ def probabilities(dropout: float, seed: int = 0) -> np.ndarray:
     key = rng.standard_normal((B, T, KV_HEADS, T), np.float32)
     value = np.broadcast_to(np.eye(T, dtype=np.float32)[None, :, None, :], (B, T, KV_HEADS, T))
     segments = np.asarray([[1] * T, [1] * 5 + [2] * 3], np.int32)  # the second row: two packed rows
-    out = CORE(query, key, value, segments, scale=T ** -0.5, window=None, softcap=None,
-               dropout=dropout, dropout_key=jax.random.PRNGKey(seed))
+    out = CORE(
+        query,
+        key,
+        value,
+        segments,
+        scale=T**-0.5,
+        window=None,
+        softcap=None,
+        dropout=dropout,
+        dropout_key=jax.random.PRNGKey(seed),
+    )
     return np.asarray(jnp.swapaxes(out, 1, 2))  # (b, heads, t, t)
 
 

@@ -4,8 +4,19 @@ from jaxtune.runtime.compiled.batches import bucket_length
 
 
 def test_lengths_grow_geometrically_from_16():
-    assert [bucket_length(n) for n in (1, 16, 17, 33, 49, 65, 97, 129, 200, 257, 385)] == \
-        [16, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert [bucket_length(n) for n in (1, 16, 17, 33, 49, 65, 97, 129, 200, 257, 385)] == [
+        16,
+        16,
+        32,
+        48,
+        64,
+        96,
+        128,
+        192,
+        256,
+        384,
+        512,
+    ]
 
 
 def test_at_most_ten_shapes_up_to_512_and_at_most_half_again_of_padding():

@@ -27,15 +27,17 @@ HEAD = 16
 
 def _inputs(b=2, t=256, n=4, kv=2, h=HEAD):
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)])
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
+    )
     segments = np.zeros((b, t), np.int32)
-    segments[0, int(0.35 * t):] = 1  # two packed rows, the second starting inside a tile
-    segments[1, int(0.78 * t):] = 7  # a row, then its padding (a segment of its own)
+    segments[0, int(0.35 * t) :] = 1  # two packed rows, the second starting inside a tile
+    segments[1, int(0.78 * t) :] = 7  # a row, then its padding (a segment of its own)
     return q, k, v, jnp.asarray(segments)
 
 
 def _cores(segments, window, softcap):
-    settings = dict(scale=HEAD ** -0.5, window=window, softcap=softcap)
+    settings = dict(scale=HEAD**-0.5, window=window, softcap=softcap)
     xla = lambda q, k, v: attention._core(q, k, v, segments, dropout=0.0, dropout_key=None, **settings)  # noqa: E731
     kernel = lambda q, k, v: gpu_flash.attention(q, k, v, segments, interpret=True, **settings)  # noqa: E731
     return xla, kernel
@@ -53,9 +55,11 @@ def _gap(got, want) -> float:
 # A 16-token window skips key tiles (the query tile at 128 sees keys from 113 on), and a cap of
 # 2 bends logits of size ~1; a window of 100 skips none for the first query tile but masks within
 # tiles; 8 query heads on one key/value head is multi-query attention; 80 tokens take tiles of 16.
-@pytest.mark.parametrize("window, softcap, heads, length", [
-    (None, None, (4, 2), 256), (16, 2.0, (4, 2), 256), (100, None, (8, 1), 256), (24, None, (4, 2), 80)],
-    ids=["causal-grouped", "sliding-window-soft-capped", "window-multi-query", "16-token-tiles"])
+@pytest.mark.parametrize(
+    "window, softcap, heads, length",
+    [(None, None, (4, 2), 256), (16, 2.0, (4, 2), 256), (100, None, (8, 1), 256), (24, None, (4, 2), 80)],
+    ids=["causal-grouped", "sliding-window-soft-capped", "window-multi-query", "16-token-tiles"],
+)
 def test_flash_attention_computes_xlas_attention_and_its_gradients(window, softcap, heads, length):
     q, k, v, segments = _inputs(t=length, n=heads[0], kv=heads[1])
     xla, kernel = _cores(segments, window, softcap)
@@ -78,11 +82,16 @@ def test_the_kernel_names_what_it_does_not_take():
     assert gpu_flash.refusal(2048, 256, 0.0) is None and gpu_flash.refusal(512, 64, 0.0) is None
     assert gpu_flash.refusal(512, 64, 0.1) == "attention dropout"
     assert gpu_flash.refusal(512, 96, 0.0) == "head size 96 (the kernel takes 16, 32, 64, 128, 256)"
-    assert gpu_flash.refusal(1000, 64, 0.0) == "sequence length 1000, not a multiple of the kernel's smallest tile, 16 tokens"
+    assert (
+        gpu_flash.refusal(1000, 64, 0.0)
+        == "sequence length 1000, not a multiple of the kernel's smallest tile, 16 tokens"
+    )
     assert gpu_flash.tiles_for(256, 2048) == gpu_flash.Tiles(forward=(64, 64), dkdv=(32, 64), dq=(64, 32), warps=8)
     assert gpu_flash.tiles_for(64, 80) == gpu_flash.Tiles(forward=(16, 16), dkdv=(16, 16), dq=(16, 16), warps=4)
     assert gpu_flash.tiles_for(64, 96).forward == (32, 32)
-    assert gpu_flash.tiles_for(256, 128, itemsize=4) == gpu_flash.Tiles(forward=(64, 32), dkdv=(32, 32), dq=(32, 32), warps=8)
+    assert gpu_flash.tiles_for(256, 128, itemsize=4) == gpu_flash.Tiles(
+        forward=(64, 32), dkdv=(32, 32), dq=(32, 32), warps=8
+    )
 
 
 def test_on_a_gpu_mesh_the_kernel_is_flash_and_the_choice_can_be_overridden():
@@ -110,10 +119,14 @@ def test_a_models_loss_and_gradients_are_the_same_through_the_kernel(caplog):
     attention._REPORTED.clear()
     with caplog.at_level(logging.WARNING, logger="jaxtune.attention"):
         fallback, _ = loss_and_gradients(model, short, labels[:, :100], "gpu-flash-interpret")
-    assert float(fallback) == pytest.approx(float(loss_and_gradients(model, short, labels[:, :100], "xla")[0]), rel=1e-6)
+    assert float(fallback) == pytest.approx(
+        float(loss_and_gradients(model, short, labels[:, :100], "xla")[0]), rel=1e-6
+    )
     warnings = [r.getMessage() for r in caplog.records if r.name == "jaxtune.attention"]
-    assert warnings == ["attention: gpu-flash does not take sequence length 100, not a multiple of the kernel's "
-                        "smallest tile, 16 tokens; XLA's attention runs instead"]
+    assert warnings == [
+        "attention: gpu-flash does not take sequence length 100, not a multiple of the kernel's "
+        "smallest tile, 16 tokens; XLA's attention runs instead"
+    ]
 
 
 def test_in_bfloat16_the_kernel_is_as_near_float32_as_xlas_attention_in_bfloat16():
@@ -126,7 +139,9 @@ def test_in_bfloat16_the_kernel_is_as_near_float32_as_xlas_attention_in_bfloat16
     exact = xla(q, k, v)
     got, xla_low = kernel(*low), xla(*low)
     assert got.dtype == jnp.bfloat16
-    assert float(jnp.abs(got.astype(jnp.float32) - exact).max()) <= 1.5 * float(jnp.abs(xla_low.astype(jnp.float32) - exact).max())
+    assert float(jnp.abs(got.astype(jnp.float32) - exact).max()) <= 1.5 * float(
+        jnp.abs(xla_low.astype(jnp.float32) - exact).max()
+    )
     for got, want, xla_got in zip(_gradients(kernel, *low), _gradients(xla, q, k, v), _gradients(xla, *low)):
         assert got.dtype == jnp.bfloat16
         assert _gap(got.astype(jnp.float32), want) <= 1.5 * _gap(xla_got.astype(jnp.float32), want)

@@ -84,7 +84,9 @@ def test_frozen_head_gradient_of_hidden_matches_full_logits(softcap, reduction):
 def test_linear_gradients_match_full_logits(softcap, use_bias, reduction):
     hidden, weight, bias, labels = make_inputs()
     bias = bias if use_bias else jnp.zeros_like(bias)  # a zero bias still gets its gradient checked
-    got = grads(lambda h, w, b: linear_token_nll(h, w, labels, b, softcap, CHUNK), REDUCTIONS[reduction], hidden, weight, bias)
+    got = grads(
+        lambda h, w, b: linear_token_nll(h, w, labels, b, softcap, CHUNK), REDUCTIONS[reduction], hidden, weight, bias
+    )
     want = grads(lambda h, w, b: reference_nll(h, w, labels, b, softcap), REDUCTIONS[reduction], hidden, weight, bias)
     for g, w in zip(got, want):
         assert rel(g, w) < 1e-5
@@ -166,8 +168,11 @@ def test_frozen_head_skips_weight_gradient_matmul():
 def test_chunked_backward_keeps_no_full_logits():
     # Full float32 logits here would be 4 x 512 x 32000 x 4 bytes = 250 MiB; one 128-token chunk is 15.6 MiB.
     b, t, d, v = 4, 513, 64, 32_000
-    shapes = (jax.ShapeDtypeStruct((b, t, d), jnp.float32), jax.ShapeDtypeStruct((v, d), jnp.float32),
-              jax.ShapeDtypeStruct((b, t), jnp.int32))
+    shapes = (
+        jax.ShapeDtypeStruct((b, t, d), jnp.float32),
+        jax.ShapeDtypeStruct((v, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+    )
 
     def temp_bytes(nll_fn):
         step = jax.jit(jax.grad(lambda h, w, l: nll_fn(h, w, l).sum(), argnums=(0, 1)))

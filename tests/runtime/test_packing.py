@@ -8,8 +8,15 @@ import pytest
 
 from jaxtune.data.tokenize import IGNORE_INDEX as X
 from jaxtune.runtime.compiled.batches import bucket_length, epoch_order, pad_batch, train_batches
-from jaxtune.runtime.train.packing import (PackedShape, micro_batches_per_epoch, nonpad_fraction, pack, packed_micro_batches,
-                                     packed_shape, unpacked_segments)
+from jaxtune.runtime.train.packing import (
+    PackedShape,
+    micro_batches_per_epoch,
+    nonpad_fraction,
+    pack,
+    packed_micro_batches,
+    packed_shape,
+    unpacked_segments,
+)
 
 pytestmark = pytest.mark.training
 
@@ -139,8 +146,10 @@ def test_packing_fills_97_8_percent_of_slots_on_instruction_lengths(capsys):
         plain_slots += 8 * bucket_length(longest, 512)
     plain = plain_tokens / plain_slots
     with capsys.disabled():
-        print(f"\nnonpad fraction: packed {packed:.3f} ({shape.sequences}x{shape.length}, {len(batches)} micro-batches, "
-              f"{len(lengths) / len(batches):.1f} rows each) vs padded {plain:.3f}")
+        print(
+            f"\nnonpad fraction: packed {packed:.3f} ({shape.sequences}x{shape.length}, {len(batches)} micro-batches, "
+            f"{len(lengths) / len(batches):.1f} rows each) vs padded {plain:.3f}"
+        )
     # The plan is deterministic (seeded lengths, seeded shuffle), so its figure is asserted as it is:
     # 309,361 tokens in 206 micro-batches of 3 x 512 slots, 0.9777 (docs/performance.md's 0.978). The fewest
     # that could hold them is 202 (0.997); a plan looking 16 rows ahead instead of 64 takes 208
@@ -175,7 +184,7 @@ def test_a_mesh_pads_packed_micro_batches_with_empty_sequences_but_never_changes
         small, big = next(a), next(b)
         for name in small:
             np.testing.assert_array_equal(big[name][: one.rows], small[name])
-        assert not big["attention_mask"][one.rows:].any() and (big["labels"][one.rows:] == X).all()
+        assert not big["attention_mask"][one.rows :].any() and (big["labels"][one.rows :] == X).all()
 
 
 def test_on_a_tpu_every_micro_batch_is_a_multiple_of_splash_tiles_and_holds_the_same_rows():
@@ -184,7 +193,6 @@ def test_on_a_tpu_every_micro_batch_is_a_multiple_of_splash_tiles_and_holds_the_
     from jaxtune.config import TrainConfig
     from jaxtune.runtime.modeling import attention
     from jaxtune.runtime.train.feed import make_feed
-
     from tests.conftest import tiny_model
 
     module = tiny_model("llama")
@@ -194,12 +202,17 @@ def test_on_a_tpu_every_micro_batch_is_a_multiple_of_splash_tiles_and_holds_the_
     lengths = [int(n) for n in np.random.default_rng(0).integers(8, 54, 200)]  # the demo's rows: at most 53 tokens
     ids = [list(range(3, n + 3)) for n in lengths]
     cfg = TrainConfig(batch_size=16)
-    plain, tiled = make_feed(lengths, cfg, 64, 1, packed=True), make_feed(lengths, cfg, 64, 1, packed=True, multiple=128)
+    plain, tiled = (
+        make_feed(lengths, cfg, 64, 1, packed=True),
+        make_feed(lengths, cfg, 64, 1, packed=True, multiple=128),
+    )
     assert (plain.length, tiled.length) == (64, 128) and tiled.rows < plain.rows
     batch = next(tiled.micro_batches(ids, ids, 0))
     assert batch["input_ids"].shape == (tiled.rows, 128)
     segments = sum(len(set(row[row > 0].tolist())) for row in batch["segment_ids"])
-    assert segments >= 12 and batch["attention_mask"].sum() == (batch["segment_ids"] > 0).sum()  # ~16 rows, packed whole
+    assert (
+        segments >= 12 and batch["attention_mask"].sum() == (batch["segment_ids"] > 0).sum()
+    )  # ~16 rows, packed whole
     padded = make_feed(lengths, cfg, 64, 1, packed=False, multiple=128)
     for _, batch in zip(range(3), padded.micro_batches(ids, ids, 0)):
         assert batch["input_ids"].shape == (16, 128)

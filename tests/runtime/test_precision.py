@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from jaxtune.config import LoraConfig, MeshConfig, ModelConfig
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
 from tests.conftest import tiny_model
 
 

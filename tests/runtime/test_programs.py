@@ -14,9 +14,9 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig
 from jaxtune.runtime.compiled import programs, steps
+from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.devices.mesh import make_placement
 from tests.conftest import VOCAB, tiny_model
 
 

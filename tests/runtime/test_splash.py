@@ -22,7 +22,9 @@ GRADIENT_TOLERANCE = 5e-6
 
 def _inputs(b=2, t=128, n=4, kv=2, h=64):
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)])
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
+    )
     segments = np.zeros((b, t), np.int32)
     segments[0, 50:] = 1  # two packed rows
     segments[1, 100:] = 7  # a row, then its padding (a segment of its own)
@@ -32,7 +34,7 @@ def _inputs(b=2, t=128, n=4, kv=2, h=64):
 @pytest.mark.parametrize("window, softcap", [(None, None), (16, 50.0)], ids=["causal", "sliding-window-soft-capped"])
 def test_splash_attention_computes_xlas_attention_and_its_gradients(window, softcap):
     q, k, v, segments = _inputs()
-    settings = dict(scale=64 ** -0.5, window=window, softcap=softcap)
+    settings = dict(scale=64**-0.5, window=window, softcap=softcap)
     xla = lambda q, k, v: attention._core(q, k, v, segments, dropout=0.0, dropout_key=None, **settings)  # noqa: E731
     kernel = lambda q, k, v: splash.attention(q, k, v, segments, interpret=True, **settings)  # noqa: E731
     assert float(jnp.abs(kernel(q, k, v) - xla(q, k, v)).max()) <= FORWARD_TOLERANCE

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
 from tests.conftest import VOCAB, tiny_model
 
 
@@ -28,8 +28,9 @@ def _train(jm, cfg: TrainConfig, n: int):
     weights, opt_state = jm.weights, optimizer.init(jm.weights)
     losses = []
     for step in range(1, n + 1):
-        loss, weights, opt_state = train_step(weights, jm.buffers, opt_state, batch, labels, steps.step_key(0, step),
-                                                 cfg.learning_rate)
+        loss, weights, opt_state = train_step(
+            weights, jm.buffers, opt_state, batch, labels, steps.step_key(0, step), cfg.learning_rate
+        )
         losses.append(float(loss))
     return losses, weights, opt_state
 
@@ -55,7 +56,9 @@ def test_adafactor_factors_the_second_moment_of_large_matrices():
     """optax factors matrices whose two sides are both >= 128: one value per row and per column."""
     import jax
 
-    jm = rt_model.to_jax(tiny_model(hidden_size=128, intermediate_size=256).requires_grad_(True), make_placement(MeshConfig()))
+    jm = rt_model.to_jax(
+        tiny_model(hidden_size=128, intermediate_size=256).requires_grad_(True), make_placement(MeshConfig())
+    )
     cfg = TrainConfig(method="full", optimizer="adafactor", learning_rate=1e-3, warmup_steps=0, max_steps=4)
     losses, weights, opt_state = _train(jm, cfg, 4)
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses

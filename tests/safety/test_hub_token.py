@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.safety, pytest.mark.slow]
 ROOT = Path(__file__).parents[2]
 TOKEN = "hf_jaxtuneFAKEtoken0123456789abcdef"
 # Any recognisable piece of it counts, with or without its prefix.
-NEEDLES = (TOKEN, TOKEN[len("hf_"):])
+NEEDLES = (TOKEN, TOKEN[len("hf_") :])
 
 
 def run_cli(env_extra: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -28,8 +28,14 @@ def run_cli(env_extra: dict[str, str], *args: str) -> subprocess.CompletedProces
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT), **env_extra}
-    return subprocess.run([sys.executable, "-m", "jaxtune.cli", "run", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxtune.cli", "run", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def leaks(text: str | bytes) -> list[str]:
@@ -62,7 +68,7 @@ def _database_folder() -> Path | None:
 
     url = PREFECT_SERVER_DATABASE_CONNECTION_URL.value() or ""
     prefix = "sqlite+aiosqlite:///"
-    return Path(url[len(prefix):]).parent if url.startswith(prefix) else None
+    return Path(url[len(prefix) :]).parent if url.startswith(prefix) else None
 
 
 def test_the_search_finds_a_planted_token(tmp_path):
@@ -89,13 +95,20 @@ def test_a_run_with_a_hub_token_in_its_environment_keeps_it_out_of_logs_and_arti
 
     env = {"HF_TOKEN": TOKEN, "HUGGING_FACE_HUB_TOKEN": TOKEN}
     # The token really is where Hugging Face code looks: a leak would be this very string.
-    probe = subprocess.run([sys.executable, "-c", "from huggingface_hub import get_token; print(get_token())"],
-                           env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [sys.executable, "-c", "from huggingface_hub import get_token; print(get_token())"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.stdout.strip() == TOKEN, probe.stderr[-2000:]
 
     store = tmp_path / "store"
     started = time.monotonic()
-    done = run_cli(env, *[arg for o in TOY for arg in ("--set", o)], "--set", f"store.root={store}", "--until", "report")
+    done = run_cli(
+        env, *[arg for o in TOY for arg in ("--set", o)], "--set", f"store.root={store}", "--until", "report"
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     print(f"toy run: {time.monotonic() - started:.0f} s")
 
@@ -109,12 +122,23 @@ def test_a_run_with_a_hub_token_in_its_environment_keeps_it_out_of_logs_and_arti
 
     with get_client(sync_client=True) as client:
         [run] = flow_runs_of_store(client, store)
-        logs = all_pages(lambda limit, offset: client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=limit, offset=offset))
-        task_runs = all_pages(lambda limit, offset: client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])), limit=limit, offset=offset))
-        artifacts = all_pages(lambda limit, offset: client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])), limit=limit, offset=offset))
+        logs = all_pages(
+            lambda limit, offset: client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=limit, offset=offset
+            )
+        )
+        task_runs = all_pages(
+            lambda limit, offset: client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])), limit=limit, offset=offset
+            )
+        )
+        artifacts = all_pages(
+            lambda limit, offset: client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])),
+                limit=limit,
+                offset=offset,
+            )
+        )
 
     assert run.state.is_completed()
     # The flow run: its parameters, and all else it records (context, job variables, labels, ...).

@@ -45,11 +45,19 @@ def test_a_killed_jaxtune_run_leaves_no_process_within_5_seconds(tmp_path):
     import psutil
 
     sets = [a for s in [*TOY, f"store.root={tmp_path / 'store'}"] for a in ("--set", s)]
-    run = subprocess.Popen([sys.executable, "-m", "jaxtune.cli", "run", *sets], cwd=ROOT, env=_clean_env(tmp_path / "home"),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "jaxtune.cli", "run", *sets],
+        cwd=ROOT,
+        env=_clean_env(tmp_path / "home"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while True:
-        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:] if run.poll() is not None else "no server"
+        assert run.poll() is None and time.monotonic() < deadline, (
+            run.stderr.read()[-3000:] if run.poll() is not None else "no server"
+        )
         if server := answering_server(run.pid):
             break
         time.sleep(0.05)

@@ -40,9 +40,19 @@ sys.stdin.readline()
 
 def _clean_env(home: Path) -> dict[str, str]:
     """This environment without any Prefect API URL, host or profile, with its own Prefect home."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_SERVER_API_HOST", "PREFECT_RUNNER_SERVER_HOST",
-                        "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "PREFECT_API_URL",
+            "PREFECT_PROFILE",
+            "PREFECT_SERVER_API_HOST",
+            "PREFECT_RUNNER_SERVER_HOST",
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+            "PREFECT_API_DATABASE_CONNECTION_URL",
+        )
+    }
     return {**env, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(ROOT)}
 
 
@@ -68,7 +78,7 @@ def _tcp_listeners_from_proc() -> dict[int, set[str]]:
         if state != "0A":  # TCP_LISTEN
             continue
         address, port = local.split(":")
-        ip = ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))  # little-endian
+        ip = ".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0))  # little-endian
         listeners.setdefault(int(port, 16), set()).add(ip)
     return listeners
 
@@ -86,8 +96,15 @@ def test_the_socket_readers_see_a_wildcard_listener():
 
 
 def test_the_temporary_prefect_server_of_jaxtune_run_listens_on_loopback_only(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", START_TEMPORARY_SERVER], cwd=ROOT, env=_clean_env(tmp_path / "home"),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", START_TEMPORARY_SERVER],
+        cwd=ROOT,
+        env=_clean_env(tmp_path / "home"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = child.stdout.readline()
         assert line, f"the temporary server did not start:\n{child.stderr.read()[-4000:]}"
@@ -119,13 +136,20 @@ def test_jaxtune_points_the_servers_prefect_starts_at_loopback(tmp_path):
     """`jaxtune serve`'s runner webserver and a Prefect API server read their host from these settings."""
     env = _clean_env(tmp_path / "home")
     # Prefect's own default for the runner webserver is "localhost", which is not what we set.
-    default = subprocess.run([sys.executable, "-c", "from prefect.settings import PREFECT_RUNNER_SERVER_HOST as h; print(h.value())"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    default = subprocess.run(
+        [sys.executable, "-c", "from prefect.settings import PREFECT_RUNNER_SERVER_HOST as h; print(h.value())"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert default.returncode == 0, default.stderr[-4000:]
     assert default.stdout.split() != ["127.0.0.1"]
 
-    done = subprocess.run([sys.executable, "-c", LOCAL_SERVERS], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", LOCAL_SERVERS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split() == ["127.0.0.1", "127.0.0.1"]
 
@@ -167,14 +191,23 @@ def test_the_runner_webserver_of_jaxtune_serve_listens_on_loopback_only(tmp_path
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**_clean_env(tmp_path / "home"), "PREFECT_RUNNER_SERVER_PORT": str(port)}
-    child = subprocess.Popen([sys.executable, "-c", START_RUNNER_WEBSERVER], cwd=ROOT, env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", START_RUNNER_WEBSERVER],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline() == "started\n", child.stderr.read()[-4000:]
         deadline = time.monotonic() + 60
         while not (listening := _listening(child.pid)) and time.monotonic() < deadline and child.poll() is None:
             time.sleep(0.2)
-        assert listening, f"the runner webserver did not start:\n{child.stderr.read()[-4000:] if child.poll() is not None else ''}"
+        assert listening, (
+            f"the runner webserver did not start:\n{child.stderr.read()[-4000:] if child.poll() is not None else ''}"
+        )
         assert {p for _, p in listening} == {port}
         assert {ip for ip, _ in listening} <= LOOPBACK, f"listens beyond loopback: {listening}"
     finally:

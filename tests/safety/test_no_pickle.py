@@ -17,7 +17,6 @@ The checks run on snippets first, so a scanner that finds nothing would fail her
 from __future__ import annotations
 
 import ast
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,13 @@ pytestmark = pytest.mark.safety
 
 PACKAGE = Path(__file__).resolve().parents[2] / "jaxtune"
 PICKLING_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "joblib", "shelve", "marshal"}
-PICKLE_CALLS = {"torch.load", "torch.serialization.load", "pandas.read_pickle", "pandas.io.pickle.read_pickle",
-                "jax.experimental.serialize_executable.deserialize_and_load"}
+PICKLE_CALLS = {
+    "torch.load",
+    "torch.serialization.load",
+    "pandas.read_pickle",
+    "pandas.io.pickle.read_pickle",
+    "jax.experimental.serialize_executable.deserialize_and_load",
+}
 # The one module that reads a pickle: JAX's own format for a compiled executable, through an
 # unpickler that builds only JAX's classes (tested below). Nothing else may import pickle.
 RESTRICTED_READER = "runtime/devices/executable_files.py"
@@ -84,7 +88,7 @@ def _qualified(node: ast.AST, aliases: dict[str, str]) -> str | None:
     # numpy is `np`, pandas `pd`, by convention even without a visible import (e.g. a doctest-free stub).
     for short, long in (("np", "numpy"), ("pd", "pandas")):
         if full == short or full.startswith(short + "."):
-            full = long + full[len(short):]
+            full = long + full[len(short) :]
     return full
 
 
@@ -123,9 +127,13 @@ def scan_source(source: str, where: str = "<snippet>", task_module: bool = False
                     flag(node, f"imports {node.module}.{alias.name}")
         elif isinstance(node, ast.Call):
             name = _qualified(node.func, aliases)
-            if name in ("__import__", "importlib.import_module") and node.args \
-                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) \
-                    and _module_root(node.args[0].value) in PICKLING_MODULES:
+            if (
+                name in ("__import__", "importlib.import_module")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+                and _module_root(node.args[0].value) in PICKLING_MODULES
+            ):
                 flag(node, f"imports {node.args[0].value} dynamically")
             if name in PICKLE_CALLS:
                 flag(node, f"calls {name} (unpickles)")
@@ -142,7 +150,12 @@ def scan_source(source: str, where: str = "<snippet>", task_module: bool = False
         elif task_module and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for decorator in node.decorator_list:
                 target = decorator.func if isinstance(decorator, ast.Call) else decorator
-                if _qualified(target, aliases) not in ("prefect.task", "prefect.tasks.task", "prefect.flow", "prefect.flows.flow"):
+                if _qualified(target, aliases) not in (
+                    "prefect.task",
+                    "prefect.tasks.task",
+                    "prefect.flow",
+                    "prefect.flows.flow",
+                ):
                     continue
                 serializer = _keyword(decorator, "result_serializer") if isinstance(decorator, ast.Call) else None
                 persist = _keyword(decorator, "persist_result") if isinstance(decorator, ast.Call) else None
@@ -150,9 +163,12 @@ def scan_source(source: str, where: str = "<snippet>", task_module: bool = False
                     continue  # a result never stored is never serialized
                 if serializer is None or not _is_constant(serializer.value, "json"):
                     shown = "none" if serializer is None else ast.unparse(serializer.value)
-                    flag(decorator, f"@{target.attr if isinstance(target, ast.Attribute) else target.id} on {node.name} "
-                                    f"has result_serializer={shown}, not \"json\", nor persist_result=False "
-                                    "(Prefect's default serializer is pickle)")
+                    flag(
+                        decorator,
+                        f"@{target.attr if isinstance(target, ast.Attribute) else target.id} on {node.name} "
+                        f'has result_serializer={shown}, not "json", nor persist_result=False '
+                        "(Prefect's default serializer is pickle)",
+                    )
     return found
 
 
@@ -166,54 +182,72 @@ def _is_task_module(path: Path) -> bool:
 
 # -- the scanner itself can fail ----------------------------------------------------------------
 
-@pytest.mark.parametrize("snippet, expected", [
-    ("import pickle", "imports pickle"),
-    ("import cloudpickle as cp", "imports cloudpickle"),
-    ("from dill import dumps", "imports from dill"),
-    ("import joblib.externals", "imports joblib.externals"),
-    ("import shelve, marshal", "imports shelve"),
-    ("__import__('pickle')", "imports pickle dynamically"),
-    ("import importlib\nimportlib.import_module('cPickle')", "imports cPickle dynamically"),
-    ("import torch\nstate = torch.load(f)", "calls torch.load"),
-    ("import torch as T\nT.load(f, weights_only=True)", "calls torch.load"),
-    ("from torch import load\nload(f)", "imports torch.load"),
-    ("from torch import load\nload(f)", "calls torch.load"),
-    ("import numpy as np\nnp.load(f, allow_pickle=True)", "allow_pickle=True"),
-    ("import numpy\nflag = True\nnumpy.load(f, allow_pickle=flag)", "allow_pickle=flag"),
-    ("import pandas as pd\npd.read_pickle(f)", "calls pandas.read_pickle"),
-    ("model.save_pretrained(out, safe_serialization=False)", "safe_serialization=False"),
-    ("from jax.experimental import serialize_executable as s\ns.deserialize_and_load(b, i, o)",
-     "calls jax.experimental.serialize_executable.deserialize_and_load"),
-])
+
+@pytest.mark.parametrize(
+    "snippet, expected",
+    [
+        ("import pickle", "imports pickle"),
+        ("import cloudpickle as cp", "imports cloudpickle"),
+        ("from dill import dumps", "imports from dill"),
+        ("import joblib.externals", "imports joblib.externals"),
+        ("import shelve, marshal", "imports shelve"),
+        ("__import__('pickle')", "imports pickle dynamically"),
+        ("import importlib\nimportlib.import_module('cPickle')", "imports cPickle dynamically"),
+        ("import torch\nstate = torch.load(f)", "calls torch.load"),
+        ("import torch as T\nT.load(f, weights_only=True)", "calls torch.load"),
+        ("from torch import load\nload(f)", "imports torch.load"),
+        ("from torch import load\nload(f)", "calls torch.load"),
+        ("import numpy as np\nnp.load(f, allow_pickle=True)", "allow_pickle=True"),
+        ("import numpy\nflag = True\nnumpy.load(f, allow_pickle=flag)", "allow_pickle=flag"),
+        ("import pandas as pd\npd.read_pickle(f)", "calls pandas.read_pickle"),
+        ("model.save_pretrained(out, safe_serialization=False)", "safe_serialization=False"),
+        (
+            "from jax.experimental import serialize_executable as s\ns.deserialize_and_load(b, i, o)",
+            "calls jax.experimental.serialize_executable.deserialize_and_load",
+        ),
+    ],
+)
 def test_the_scanner_flags_a_pickle_hazard(snippet, expected):
     findings = scan_source(snippet)
     assert any(expected in f.what for f in findings), f"{snippet!r} gave {[str(f) for f in findings]}"
 
 
-@pytest.mark.parametrize("decorator", ["@task", "@task(name='x')", "@task(name='x', result_serializer='pickle')",
-                                       "@prefect.task(result_serializer=SERIALIZER)", "@prefect.flow(name='x')",
-                                       "@task(persist_result=True)"])
+@pytest.mark.parametrize(
+    "decorator",
+    [
+        "@task",
+        "@task(name='x')",
+        "@task(name='x', result_serializer='pickle')",
+        "@prefect.task(result_serializer=SERIALIZER)",
+        "@prefect.flow(name='x')",
+        "@task(persist_result=True)",
+    ],
+)
 def test_the_scanner_flags_a_task_without_a_json_serializer(decorator):
     source = f"import prefect\nfrom prefect import task\n{decorator}\ndef stage(section):\n    return section\n"
     [finding] = scan_source(source, task_module=True)
     assert finding.line == 3 and "result_serializer" in finding.what
 
 
-@pytest.mark.parametrize("snippet", [
-    "import numpy as np\nnp.load(f)",
-    "import numpy as np\nnp.load(f, allow_pickle=False)",
-    "model.save_pretrained(out)",
-    "model.save_pretrained(out, safe_serialization=True)",
-    "from safetensors.numpy import load_file\nload_file(f)",
-    "import json\njson.load(f)",
-    "from prefect import task\n@task(name='x', result_serializer='json')\ndef stage(section):\n    return section\n",
-    "from prefect import flow\n@flow(name='x', persist_result=False)\ndef run(section):\n    return section\n",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import numpy as np\nnp.load(f)",
+        "import numpy as np\nnp.load(f, allow_pickle=False)",
+        "model.save_pretrained(out)",
+        "model.save_pretrained(out, safe_serialization=True)",
+        "from safetensors.numpy import load_file\nload_file(f)",
+        "import json\njson.load(f)",
+        "from prefect import task\n@task(name='x', result_serializer='json')\ndef stage(section):\n    return section\n",
+        "from prefect import flow\n@flow(name='x', persist_result=False)\ndef run(section):\n    return section\n",
+    ],
+)
 def test_the_scanner_passes_safe_code(snippet):
     assert scan_source(snippet, task_module=True) == []
 
 
 # -- the package ---------------------------------------------------------------------------------
+
 
 def test_the_scan_covers_the_package():
     files = _sources()
@@ -223,9 +257,12 @@ def test_the_scan_covers_the_package():
 
 
 def test_no_module_of_jaxtune_pickles():
-    findings = [f for path in _sources()
-                for f in scan_source(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))
-                if not (path.relative_to(PACKAGE).as_posix() == RESTRICTED_READER and f.what == "imports pickle")]
+    findings = [
+        f
+        for path in _sources()
+        for f in scan_source(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))
+        if not (path.relative_to(PACKAGE).as_posix() == RESTRICTED_READER and f.what == "imports pickle")
+    ]
     assert not findings, "pickle hazards:\n" + "\n".join(map(str, findings))
 
 
@@ -243,10 +280,18 @@ def test_the_one_pickle_reader_restricts_what_it_builds():
 
     tree = ast.parse((PACKAGE / RESTRICTED_READER).read_text(encoding="utf-8"))
     unpicklers = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and "Unpickler" in node.name]
-    assert unpicklers and all(any(isinstance(item, ast.FunctionDef) and item.name == "find_class" for item in node.body)
-                              for node in unpicklers)
-    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("loads", "load")
-                and isinstance(n.value, ast.Name) and n.value.id == "pickle"]
+    assert unpicklers and all(
+        any(isinstance(item, ast.FunctionDef) and item.name == "find_class" for item in node.body)
+        for node in unpicklers
+    )
+    assert not [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and n.attr in ("loads", "load")
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "pickle"
+    ]
 
     backend = jax.devices()[0].client
 
@@ -258,12 +303,19 @@ def test_the_one_pickle_reader_restricts_what_it_builds():
             return self.call, self.args
 
     import os
-    for planted in (Planted(os.system, "echo planted"), Planted(eval, "1"), Planted(jax._src.config.os.getcwd),
-                    Planted(jnp.zeros, 3)):
+
+    for planted in (
+        Planted(os.system, "echo planted"),
+        Planted(eval, "1"),
+        Planted(jax._src.config.os.getcwd),
+        Planted(jnp.zeros, 3),
+    ):
         data = pickle.dumps(planted, protocol=4)
         with pytest.raises(pickle.UnpicklingError, match="may not name"):
             executable_files.RestrictedUnpickler(io.BytesIO(data), backend).load()
-    dotted = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x0fjax._src.config\x94\x8c\tos.getcwd\x94\x93\x94)R\x94."
+    dotted = (
+        b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x0fjax._src.config\x94\x8c\tos.getcwd\x94\x93\x94)R\x94."
+    )
     with pytest.raises(pickle.UnpicklingError, match="may not name"):
         executable_files.RestrictedUnpickler(io.BytesIO(dotted), backend).load()
 
@@ -279,9 +331,12 @@ def test_the_one_pickle_reader_restricts_what_it_builds():
 
 def test_every_prefect_task_serializes_its_result_as_json():
     tasks = [path for path in _sources() if _is_task_module(path)]
-    findings = [f for path in tasks
-                for f in scan_source(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)), task_module=True)
-                if "result_serializer" in f.what]
+    findings = [
+        f
+        for path in tasks
+        for f in scan_source(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)), task_module=True)
+        if "result_serializer" in f.what
+    ]
     assert not findings, "\n".join(map(str, findings))
     # The check is not vacuous: the stages' tasks are there and were looked at.
     decorated = sum(source.count("@task(") for source in (p.read_text(encoding="utf-8") for p in tasks))

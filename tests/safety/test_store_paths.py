@@ -38,6 +38,7 @@ def _rewrite_manifest(store: ArtifactStore, change) -> None:
 
 # -- names ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ESCAPES)
 def test_a_stage_or_key_that_is_not_a_plain_name_is_refused(tmp_path, name):
     store = ArtifactStore(tmp_path / "store")
@@ -78,6 +79,7 @@ def test_a_store_root_with_dotdot_resolves(tmp_path):
 
 
 # -- manifests -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("entry", ["../outside", "/abs", "stats/../../outside"])
 def test_a_manifest_listing_a_file_outside_its_folder_is_not_trusted(tmp_path, entry):
@@ -134,6 +136,7 @@ def test_a_file_whose_bytes_changed_but_not_its_size_fails_verification(tmp_path
 
 
 # -- symlinks ------------------------------------------------------------------------------------
+
 
 def test_writing_refuses_a_symlink_to_a_file_outside_and_names_it(tmp_path):
     store = ArtifactStore(tmp_path / "store")
@@ -224,6 +227,7 @@ def test_removing_an_artifact_never_deletes_what_its_links_point_at(tmp_path):
 
 
 # -- the store root ------------------------------------------------------------------------------
+
 
 def test_a_store_root_that_is_a_file_is_refused_naming_it(tmp_path):
     root = tmp_path / "store"

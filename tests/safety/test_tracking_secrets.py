@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.safety, pytest.mark.tracking, pytest.mark.slow]
 PASSWORD = "trackerPASSWORD0123456789"
 USER = "trackeruser"
 # Any recognisable piece of either secret counts.
-NEEDLES = (TOKEN, TOKEN[len("hf_"):], PASSWORD, f"{USER}:")
+NEEDLES = (TOKEN, TOKEN[len("hf_") :], PASSWORD, f"{USER}:")
 
 
 def leaks(text: str | bytes) -> list[str]:
@@ -29,8 +29,11 @@ def leaks(text: str | bytes) -> list[str]:
 
 def files_with_secrets(folder: Path) -> list[str]:
     """Every file under `folder` (hidden ones too, symlinks not followed) whose bytes hold a secret."""
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and not p.is_symlink() and leaks(p.read_bytes()))
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and not p.is_symlink() and leaks(p.read_bytes())
+    )
 
 
 def test_the_search_finds_planted_secrets(tmp_path):
@@ -49,11 +52,20 @@ def test_tracking_uri_credentials_and_a_hub_token_reach_no_tracker(tmp_path):
     with mlflow_server(mlflow_folder) as uri:
         secret_uri = uri.replace("http://", f"http://{USER}:{PASSWORD}@")
         env = {"HF_TOKEN": TOKEN, "HUGGING_FACE_HUB_TOKEN": TOKEN, "MLFLOW_TRACKING_URI": secret_uri}
-        done = run_cli(env, *[arg for o in TOY for arg in ("--set", o)], "--set", f"store.root={store}",
-                       "--set", "tracking.tensorboard=true", "--until", "report")
+        done = run_cli(
+            env,
+            *[arg for o in TOY for arg in ("--set", o)],
+            "--set",
+            f"store.root={store}",
+            "--set",
+            "tracking.tensorboard=true",
+            "--until",
+            "report",
+        )
         assert done.returncode == 0, done.stderr[-4000:]
         [run] = MlflowClient(tracking_uri=uri).search_runs(
-            [MlflowClient(tracking_uri=uri).get_experiment_by_name("jaxtune").experiment_id])
+            [MlflowClient(tracking_uri=uri).get_experiment_by_name("jaxtune").experiment_id]
+        )
         assert run.info.status == "FINISHED", "the run was logged through the URI with credentials"
 
     assert not leaks(done.stdout) and not leaks(done.stderr)
@@ -68,11 +80,18 @@ def test_tracking_uri_credentials_and_a_hub_token_reach_no_tracker(tmp_path):
     # The Prefect run: its logs and artifacts, and the server's database.
     with get_client(sync_client=True) as client:
         [flow_run] = flow_runs_of_store(client, store)
-        logs = all_pages(lambda limit, offset: client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=limit, offset=offset))
-        artifacts = all_pages(lambda limit, offset: client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])), limit=limit,
-            offset=offset))
+        logs = all_pages(
+            lambda limit, offset: client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), limit=limit, offset=offset
+            )
+        )
+        artifacts = all_pages(
+            lambda limit, offset: client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])),
+                limit=limit,
+                offset=offset,
+            )
+        )
     assert any(log.message.startswith("MLflow: logged run") for log in logs)
     assert [log.message for log in logs if leaks(log.model_dump_json())] == []
     assert any((a.key or "").endswith("-train-curve") for a in artifacts)

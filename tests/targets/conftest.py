@@ -9,7 +9,15 @@ def tiny_folder(tmp_path_factory):
     from transformers import AutoConfig
 
     folder = tmp_path_factory.mktemp("tiny-config")
-    AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         tie_word_embeddings=False).save_pretrained(folder)
+    AutoConfig.for_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ).save_pretrained(folder)
     return folder

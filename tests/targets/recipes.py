@@ -9,12 +9,18 @@ from __future__ import annotations
 from pathlib import Path
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
-HUB = {"google/gemma-3-1b-it": CHECKPOINTS / "gemma-3-1b-it",
-       "meta-llama/Llama-3.2-1B-Instruct": CHECKPOINTS / "Llama-3.2-1B-Instruct"}
+HUB = {
+    "google/gemma-3-1b-it": CHECKPOINTS / "gemma-3-1b-it",
+    "meta-llama/Llama-3.2-1B-Instruct": CHECKPOINTS / "Llama-3.2-1B-Instruct",
+}
 # Each checkpoint's parameter count, as its model card or its file states it: the meta models
 # built from these are the checkpoints' shapes, not approximations of them.
-PARAMETERS = {"gemma-3-1b-it": 999_885_952, "Llama-3.2-1B-Instruct": 1_235_814_400,
-              "SmolLM2-135M-Instruct.Q4_1.gguf": 134_515_008, "gemma-3-270m-q4_k_m.gguf": 268_098_176}
+PARAMETERS = {
+    "gemma-3-1b-it": 999_885_952,
+    "Llama-3.2-1B-Instruct": 1_235_814_400,
+    "SmolLM2-135M-Instruct.Q4_1.gguf": 134_515_008,
+    "gemma-3-270m-q4_k_m.gguf": 268_098_176,
+}
 
 
 def checkpoint(name: str, models: Path) -> Path:
@@ -27,5 +33,8 @@ def checkpoint(name: str, models: Path) -> Path:
         return checkpoint(load_config(Path(__file__).parents[2] / name).model.name, models)
     if name in HUB:
         return HUB[name]
-    offline = {checkpoints.SMOLLM2: checkpoints.smollm2_source, checkpoints.GEMMA3: lambda: checkpoints.place_gemma3(models)}
+    offline = {
+        checkpoints.SMOLLM2: checkpoints.smollm2_source,
+        checkpoints.GEMMA3: lambda: checkpoints.place_gemma3(models),
+    }
     return offline[Path(name).name]()

@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 
-from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
 from jaxtune.runtime.devices import targets
+from jaxtune.runtime.measures import fit, memory
 
 pytestmark = pytest.mark.target
 
@@ -25,11 +25,11 @@ SETTINGS = ["train.batch_size=4", f"data.max_length={LENGTH}"]
 def planned(tiny_folder):
     """(config, model on one compile-only v5e, {(policy, rows): bytes its XLA:TPU plan needs}) at 4 x LENGTH
     for every policy, and layer at 2 rows a micro-batch (2 micro-batches)."""
-    from jaxtune.config import config_from_dict
     from jaxtune.checks.doctor import as_trained
+    from jaxtune.checks.target_plan import meta_model
+    from jaxtune.config import config_from_dict
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
-    from jaxtune.checks.target_plan import meta_model
 
     config = config_from_dict({}, SETTINGS)  # as `jaxtune doctor --set` reads them
     dtype = config.model.model_copy(update={"name": str(tiny_folder)}).compute_dtype
@@ -54,8 +54,13 @@ def test_auto_on_a_compile_only_v5e_takes_the_first_policy_whose_plan_fits(plann
     config, model, needs = planned
     assert len({needs[(p, 4)] for p in fit.POLICIES}) == 3, "the policies plan alike: the test shows nothing"
     expected = next(p for p in fit.POLICIES if needs[(p, 4)] <= needs[(fitting, 4)])
-    chosen = fit.choose(model, steps.make_optimizer(config.train), config.train, lambda run: (None, LENGTH, 0),
-                        limit=fitting_exactly(needs[(fitting, 4)]))
+    chosen = fit.choose(
+        model,
+        steps.make_optimizer(config.train),
+        config.train,
+        lambda run: (None, LENGTH, 0),
+        limit=fitting_exactly(needs[(fitting, 4)]),
+    )
     assert (chosen.remat, chosen.split, chosen.chosen_by) == (expected, 1, "auto")
     assert [t["remat"] for t in chosen.tried] == list(fit.POLICIES[: fit.POLICIES.index(expected) + 1])
     assert chosen.plan["platform"] == "tpu" and fit._needed(chosen.plan) == needs[(expected, 4)]
@@ -68,8 +73,9 @@ def test_where_no_policy_fits_the_doctor_shows_the_split_auto_chose(planned, tin
     config, _, needs = planned
     smallest = min(needs[(p, 4)] for p in fit.POLICIES)
     assert needs[("layer", 2)] < smallest  # half the rows: half the activations
-    monkeypatch.setitem(targets.CHIPS, "v5e", dataclasses.replace(targets.CHIPS["v5e"],
-                                                                   hbm=fitting_exactly(needs[("layer", 2)])))
+    monkeypatch.setitem(
+        targets.CHIPS, "v5e", dataclasses.replace(targets.CHIPS["v5e"], hbm=fitting_exactly(needs[("layer", 2)]))
+    )
     diagnosis = plan_for_target(str(tiny_folder), config, "v5e-1", train_only=True)  # the doctor's train rows
     out = render(diagnosis)
     row = next(line for line in out.splitlines() if line.startswith("train step runs as"))

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtune.runtime.modeling import attention, gpu_flash
 from jaxtune.runtime.devices import targets
 from jaxtune.runtime.devices.mesh import lowering
+from jaxtune.runtime.modeling import attention, gpu_flash
 from jaxtune.runtime.modeling.remat import tied_checkpoint
 
 pytestmark = pytest.mark.target
@@ -27,18 +27,24 @@ def _compiled(target: str, core: str, heads: int, kv_heads: int, head: int, wind
     mesh = Mesh([device], ("x",))
     replicated = NamedSharding(mesh, PartitionSpec())
     shape = lambda *dims, dtype=dtype: jax.ShapeDtypeStruct(dims, dtype, sharding=replicated)  # noqa: E731
-    settings = dict(scale=head ** -0.5, window=window, softcap=None)
+    settings = dict(scale=head**-0.5, window=window, softcap=None)
 
     def gradients(q, k, v, segments):
         if core == "flash":
             run = lambda q, k, v: gpu_flash.attention(q, k, v, segments, **settings)  # noqa: E731
         else:  # as attention.fused_attention runs XLA's core
-            run = tied_checkpoint(lambda q, k, v: attention._core(q, k, v, segments, dropout=0.0, dropout_key=None, **settings))
+            run = tied_checkpoint(
+                lambda q, k, v: attention._core(q, k, v, segments, dropout=0.0, dropout_key=None, **settings)
+            )
         return jax.grad(lambda q, k, v: run(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
 
     kv = shape(ROWS, LENGTH, kv_heads, head)
     with lowering(mesh):
-        return jax.jit(gradients).lower(shape(ROWS, LENGTH, heads, head), kv, kv, shape(ROWS, LENGTH, dtype=jnp.int32)).compile()
+        return (
+            jax.jit(gradients)
+            .lower(shape(ROWS, LENGTH, heads, head), kv, kv, shape(ROWS, LENGTH, dtype=jnp.int32))
+            .compile()
+        )
 
 
 # Gemma 3 1B's layers (4 query heads on one key/value head of 256; sliding and global) and
@@ -48,8 +54,11 @@ def _compiled(target: str, core: str, heads: int, kv_heads: int, head: int, wind
 # when it wrote dk and dv per query head in float32 and summed them after, Gemma's were 160.5 MiB
 # and Llama's 324.0.
 @pytest.mark.parametrize("target", ["h100", "h200"])
-@pytest.mark.parametrize("heads, kv_heads, head, window", [(4, 1, 256, 512), (4, 1, 256, None), (32, 8, 64, None)],
-                         ids=["gemma3-sliding", "gemma3-global", "llama3"])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head, window",
+    [(4, 1, 256, 512), (4, 1, 256, None), (32, 8, 64, None)],
+    ids=["gemma3-sliding", "gemma3-global", "llama3"],
+)
 def test_flash_attention_compiles_for_hopper_and_never_holds_the_scores(target, heads, kv_heads, head, window):
     flash = _compiled(target, "flash", heads, kv_heads, head, window)
     text = flash.as_text()

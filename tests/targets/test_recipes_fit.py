@@ -37,8 +37,8 @@ def checkpoint_of(tmp_path_factory):
 
 
 def test_every_recipe_names_a_known_chip_and_a_checkpoint_of_known_shape(checkpoint_of):
-    from jaxtune.runtime.devices import targets
     from jaxtune.checks.target_plan import meta_model
+    from jaxtune.runtime.devices import targets
 
     for recipe in RECIPES:
         config = load_config(recipe)
@@ -54,8 +54,8 @@ def test_every_recipe_names_a_known_chip_and_a_checkpoint_of_known_shape(checkpo
 @pytest.mark.parametrize("recipe", [p for p in RECIPES if p.stem not in COVERED_BY], ids=lambda path: path.stem)
 def test_the_recipe_fits_its_chip(recipe, checkpoint_of):
     from jaxtune.checks.doctor import MEMORY_CHECK, render
-    from jaxtune.runtime.devices import targets
     from jaxtune.checks.target_plan import plan_for_target
+    from jaxtune.runtime.devices import targets
 
     config = load_config(recipe)
     diagnosis = plan_for_target(str(checkpoint_of(config.model.name)), config, config.plan.target, train_only=True)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.analysis import step_hlo
 from jaxtune.config import load_config
 from jaxtune.runtime.devices import targets
-
-from benchmarks.analysis import step_hlo
 
 pytestmark = pytest.mark.target
 
@@ -22,22 +21,36 @@ def gemma_vocabulary_folder(tmp_path_factory):
     from transformers import AutoConfig
 
     folder = tmp_path_factory.mktemp("wide-vocabulary-config")
-    AutoConfig.for_model("llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         tie_word_embeddings=False).save_pretrained(folder)
+    AutoConfig.for_model(
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+    ).save_pretrained(folder)
     return folder
 
 
 def _breakdown(folder, target: str) -> tuple[dict, object]:
     from jaxtune.checks.doctor import as_trained
-    from jaxtune.runtime.compiled import steps
-    from jaxtune.runtime.measures.flops import train_flops_per_token
-    from jaxtune.runtime.devices.mesh import make_placement
-    from jaxtune.runtime.modeling.model import to_jax
     from jaxtune.checks.target_plan import meta_model
+    from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.devices.mesh import make_placement
+    from jaxtune.runtime.measures.flops import train_flops_per_token
+    from jaxtune.runtime.modeling.model import to_jax
 
-    config = load_config(None, [f"lora.r={RANK}", "lora.modules_to_save=[]",  # the Gemma recipe's LoRA: a frozen head
-                                "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"])
+    config = load_config(
+        None,
+        [
+            f"lora.r={RANK}",
+            "lora.modules_to_save=[]",  # the Gemma recipe's LoRA: a frozen head
+            "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+        ],
+    )
     module = as_trained(meta_model(str(folder), None, False, "bfloat16"), config, randomize_lora=False)
     model = to_jax(module, make_placement(config.mesh, targets.devices(targets.resolve(target))), shapes_only=True)
     compiled = steps.compiled_train_step(model, steps.make_optimizer(config.train), 1, ROWS, LENGTH, "none")
@@ -58,7 +71,11 @@ def test_the_steps_matmul_flops_are_the_mfu_formulas_and_the_loss_takes_512_toke
     # input gradient, which nothing needs (the embeddings are frozen) and XLA may drop.
     frozen_layers = counted["matmul_weights"] - counted["trained_weights"] - head
     first_qkv = HIDDEN * (4 + 2 + 2) * 64
-    assert (2 * 2 * frozen_layers - 2 * first_qkv) * tokens <= groups["matmul: model"]["flops"] <= 2 * 2 * frozen_layers * tokens
+    assert (
+        (2 * 2 * frozen_layers - 2 * first_qkv) * tokens
+        <= groups["matmul: model"]["flops"]
+        <= 2 * 2 * frozen_layers * tokens
+    )
     # LoRA's rank-4 matmuls: forward, input and factor gradients at most; XLA rewrites some dots this
     # thin as multiplies and sums (counted with the elementwise kernels, their flops not counted).
     assert 0 < groups["matmul: LoRA (rank 4)"]["flops"] <= 3 * 2 * counted["trained_weights"] * tokens

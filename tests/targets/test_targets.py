@@ -19,21 +19,38 @@ pytestmark = pytest.mark.target
 SEQUENCE = 64
 
 
-@pytest.mark.parametrize("name, topology, devices", [
-    ("v5e-1", "v5e:1x1", 1), ("v5e-4", "v5e:2x2", 4), ("v5e-8", "v5e:2x4", 8), ("v6e-1", "v6e:1x1", 1),
-    ("v6e-8", "v6e:2x4", 8), ("v5p-8", "v5p:2x2x1", 4), ("v4-8", "v4:2x2x1", 8), ("v5e:4x4", "v5e:4x4", 16),
-])
+@pytest.mark.parametrize(
+    "name, topology, devices",
+    [
+        ("v5e-1", "v5e:1x1", 1),
+        ("v5e-4", "v5e:2x2", 4),
+        ("v5e-8", "v5e:2x4", 8),
+        ("v6e-1", "v6e:1x1", 1),
+        ("v6e-8", "v6e:2x4", 8),
+        ("v5p-8", "v5p:2x2x1", 4),
+        ("v4-8", "v4:2x2x1", 8),
+        ("v5e:4x4", "v5e:4x4", 16),
+    ],
+)
 def test_the_names_users_type_become_libtpu_topologies_of_that_many_devices(name, topology, devices):
     target = targets.resolve(name)
     assert target.topology == topology
     found = targets.devices(target)
     assert len(found) == devices and {d.platform for d in found} == {"tpu"}
-    assert found[0].device_kind == {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5", "v4": "TPU v4"}[target.chip.kind]
+    assert (
+        found[0].device_kind
+        == {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5", "v4": "TPU v4"}[target.chip.kind]
+    )
 
 
-@pytest.mark.parametrize("name, kind, devices", [
-    ("h100", "NVIDIA H100 80GB HBM3", 1), ("h200-8", "NVIDIA H200", 8), ("a100-4", "NVIDIA A100-SXM4-80GB", 4),
-])
+@pytest.mark.parametrize(
+    "name, kind, devices",
+    [
+        ("h100", "NVIDIA H100 80GB HBM3", 1),
+        ("h200-8", "NVIDIA H200", 8),
+        ("a100-4", "NVIDIA A100-SXM4-80GB", 4),
+    ],
+)
 def test_gpu_names_become_compile_only_cuda_devices_with_jaxs_share_of_their_memory(name, kind, devices, monkeypatch):
     target = targets.resolve(name)
     found = targets.devices(target)
@@ -50,8 +67,11 @@ def test_an_unknown_target_is_one_line_listing_the_known_ones_and_exit_status_2(
     code = cli.main(["doctor", str(tmp_path / "no-model"), "--target", "v5e-3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0] == ("jaxtune doctor: unknown target 'v5e-3': use one of " + ", ".join(targets.KNOWN)
-                      + ", or a TPU topology such as v5e:2x4, v6e:4x4 or v5p:2x2x2 (GPUs: 1, 2, 4 or 8 on one host, as h100-4)")
+    assert err[0] == (
+        "jaxtune doctor: unknown target 'v5e-3': use one of "
+        + ", ".join(targets.KNOWN)
+        + ", or a TPU topology such as v5e:2x4, v6e:4x4 or v5p:2x2x2 (GPUs: 1, 2, 4 or 8 on one host, as h100-4)"
+    )
 
 
 def test_without_libtpu_the_line_names_the_extra_to_install(capsys, monkeypatch, tiny_folder):
@@ -59,7 +79,9 @@ def test_without_libtpu_the_line_names_the_extra_to_install(capsys, monkeypatch,
     code = cli.main(["doctor", str(tiny_folder), "--target", "v5e-1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err == ["jaxtune doctor: planning for v5e-1 needs libtpu, which is not installed: pip install 'jaxtune[tpu-plan]'"]
+    assert err == [
+        "jaxtune doctor: planning for v5e-1 needs libtpu, which is not installed: pip install 'jaxtune[tpu-plan]'"
+    ]
 
 
 def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, monkeypatch, tiny_folder):
@@ -67,14 +89,15 @@ def test_without_the_cuda_plugin_the_line_names_the_extra_to_install(capsys, mon
     code = cli.main(["doctor", str(tiny_folder), "--target", "h100"])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "jaxtune doctor: planning for h100 needs JAX's CUDA plugin, which is not installed: pip install 'jaxtune[gpu-plan]'"]
+        "jaxtune doctor: planning for h100 needs JAX's CUDA plugin, which is not installed: pip install 'jaxtune[gpu-plan]'"
+    ]
 
 
 def _placed_model(folder, settings, target_name):
     from jaxtune.checks.doctor import as_trained
+    from jaxtune.checks.target_plan import meta_model
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
-    from jaxtune.checks.target_plan import meta_model
 
     config = load_config(None, settings)
     placement = make_placement(config.mesh, targets.devices(targets.resolve(target_name)))
@@ -89,19 +112,29 @@ def aligned_folder(tmp_path_factory):
     from transformers import AutoConfig
 
     folder = tmp_path_factory.mktemp("aligned-config")
-    AutoConfig.for_model("llama", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         tie_word_embeddings=False).save_pretrained(folder)
+    AutoConfig.for_model(
+        "llama",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+    ).save_pretrained(folder)
     return folder
 
 
 def _argument_bytes(folder, method: str, mesh: list[str], target: str = "v5e:2x2") -> tuple[int, int]:
     """(the compiler's argument bytes per device of the train step on `target`, the bytes of what
     placement gives one device: weights, frozen tensors, optimizer state, batch rows, key and rate)."""
-    from jaxtune.runtime.measures import memory
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.measures import memory
 
-    config, model = _placed_model(folder, [f"train.method={method}", "train.batch_size=32", "lora.r=128", *mesh], target)
+    config, model = _placed_model(
+        folder, [f"train.method={method}", "train.batch_size=32", "lora.r=128", *mesh], target
+    )
     optimizer = steps.make_optimizer(config.train)
     plan = steps.train_step_memory(model, optimizer, 1, 32, 128, "matmuls")
     if model.placement.mesh.devices.flat[0].platform == "tpu":  # a compile-only GPU counts neither
@@ -151,9 +184,9 @@ def test_the_eval_and_decode_steps_compile_for_v5e_2x2_holding_the_weight_shards
     """Their arguments are the weights as placed (a quarter of each matrix on fsdp=4), the frozen
     tensors, and the batch: eval rows split over the four devices, prompts whole (data=1 does not
     split them). Within 2,332 bytes, as the train step (XLA:TPU's tiles for the 1-D norms)."""
-    from jaxtune.runtime.measures import memory
-    from jaxtune.runtime.decoding import decode
     from jaxtune.runtime.compiled import steps
+    from jaxtune.runtime.decoding import decode
+    from jaxtune.runtime.measures import memory
 
     config, model = _placed_model(aligned_folder, ["train.method=full", *FSDP4], "v5e:2x2")
     weights = memory.device_bytes(model.weights) + memory.device_bytes(model.buffers)
@@ -181,11 +214,16 @@ def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device_and_on_a_gp
         rows = model.placement.batch_sharding
         batch = {name: jax.ShapeDtypeStruct((4, 128), jnp.int32, sharding=rows) for name in steps.BATCH_KEYS}
         with attention.choose(choice) if choice else contextlib.nullcontext():
-            lowered = steps.shared_eval_step(model).lower(model, steps.shapes_of(model.weights), steps.shapes_of(model.buffers),
-                                                          batch, batch["input_ids"])
+            lowered = steps.shared_eval_step(model).lower(
+                model, steps.shapes_of(model.weights), steps.shapes_of(model.buffers), batch, batch["input_ids"]
+            )
         text = lowered.as_text()
-        return (text.count("func.call @_splash_attention("), text.count("manual_computation"), text.count("@tpu_custom_call("),
-                text.count("@__gpu$xla.gpu.triton("))
+        return (
+            text.count("func.call @_splash_attention("),
+            text.count("manual_computation"),
+            text.count("@tpu_custom_call("),
+            text.count("@__gpu$xla.gpu.triton("),
+        )
 
     calls, per_device, pallas, triton = kernels("v5e:2x2")
     assert (calls, per_device, triton) == (2, 2, 0) and pallas >= 1
@@ -195,8 +233,18 @@ def test_on_a_tpu_mesh_attention_is_the_splash_kernel_run_per_device_and_on_a_gp
 
 def _tiny_plan(folder, capsys, target: str) -> str:
     """What `jaxtune doctor FOLDER --target TARGET` prints for 4 rows of SEQUENCE tokens, which fit."""
-    code = cli.main(["doctor", str(folder), "--target", target, "--set", "train.batch_size=4",
-                     "--set", f"data.max_length={SEQUENCE}"])
+    code = cli.main(
+        [
+            "doctor",
+            str(folder),
+            "--target",
+            target,
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            f"data.max_length={SEQUENCE}",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     return out
@@ -205,7 +253,11 @@ def _tiny_plan(folder, capsys, target: str) -> str:
 def test_a_step_that_fits_one_v5e_chip_says_so_with_the_compilers_estimate(tiny_folder, capsys):
     out = _tiny_plan(tiny_folder, capsys, "v5e-1")
     assert "XLA:TPU plan for v5e-1 (TPU v5e, topology v5e:1x1, 1 device), compiled here without them" in out
-    assert "15.75 GiB HBM  ok" in out and "roofline (estimate)" in out and out.rstrip().splitlines()[-1].startswith("fits:")
+    assert (
+        "15.75 GiB HBM  ok" in out
+        and "roofline (estimate)" in out
+        and out.rstrip().splitlines()[-1].startswith("fits:")
+    )
     checks = [line.split()[0:3] for line in out.splitlines() if " memory, peak " in line and line.endswith("HBM  ok")]
     assert checks == [["train", "step", "memory,"], ["eval", "step", "memory,"], ["decode", "memory,", "peak"]], out
 
@@ -224,11 +276,31 @@ def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figur
     wide, XLA:TPU fits the same step in 14.2 GiB by never holding every gradient at once)."""
     from transformers import AutoConfig
 
-    AutoConfig.for_model("llama", vocab_size=262144, hidden_size=6144, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=1, head_dim=64,
-                         tie_word_embeddings=True).save_pretrained(tmp_path)
-    code = cli.main(["doctor", str(tmp_path), "--target", "v5e-1", "--set", "train.method=full",
-                     "--set", "train.batch_size=1", "--set", "data.max_length=16"])
+    AutoConfig.for_model(
+        "llama",
+        vocab_size=262144,
+        hidden_size=6144,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
+    code = cli.main(
+        [
+            "doctor",
+            str(tmp_path),
+            "--target",
+            "v5e-1",
+            "--set",
+            "train.method=full",
+            "--set",
+            "train.batch_size=1",
+            "--set",
+            "data.max_length=16",
+        ]
+    )
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("train step memory, peak"))
     assert code == 1, out
@@ -236,15 +308,20 @@ def test_a_full_fine_tune_too_big_for_one_v5e_chip_is_a_fail_line_with_the_figur
     assert out.rstrip().splitlines()[-1] == "MEMORY: a step does not fit the target as configured"
     assert re.search(r"HLO temporaries \((\d+\.\d+)G\) exceeds available HBM \(15\.75G\)", row), row
     advice = next(line for line in out.splitlines() if line.startswith("  to fit")).split(maxsplit=2)[2]
-    named = re.match(r"(v5e-\d+) fits: (\d+\.\d+) GiB of 15\.75 GiB per device with (mesh\.data=1, mesh\.fsdp=\d+, mesh\.tensor=\d+) \(compiled\)", advice)
+    named = re.match(
+        r"(v5e-\d+) fits: (\d+\.\d+) GiB of 15\.75 GiB per device with (mesh\.data=1, mesh\.fsdp=\d+, mesh\.tensor=\d+) \(compiled\)",
+        advice,
+    )
     assert named and "train.optimizer=adafactor" in advice, advice
     # The slice it names, on the mesh it names, plans the same train step within the chip's HBM.
-    from jaxtune.config import config_from_dict
     from jaxtune.checks.doctor import render
     from jaxtune.checks.target_plan import plan_for_target
+    from jaxtune.config import config_from_dict
 
     settings = ["train.method=full", "train.batch_size=1", "data.max_length=16", *named[3].split(", ")]
-    again = plan_for_target(str(tmp_path), config_from_dict({}, settings), named[1], train_only=True)  # as the doctor reads --set
+    again = plan_for_target(
+        str(tmp_path), config_from_dict({}, settings), named[1], train_only=True
+    )  # as the doctor reads --set
     assert again.ok and f"{named[2]} GiB with its code" in render(again), render(again)
 
 
@@ -252,8 +329,10 @@ def test_target_alone_plans_for_the_configs_plan_target_which_no_stage_key_hashe
     from jaxtune.flows.finetune import planned_keys
 
     assert cli.main(["doctor", str(tiny_folder), "--target"]) == 2
-    assert capsys.readouterr().err.strip() == ("jaxtune doctor: --target names no accelerator and the config sets no "
-                                               "plan.target: give one, e.g. --target v5e-1")
+    assert capsys.readouterr().err.strip() == (
+        "jaxtune doctor: --target names no accelerator and the config sets no "
+        "plan.target: give one, e.g. --target v5e-1"
+    )
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("plan:\n  target: v5e-4\ntrain:\n  batch_size: 4\ndata:\n  max_length: 64\n")
     code = cli.main(["doctor", str(tiny_folder), "--config", str(recipe), "--target"])
@@ -267,12 +346,17 @@ def test_target_alone_plans_for_the_configs_plan_target_which_no_stage_key_hashe
 def test_a_gguf_files_header_gives_the_meta_model_without_reading_its_tensors(tmp_path):
     """SmolLM2-135M's GGUF file (pip-installed): the architecture and every shape from its header,
     on the meta device, so planning a quantized checkpoint dequantizes nothing."""
-    from jaxtune.offline.checkpoints import place_smollm2
     from jaxtune.checks.target_plan import meta_model
+    from jaxtune.offline.checkpoints import place_smollm2
 
     module = meta_model(str(place_smollm2(tmp_path)), None, False, "bfloat16")
     config = module.config
-    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576, 49152)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == (
+        "llama",
+        30,
+        576,
+        49152,
+    )
     assert all(p.is_meta and p.dtype.is_floating_point for p in module.parameters())
     assert sum(p.numel() for p in module.parameters()) == 134_515_008
     # The header is read once a process: a second model from it is built from the config read then,

@@ -29,14 +29,27 @@ def mlflow_server(folder: Path) -> Iterator[str]:
 
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
-    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-               "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination",
-               str(folder / "artifacts"), "--serve-artifacts", "--workers", "1"]
+    command = [
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{folder / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(folder / "artifacts"),
+        "--serve-artifacts",
+        "--workers",
+        "1",
+    ]
     # No background job runners (nothing here queues jobs): fewer processes on a busy machine.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with (folder / "server.log").open("w") as log:
-        server = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_SECONDS

@@ -50,9 +50,17 @@ def _messages(store: Path) -> list[list[str]]:
     drain_to_server()
     with get_client(sync_client=True) as client:
         runs = sorted(flow_runs_of_store(client, store), key=lambda r: r.created)
-        return [[log.message for log in all_pages(lambda limit, offset, run=run: client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=limit, offset=offset))]
-                for run in runs]
+        return [
+            [
+                log.message
+                for log in all_pages(
+                    lambda limit, offset, run=run: client.read_logs(
+                        log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=limit, offset=offset
+                    )
+                )
+            ]
+            for run in runs
+        ]
 
 
 def test_the_run_is_logged_with_its_config_metrics_files_and_keys(server, logged):
@@ -69,8 +77,14 @@ def test_the_run_is_logged_with_its_config_metrics_files_and_keys(server, logged
 
     client = MlflowClient(tracking_uri=server)
     log = [json.loads(line) for line in (artifact(store, "train") / "log.jsonl").read_text().splitlines()]
-    for field, name in (("loss", "loss"), ("eval_loss", "eval_loss"), ("lr", "learning_rate"), ("grad_norm", "grad_norm"),
-                        ("tokens_per_second", "tokens_per_second"), ("mfu", "mfu")):
+    for field, name in (
+        ("loss", "loss"),
+        ("eval_loss", "eval_loss"),
+        ("lr", "learning_rate"),
+        ("grad_norm", "grad_norm"),
+        ("tokens_per_second", "tokens_per_second"),
+        ("mfu", "mfu"),
+    ):
         history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
         assert history == [(r["step"], pytest.approx(r[field])) for r in log if r.get(field) is not None], name
     final = json.loads((artifact(store, "final_eval") / "metrics.json").read_text())

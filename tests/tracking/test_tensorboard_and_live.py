@@ -30,7 +30,9 @@ def _log(store: Path) -> list[dict]:
 def _events(store: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(str(artifact(store, "train") / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator = EventAccumulator(
+        str(artifact(store, "train") / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}
+    )
     return accumulator.Reload()
 
 
@@ -71,7 +73,9 @@ def test_the_live_curve_and_figures_have_a_version_per_eval(toy):
     store, _ = toy
     with get_client(sync_client=True) as client:
         [run] = flow_runs_of_store(client, store)
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
+        )
     curves = sorted((a for a in artifacts if (a.key or "").endswith("-train-curve")), key=lambda a: a.created)
     latest = sorted((a for a in artifacts if (a.key or "").endswith("-train-latest")), key=lambda a: a.created)
     assert len(curves) == len(latest) == 2, "one of each per eval (steps 2 and 4)"

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime.train import training
 from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.devices import compile_cache, executables
-from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train import training
+from jaxtune.runtime.train.feed import make_feed
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.training
@@ -89,14 +89,20 @@ def compiled(caplog, name: str, run) -> int:
 
 
 def test_eval_and_greedy_decoding_compile_one_program_over_rows_of_every_length(caplog):
-    from jaxtune.runtime.decoding import inference
     from jaxtune.runtime.compiled.batches import bucket_length
+    from jaxtune.runtime.decoding import inference
 
     model = lora_model()
     ids, labels = rows()
     assert len({bucket_length(n) for n in LENGTHS}) == 4  # sorted batches of 4 rows span all four
-    assert compiled(caplog, "call_torch", lambda: inference.evaluate(model, ids, labels, [""] * len(ids), 4, PAD,
-                                                                      progress=False)) == 1
+    assert (
+        compiled(
+            caplog,
+            "call_torch",
+            lambda: inference.evaluate(model, ids, labels, [""] * len(ids), 4, PAD, progress=False),
+        )
+        == 1
+    )
     prompts = [row[:n] for row, n in zip(ids, (3, 5, 20, 40))]  # two batches, 16 and 48 tokens long alone
     assert compiled(caplog, "generate", lambda: inference.greedy_generate(model, prompts, 2, 4, (), PAD)) == 1
 
@@ -135,13 +141,23 @@ def test_the_learning_rate_is_an_input_of_the_step_not_a_constant():
         optimizer = steps.make_optimizer(cfg)
         step = steps.make_train_step(model, optimizer)
         with model.env:
-            return step.program.lower(model, model.weights, model.buffers, optimizer.init(model.weights), batch, labels,
-                                      steps.step_key(0, 1), np.float32(cfg.learning_rate)).as_text()
+            return step.program.lower(
+                model,
+                model.weights,
+                model.buffers,
+                optimizer.init(model.weights),
+                batch,
+                labels,
+                steps.step_key(0, 1),
+                np.float32(cfg.learning_rate),
+            ).as_text()
 
     first = lowered(TrainConfig(learning_rate=1e-4, warmup_steps=10, lr_schedule="warmup_cosine"))
     assert first == lowered(TrainConfig(learning_rate=3e-3, warmup_steps=0, lr_schedule="linear"))
     # the very same optimizer, so the very same program in this process too
-    assert steps.make_optimizer(TrainConfig(learning_rate=1e-4)) is steps.make_optimizer(TrainConfig(learning_rate=3e-3))
+    assert steps.make_optimizer(TrainConfig(learning_rate=1e-4)) is steps.make_optimizer(
+        TrainConfig(learning_rate=3e-3)
+    )
 
     optimizer = steps.make_optimizer(TrainConfig())
     step = steps.make_train_step(model, optimizer)
@@ -179,7 +195,9 @@ def test_the_persistent_cache_serves_a_step_compiled_before(tmp_path):
     def run():
         weights = {k: v.copy() for k, v in model.weights.items()}
         step = steps.make_train_step(model, optimizer)
-        return float(step(weights, model.buffers, optimizer.init(weights), batch, labels, steps.step_key(0, 1), 1e-3)[0])
+        return float(
+            step(weights, model.buffers, optimizer.init(weights), batch, labels, steps.step_key(0, 1), 1e-3)[0]
+        )
 
     first = run()
     assert any((tmp_path / "xla-cache").iterdir()), "the compiled step was written to the cache"

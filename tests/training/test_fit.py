@@ -13,20 +13,29 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.runtime.train import training
-from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.modeling import loss
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.train import training
 from tests.conftest import PAD, VOCAB, tiny_model
 from tests.mesh.bounds import RHO
 
 pytestmark = pytest.mark.training
 
 LENGTH = 256  # long enough that activations outweigh the tiny model's weights and code
-CFG = TrainConfig(batch_size=4, max_steps=1, warmup_steps=0, optimizer="sgd", learning_rate=0.5, weight_decay=0.0,
-                  max_grad_norm=1e9, log_every=1, checkpoint_every=1)
+CFG = TrainConfig(
+    batch_size=4,
+    max_steps=1,
+    warmup_steps=0,
+    optimizer="sgd",
+    learning_rate=0.5,
+    weight_decay=0.0,
+    max_grad_norm=1e9,
+    log_every=1,
+    checkpoint_every=1,
+)
 
 
 def fresh_model():
@@ -64,13 +73,16 @@ def test_needs_fall_with_each_policy_and_with_smaller_micro_batches(needs):
     assert len({found[c] for c in order}) == len(order)
 
 
-@pytest.mark.parametrize(("between", "remat", "split"), [
-    ((("none", 4), None), "none", 1),
-    ((("matmuls", 4), ("none", 4)), "matmuls", 1),
-    ((("layer", 4), ("matmuls", 4)), "layer", 1),
-    ((("layer", 2), ("layer", 4)), "layer", 2),
-    ((("layer", 1), ("layer", 2)), "layer", 4),
-])
+@pytest.mark.parametrize(
+    ("between", "remat", "split"),
+    [
+        ((("none", 4), None), "none", 1),
+        ((("matmuls", 4), ("none", 4)), "matmuls", 1),
+        ((("layer", 4), ("matmuls", 4)), "layer", 1),
+        ((("layer", 2), ("layer", 4)), "layer", 2),
+        ((("layer", 1), ("layer", 2)), "layer", 4),
+    ],
+)
 def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, split, monkeypatch):
     model, found = needs
     monkeypatch.setattr(fit, "MAX_NONE_SPLIT", 1)  # the policies' order alone (none on fewer rows: the next tests)
@@ -82,9 +94,13 @@ def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, spl
     # Every policy with less recomputation was tried first and did not fit; matmuls is not compiled
     # where none needs more than the budget by more than matmuls could save.
     earlier = fit.POLICIES[: fit.POLICIES.index(remat) + (1 if split > 1 else 0)]
-    assert [t["remat"] for t in chosen.tried if t["split"] == 1] == list(earlier if split > 1 else (*earlier, remat))[:3]
+    assert [t["remat"] for t in chosen.tried if t["split"] == 1] == list(earlier if split > 1 else (*earlier, remat))[
+        :3
+    ]
     skipped = [t["remat"] for t in chosen.tried if "skipped" in t]
-    assert skipped == (["matmuls"] if "matmuls" in earlier and found[("none", 4)] * fit.MATMULS_OF_NONE > chosen.budget else [])
+    assert skipped == (
+        ["matmuls"] if "matmuls" in earlier and found[("none", 4)] * fit.MATMULS_OF_NONE > chosen.budget else []
+    )
     assert all(t["needed"] > chosen.budget for t in chosen.tried[:-1] if "skipped" not in t)
     run = chosen.train_config(CFG)
     assert (run.remat, run.batch_size, run.grad_accumulation) == (remat, 4 // split, split)
@@ -93,8 +109,13 @@ def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, spl
 def compiling(monkeypatch) -> list[tuple[str, int]]:
     """(policy, rows) of every plan `fit.choose` compiles from now on."""
     compiled, compile_plan = [], memory.memory_plan
-    monkeypatch.setattr(memory, "memory_plan", lambda model, optimizer, cfg, *a, **k:
-                        compiled.append((cfg.remat, k["rows"])) or compile_plan(model, optimizer, cfg, *a, **k))
+    monkeypatch.setattr(
+        memory,
+        "memory_plan",
+        lambda model, optimizer, cfg, *a, **k: (
+            compiled.append((cfg.remat, k["rows"])) or compile_plan(model, optimizer, cfg, *a, **k)
+        ),
+    )
     return compiled
 
 
@@ -166,7 +187,9 @@ def test_nothing_fits_says_so_in_one_line_with_what_would(needs):
 def test_a_fixed_policy_is_obeyed_and_refused_before_the_first_step(needs, monkeypatch):
     model, found = needs
     limit = device_between(found[("layer", 4)], found[("matmuls", 4)])  # auto would take layer
-    chosen = fit.choose(model, steps.make_optimizer(CFG), CFG.model_copy(update={"remat": "matmuls"}), shape, limit=limit)
+    chosen = fit.choose(
+        model, steps.make_optimizer(CFG), CFG.model_copy(update={"remat": "matmuls"}), shape, limit=limit
+    )
     assert (chosen.remat, chosen.split, chosen.chosen_by, len(chosen.tried)) == ("matmuls", 1, "fixed", 1)
     monkeypatch.setattr(memory, "device_limit", lambda: found[("matmuls", 4)] // 2)
     ids = [list(range(3, 3 + LENGTH))] * 8
@@ -180,7 +203,9 @@ def test_a_fixed_policy_is_obeyed_and_refused_before_the_first_step(needs, monke
 def test_a_fixed_policy_takes_a_grown_loss_chunk_where_it_fits_and_the_smallest_where_not(needs, monkeypatch):
     model, found = needs
     optimizer, run = steps.make_optimizer(CFG), CFG.model_copy(update={"remat": "layer"})
-    monkeypatch.setattr(loss, "chunk_tokens_on", lambda platform, vocab: 64)  # as small as an accelerator's, for this vocab
+    monkeypatch.setattr(
+        loss, "chunk_tokens_on", lambda platform, vocab: 64
+    )  # as small as an accelerator's, for this vocab
     roomy = fit.choose(model, optimizer, run, shape, limit=4 * found[("none", 4)])
     assert (roomy.remat, roomy.chosen_by, len(roomy.tried)) == ("layer", "fixed", 1) and roomy.chunk_tokens > 64
     # Where the compiler refuses the grown chunk (as XLA:TPU does a program past the chip), the smallest runs.
@@ -200,7 +225,12 @@ def test_a_fixed_policy_takes_a_grown_loss_chunk_where_it_fits_and_the_smallest_
 def test_without_a_reported_memory_auto_is_matmuls_and_compiles_once(needs):
     model, found = needs
     chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape)  # the CPU: no limit
-    assert (chosen.remat, chosen.split, chosen.chosen_by, chosen.budget) == ("matmuls", 1, "no device memory reported", None)
+    assert (chosen.remat, chosen.split, chosen.chosen_by, chosen.budget) == (
+        "matmuls",
+        1,
+        "no device memory reported",
+        None,
+    )
     assert len(chosen.tried) == 1 and fit._needed(chosen.plan) == found[("matmuls", 4)]
 
 
@@ -231,16 +261,18 @@ def test_a_split_batch_trains_as_the_whole_batch_does(needs, monkeypatch):
 
     def trained(cfg, limit):
         monkeypatch.setattr(memory, "device_limit", lambda: limit)
-        model.weights = {name: model.placement.put(value, model.weights[name].sharding) for name, value in initial.items()}
+        model.weights = {
+            name: model.placement.put(value, model.weights[name].sharding) for name, value in initial.items()
+        }
         records.clear()
         return training.train(model, ids, ids, cfg, PAD, LENGTH, packing=False, on_log=records.extend)
 
     whole = trained(CFG.model_copy(update={"remat": "layer"}), None)
     split = trained(CFG, device_between(found[("layer", 2)], found[("layer", 4)]))
-    assert split.memory["fit"]["split"] == 2 and split.summary["batch_shape"][:2] == [2, 2]
+    assert split.memory["fit"]["split"] == 2 and split.summary.batch_shape[:2] == [2, 2]
     told = records[0]  # the log hears the choice, and the steps the split run takes, before any step
     assert "batch_size 4 split into 2 micro-batches" in told["message"] and told["total_steps"] == 1
-    assert whole.summary["batch_shape"][:2] == [1, 4] and split.summary["rows_per_step"] == 4
+    assert whole.summary.batch_shape[:2] == [1, 4] and split.summary.rows_per_step == 4
     assert split.log[0]["loss"] == pytest.approx(whole.log[0]["loss"], rel=1e-6)
     moved = 0
     for name, before in initial.items():

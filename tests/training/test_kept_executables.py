@@ -22,8 +22,11 @@ from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.training
 
-EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace", "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-          "/jax/core/compile/backend_compile_duration": "compile"}
+EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "compile",
+}
 
 
 @pytest.fixture
@@ -126,13 +129,23 @@ def test_every_input_of_a_key_gives_a_new_key():
     assert executables.key(*base) == first
 
     changed = {
-        "the model's layers": (step.kind, steps.shared_train_step(lora_model(layers=3), optimizer).structure, *base[2:]),
+        "the model's layers": (
+            step.kind,
+            steps.shared_train_step(lora_model(layers=3), optimizer).structure,
+            *base[2:],
+        ),
         "the remat policy": (*base[:2], steps.shared_train_step(model, optimizer, remat="layer").settings, base[3]),
         "the loss chunk": (*base[:2], steps.shared_train_step(model, optimizer, chunk_tokens=64).settings, base[3]),
-        "the optimizer's rule": (*base[:2], steps.shared_train_step(
-            model, steps.make_optimizer(TrainConfig(optimizer="sgd"))).settings, base[3]),
-        "the weight decay": (*base[:2], steps.shared_train_step(
-            model, steps.make_optimizer(TrainConfig(weight_decay=0.5))).settings, base[3]),
+        "the optimizer's rule": (
+            *base[:2],
+            steps.shared_train_step(model, steps.make_optimizer(TrainConfig(optimizer="sgd"))).settings,
+            base[3],
+        ),
+        "the weight decay": (
+            *base[:2],
+            steps.shared_train_step(model, steps.make_optimizer(TrainConfig(weight_decay=0.5))).settings,
+            base[3],
+        ),
         "the batch's length": (*base[:3], executables.signature(batch(32))),
         "the program's kind": ("eval_step", *base[1:]),
     }
@@ -145,7 +158,8 @@ def test_every_input_of_a_key_gives_a_new_key():
     outside = {
         "jaxtune's code": lambda patch: patch.setattr(executables, "code_digest", lambda: "edited"),
         "a library's version": lambda patch: patch.setattr(
-            executables, "library_versions", lambda: {**versions, "transformers": "9.9"}),
+            executables, "library_versions", lambda: {**versions, "transformers": "9.9"}
+        ),
         "XLA's flags": lambda patch: patch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/elsewhere"),
         "libtpu's flags": lambda patch: patch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler"),
         "the process's place": lambda patch: patch.setattr(jax, "process_count", lambda: 2),
@@ -167,13 +181,21 @@ def step_loss(model, length: int = 16) -> float:
     optimizer = steps.make_optimizer(TrainConfig())
     step = steps.make_train_step(model, optimizer)
     ids = np.arange(2 * length, dtype=np.int32).reshape(1, 2, length) % VOCAB
-    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "segment_ids": np.ones_like(ids),
-             "position_ids": np.broadcast_to(np.arange(length, dtype=np.int32), ids.shape).copy(), "labels": ids}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "segment_ids": np.ones_like(ids),
+        "position_ids": np.broadcast_to(np.arange(length, dtype=np.int32), ids.shape).copy(),
+        "labels": ids,
+    }
     batch = model.placement.shard_micro_batches(batch)
     labels = batch.pop("labels")
     weights = {k: v.copy() for k, v in model.weights.items()}
-    return float(step(weights, model.buffers, steps.init_optimizer(model, optimizer), batch, labels,
-                      steps.step_key(0, 1), 1e-3)[0])
+    return float(
+        step(weights, model.buffers, steps.init_optimizer(model, optimizer), batch, labels, steps.step_key(0, 1), 1e-3)[
+            0
+        ]
+    )
 
 
 @pytest.mark.parametrize("damage", ["bytes", "foreign", "unloadable"])
@@ -199,15 +221,18 @@ def test_a_damaged_or_foreign_entry_is_refused_named_and_compiled_again(kept, re
         import hashlib
         import json
 
-        (entry / executables.ENTRY).write_text(json.dumps(
-            {**json.loads(record), "sha256": hashlib.sha256(b"not an executable").hexdigest()}))
+        (entry / executables.ENTRY).write_text(
+            json.dumps({**json.loads(record), "sha256": hashlib.sha256(b"not an executable").hexdigest()})
+        )
         why = "UnpicklingError"
     new_process()
     forget_jax_cache(kept)
     recorded.clear()
     with caplog.at_level(logging.INFO, logger="jaxtune.compile"):
         assert step_loss(model) == pytest.approx(loss, rel=1e-6)
-    refusals = [r for r in caplog.records if r.levelno == logging.WARNING and "refused the kept executable" in r.getMessage()]
+    refusals = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "refused the kept executable" in r.getMessage()
+    ]
     assert len(refusals) == 1 and str(entry) in refusals[0].getMessage() and why in refusals[0].getMessage()
     assert of(recorded, "train_step") == ["trace", "lower", "compile"]
     new_process()

@@ -9,23 +9,34 @@ import numpy as np
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
-from jaxtune.errors import TrainingGaveUp, TrainingStopped
-from jaxtune.runtime.train import checkpoint, training
-from jaxtune.runtime.measures import memory
+from jaxtune.errors import NonFiniteLoss, TrainingGaveUp, TrainingStopped
 from jaxtune.runtime.compiled import steps
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import memory
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train import checkpoint, training
 from tests.conftest import PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.training
 
-CFG = TrainConfig(max_steps=8, batch_size=4, grad_accumulation=2, learning_rate=5e-3, warmup_steps=2, log_every=3,
-                  checkpoint_every=2, eval_every=4, seed=3)
+CFG = TrainConfig(
+    max_steps=8,
+    batch_size=4,
+    grad_accumulation=2,
+    learning_rate=5e-3,
+    warmup_steps=2,
+    log_every=3,
+    checkpoint_every=2,
+    eval_every=4,
+    seed=3,
+)
 
 
 def data(n=48, seed=0):
     rng = np.random.default_rng(seed)
-    ids = [rng.integers(3, VOCAB, int(rng.integers(6, 17))).tolist() for _ in range(n)]  # one length bucket: one compile
+    ids = [
+        rng.integers(3, VOCAB, int(rng.integers(6, 17))).tolist() for _ in range(n)
+    ]  # one length bucket: one compile
     return ids, ids  # every token scored
 
 
@@ -37,8 +48,18 @@ def fresh_model(dropout: float = 0.1):
 def run(cfg=CFG, model=None, **kwargs):
     ids, labels = data()
     records = []
-    result = training.train(model or fresh_model(), ids, labels, cfg, PAD, 32, on_log=records.extend,
-                            eval_data=data(8, seed=1), check_memory=False, **kwargs)
+    result = training.train(
+        model or fresh_model(),
+        ids,
+        labels,
+        cfg,
+        PAD,
+        32,
+        on_log=records.extend,
+        eval_data=data(8, seed=1),
+        check_memory=False,
+        **kwargs,
+    )
     return result, records
 
 
@@ -66,7 +87,7 @@ def test_log_has_every_step_and_the_periodic_eval(reference):
     assert all({"loss", "lr", "grad_norm", "tokens", "tokens_per_second"} <= set(r) for r in records if "loss" in r)
     assert [r["step"] for r in records if "eval_loss" in r] == [4, 8]
     assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(5e-3)  # warmup of 2 steps
-    assert result.summary["rows_per_step"] == 8 and result.summary["resumed_from"] == 0
+    assert result.summary.rows_per_step == 8 and result.summary.resumed_from == 0
 
 
 class Killed(BaseException):
@@ -103,10 +124,11 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(reference, tmp_pat
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002", "step-00000004"]
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
-    assert resumed.summary["resumed_from"] == 4
+    assert resumed.summary.resumed_from == 4
     # Step 4 was the last logged (a checkpoint step, so synced); step 5's loss never was.
-    assert resumed.summary["interruptions"] == [{"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed",
-                                                  "restart": False}]
+    assert resumed.summary.model_dump()["interruptions"] == [
+        {"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed", "restart": False}
+    ]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
@@ -129,14 +151,15 @@ def test_automatic_restarts_stuck_at_one_checkpoint_give_up_and_a_run_by_hand_go
     assert str(gave_up.value) == (
         "gave up: 3 automatic restarts in a row resumed from step 4 and none saved a later checkpoint (the last reached "
         "step 4, killed); not restarting again. Find the cause in those runs' logs, then run it again by hand: it "
-        "resumes from step 4")
+        "resumes from step 4"
+    )
 
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
     # Each entry is one attempt's end, and whether the attempt after it was an automatic restart.
     stuck = {"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed", "restart": True}
     by_hand = {**stuck, "stopped_by": "gave up", "restart": False}
-    assert resumed.summary["interruptions"] == [stuck] * 4 + [by_hand]
+    assert resumed.summary.model_dump()["interruptions"] == [stuck] * 4 + [by_hand]
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
 
@@ -172,7 +195,7 @@ def nan_loss_at(call: int):
 
 def test_non_finite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(steps, "make_train_step", nan_loss_at(5))
-    with pytest.raises(training.NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
+    with pytest.raises(NonFiniteLoss, match=r"train step 5: loss nan.*step-00000004 \(kept\)"):
         run(checkpoint_dir=tmp_path)
     assert (tmp_path / "step-00000004" / "weights.safetensors").is_file()
 
@@ -195,7 +218,7 @@ def test_non_finite_gradient_with_a_finite_loss_stops_the_run(tmp_path, monkeypa
         return optax.GradientTransformation(real.init, update)
 
     monkeypatch.setattr(steps, "make_optimizer", nan_in_one_gradient_at_step_5)
-    with pytest.raises(training.NonFiniteLoss, match=r"train step 5: loss \d+\.\d+, gradient norm nan.*step-00000004 \(kept\)"):
+    with pytest.raises(NonFiniteLoss, match=r"train step 5: loss \d+\.\d+, gradient norm nan.*step-00000004 \(kept\)"):
         run(checkpoint_dir=tmp_path)
     kept = checkpoint.complete(tmp_path)[-1]
     assert kept.name == "step-00000004"
@@ -257,7 +280,9 @@ def signalled_at(call: int, *signums: int):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_checkpoints_the_step_it_reached_and_the_rerun_resumes_there(reference, tmp_path, monkeypatch, signum):
+def test_a_stop_signal_checkpoints_the_step_it_reached_and_the_rerun_resumes_there(
+    reference, tmp_path, monkeypatch, signum
+):
     """Step 5 is no checkpoint step (every 2): without the handler SIGTERM would end the process
     and SIGINT raise KeyboardInterrupt, with step 4 the newest checkpoint."""
     uninterrupted, _ = reference
@@ -266,16 +291,20 @@ def test_a_stop_signal_checkpoints_the_step_it_reached_and_the_rerun_resumes_the
     name = signal.Signals(signum).name
     with pytest.raises(TrainingStopped) as stopped:
         run(checkpoint_dir=tmp_path)
-    assert str(stopped.value) == f"stopped by {name} at step 5; checkpoint saved ({tmp_path / 'step-00000005'}); run again to resume"
+    assert (
+        str(stopped.value)
+        == f"stopped by {name} at step 5; checkpoint saved ({tmp_path / 'step-00000005'}); run again to resume"
+    )
     assert (stopped.value.signal, stopped.value.step) == (name, 5)
     assert signal.getsignal(signum) is before, "the loop's handler outlived the loop"
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000004", "step-00000005"]
 
     monkeypatch.setattr(steps, "make_train_step", real_step)
     resumed, _ = run(checkpoint_dir=tmp_path)
-    assert resumed.summary["resumed_from"] == 5
-    assert resumed.summary["interruptions"] == [{"reached": 5, "resumed_from": 5, "lost_steps": 0, "stopped_by": name,
-                                                  "restart": False}]
+    assert resumed.summary.resumed_from == 5
+    assert resumed.summary.model_dump()["interruptions"] == [
+        {"reached": 5, "resumed_from": 5, "lost_steps": 0, "stopped_by": name, "restart": False}
+    ]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
@@ -284,6 +313,7 @@ def test_a_stop_signal_checkpoints_the_step_it_reached_and_the_rerun_resumes_the
 def test_a_second_signal_while_stopping_goes_to_the_handler_there_before(tmp_path, monkeypatch):
     """The first SIGTERM only asks for a stop; the second is handled as it would have been
     without the loop, at once, so the step-3 checkpoint is never written."""
+
     class Escalated(Exception):
         pass
 
@@ -308,8 +338,12 @@ def test_checkpoint_minutes_saves_by_time_whatever_the_step(reference, tmp_path)
     """checkpoint_every past the run and a minutes bound already passed at every step: each step
     but the last is saved (the newest KEEP=2 stay), and saving changes nothing trained."""
     uninterrupted, _ = reference
-    timed, _ = run(CFG.model_copy(update={"checkpoint_every": 100, "checkpoint_minutes": 1e-9}), checkpoint_dir=tmp_path)
+    timed, _ = run(
+        CFG.model_copy(update={"checkpoint_every": 100, "checkpoint_minutes": 1e-9}), checkpoint_dir=tmp_path
+    )
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000006", "step-00000007"]
-    assert [(r["step"], r["loss"]) for r in timed.log if "loss" in r] == [(r["step"], r["loss"]) for r in uninterrupted.log if "loss" in r]
+    assert [(r["step"], r["loss"]) for r in timed.log if "loss" in r] == [
+        (r["step"], r["loss"]) for r in uninterrupted.log if "loss" in r
+    ]
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(timed.weights[name], value, err_msg=name)

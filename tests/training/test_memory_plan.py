@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from jaxtune.config import MeshConfig, load_config
-from jaxtune.runtime.measures import memory
 from jaxtune.runtime.compiled import steps
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.measures import memory
+from jaxtune.runtime.modeling import model as rt_model
 
 pytestmark = pytest.mark.training
 
@@ -19,9 +19,17 @@ RECIPE = "configs/gemma3-1b-dolly-lora.yaml"
 
 # google/gemma-3-1b-it's config.json, the fields that set tensor shapes.
 GEMMA3_1B = {
-    "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
-    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
-    "query_pre_attn_scalar": 256, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "vocab_size": 262144,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+    "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
     "tie_word_embeddings": True,
 }
 
@@ -34,8 +42,9 @@ def recipe_model():
 
     config = load_config(RECIPE)
     with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3_text", **GEMMA3_1B),
-                                                  dtype=torch.bfloat16, attn_implementation="eager")
+        module = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("gemma3_text", **GEMMA3_1B), dtype=torch.bfloat16, attn_implementation="eager"
+        )
     module = rt_model.attach_lora(module, config.lora)
     return config, rt_model.to_jax(module, make_placement(MeshConfig()), shapes_only=True)
 
@@ -67,10 +76,14 @@ def test_the_recipe_plan_at_8_x_512_against_eager_attention_and_full_logits(reci
     assert (config.train.batch_size, config.data.max_length, config.train.remat) == (8, 512, "auto")
     cfg = config.train.model_copy(update={"remat": "matmuls"})  # what auto is where no memory is reported (the CPU)
     fused = memory.memory_plan(model, steps.make_optimizer(cfg), cfg, 512)
-    eager = memory.memory_plan(model, steps.make_optimizer(cfg), cfg.model_copy(update={"remat": "none"}), 512, fused=False)
+    eager = memory.memory_plan(
+        model, steps.make_optimizer(cfg), cfg.model_copy(update={"remat": "none"}), 512, fused=False
+    )
     layer = memory.memory_plan(model, steps.make_optimizer(cfg), cfg.model_copy(update={"remat": "layer"}), 512)
-    print(f"peak per device: eager attention, full logits, no remat {eager['peak'] / GiB:.2f} GiB; "
-          f"jaxtune (fused, chunked loss, remat matmuls) {fused['peak'] / GiB:.2f} GiB; remat layer {layer['peak'] / GiB:.2f} GiB")
+    print(
+        f"peak per device: eager attention, full logits, no remat {eager['peak'] / GiB:.2f} GiB; "
+        f"jaxtune (fused, chunked loss, remat matmuls) {fused['peak'] / GiB:.2f} GiB; remat layer {layer['peak'] / GiB:.2f} GiB"
+    )
     assert eager["peak"] > 45 * GiB  # what the step cost before: (b, heads, t, t) scores and 262k-vocab logits
     assert fused["peak"] <= 0.5 * eager["peak"]
     assert layer["peak"] <= 9 * GiB

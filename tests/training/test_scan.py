@@ -42,21 +42,36 @@ def step(family: str, remat: str, scanned: bool, monkeypatch) -> tuple[float, di
         dropout.p = 0.0  # GPT-2's default 0.1: a scan's groups draw other keys, so other masks
     model = rt_model.to_jax(module, make_placement(MeshConfig()))
     model.scan_layers = scanned
-    cfg = TrainConfig(batch_size=2, max_steps=1, warmup_steps=0, optimizer="sgd", learning_rate=1.0, weight_decay=0.0,
-                      max_grad_norm=1e9, remat=remat)
+    cfg = TrainConfig(
+        batch_size=2,
+        max_steps=1,
+        warmup_steps=0,
+        optimizer="sgd",
+        learning_rate=1.0,
+        weight_decay=0.0,
+        max_grad_norm=1e9,
+        remat=remat,
+    )
     optimizer = steps.make_optimizer(cfg)
     ids = np.random.default_rng(0).integers(3, VOCAB, (1, 2, 48)).astype(np.int32)
-    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "segment_ids": np.ones_like(ids),
-             "position_ids": np.broadcast_to(np.arange(48, dtype=np.int32), ids.shape).copy()}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "segment_ids": np.ones_like(ids),
+        "position_ids": np.broadcast_to(np.arange(48, dtype=np.int32), ids.shape).copy(),
+    }
     weights = {k: v.copy() for k, v in model.weights.items()}
     train_step = steps.make_train_step(model, optimizer, remat=remat)
-    loss, weights, _ = train_step(weights, model.buffers, steps.init_optimizer(model, optimizer, weights), batch, ids,
-                                  steps.step_key(0, 0), 1.0)
+    loss, weights, _ = train_step(
+        weights, model.buffers, steps.init_optimizer(model, optimizer, weights), batch, ids, steps.step_key(0, 0), 1.0
+    )
     monkeypatch.undo()
     return float(loss), {k: np.asarray(v) for k, v in weights.items()}, groups
 
 
-@pytest.mark.parametrize(("family", "remat"), [(f, "none") for f in FAMILIES] + [("gemma3", "layer"), ("llama", "matmuls")])
+@pytest.mark.parametrize(
+    ("family", "remat"), [(f, "none") for f in FAMILIES] + [("gemma3", "layer"), ("llama", "matmuls")]
+)
 def test_a_scanned_step_is_the_unrolled_one(family, remat, monkeypatch):
     loss, weights, unrolled_scans = step(family, remat, False, monkeypatch)
     scanned_loss, scanned_weights, groups = step(family, remat, True, monkeypatch)

@@ -8,10 +8,10 @@ import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig, load_config
 from jaxtune.errors import ConfigError
-from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.compiled import steps
-from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.devices.mesh import make_placement
+from jaxtune.runtime.modeling import model as rt_model
+from jaxtune.runtime.train.feed import make_feed
 from jaxtune.runtime.train.training import total_steps
 from tests.conftest import PAD, VOCAB, tiny_model
 
@@ -46,8 +46,15 @@ def one_step(model, cfg: TrainConfig, ids, mask, labels, k: int, remat: str = "n
     step = steps.make_train_step(model, optimizer, remat=remat)
     shape = lambda a: a.reshape(k, a.shape[0] // k, a.shape[1])  # noqa: E731
     weights = {name: value.copy() for name, value in model.weights.items()}  # the step donates its inputs
-    loss, weights, _ = step(weights, model.buffers, optimizer.init(weights), {"input_ids": shape(ids), "attention_mask": shape(mask)},
-                            shape(labels), steps.step_key(0, 1), cfg.learning_rate)
+    loss, weights, _ = step(
+        weights,
+        model.buffers,
+        optimizer.init(weights),
+        {"input_ids": shape(ids), "attention_mask": shape(mask)},
+        shape(labels),
+        steps.step_key(0, 1),
+        cfg.learning_rate,
+    )
     return float(loss), {name: np.asarray(value) for name, value in weights.items()}
 
 
@@ -74,10 +81,14 @@ def remat_plans():
     """4 layers at 2 x 512 tokens: the model and XLA's temporary bytes of one train step under each remat policy."""
     model = lora_model(layers=4)
     optimizer = steps.make_optimizer(TrainConfig())
-    temp = {remat: steps.train_step_memory(model, optimizer, 1, 2, 512, remat=remat)["temp_bytes"]
-            for remat in ("none", "matmuls", "layer")}
-    print("temp memory at 2 x 512, 4 layers: " + ", ".join(f"remat {r} {b / 2**20:.2f} MiB ({b / temp['none']:.3f}x)"
-                                                            for r, b in temp.items()))
+    temp = {
+        remat: steps.train_step_memory(model, optimizer, 1, 2, 512, remat=remat)["temp_bytes"]
+        for remat in ("none", "matmuls", "layer")
+    }
+    print(
+        "temp memory at 2 x 512, 4 layers: "
+        + ", ".join(f"remat {r} {b / 2**20:.2f} MiB ({b / temp['none']:.3f}x)" for r, b in temp.items())
+    )
     return model, temp
 
 
@@ -93,7 +104,9 @@ def test_layer_remat_cuts_temporary_memory_and_keeps_the_loss(remat_plans):
     ids, mask, labels = rows(2, longest=512)
     batch = {"input_ids": ids, "attention_mask": mask}
     loss, grads = steps.make_loss_and_grad(model)(model.weights, model.buffers, batch, labels)
-    remat_loss, remat_grads = steps.make_loss_and_grad(model, remat="layer")(model.weights, model.buffers, batch, labels)
+    remat_loss, remat_grads = steps.make_loss_and_grad(model, remat="layer")(
+        model.weights, model.buffers, batch, labels
+    )
     as_np = lambda g: {n: np.asarray(v) for n, v in g.items()}  # noqa: E731
     # Recomputed activations may be fused differently by XLA: equal up to float rounding.
     assert abs(float(remat_loss) - float(loss)) <= 1e-6 * float(loss)
@@ -113,13 +126,18 @@ def test_matmuls_remat_keeps_less_than_none_and_more_than_layer(remat_plans):
     assert temp["layer"] < temp["matmuls"] <= 0.97 * temp["none"], temp
 
 
-@pytest.mark.parametrize("schedule, expected", [
-    ("warmup_cosine", [0.0, 0.5, 1.0, 0.55, 0.1]),  # cosine from the peak to 10%
-    ("linear", [0.0, 0.5, 1.0, 0.5, 0.0]),
-    ("constant", [0.0, 0.5, 1.0, 1.0, 1.0]),
-])
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        ("warmup_cosine", [0.0, 0.5, 1.0, 0.55, 0.1]),  # cosine from the peak to 10%
+        ("linear", [0.0, 0.5, 1.0, 0.5, 0.0]),
+        ("constant", [0.0, 0.5, 1.0, 1.0, 1.0]),
+    ],
+)
 def test_learning_rate_schedules(schedule, expected):
-    sched = steps.learning_rate_schedule(TrainConfig(learning_rate=1.0, warmup_steps=2, lr_schedule=schedule), total_steps=6)
+    sched = steps.learning_rate_schedule(
+        TrainConfig(learning_rate=1.0, warmup_steps=2, lr_schedule=schedule), total_steps=6
+    )
     np.testing.assert_allclose([float(sched(s)) for s in (0, 1, 2, 4, 6)], expected, atol=1e-6)
 
 
@@ -130,7 +148,9 @@ def test_a_steps_rate_and_key_are_host_values_equal_to_optaxs_and_fold_ins():
     rates, reference = steps.learning_rate_schedule(cfg, 200), steps.optax_schedule(cfg, 200)
     assert all(type(rates(i)) is float for i in (0, 200, 500))
     # vmapped and scalar cos round differently in float32's last place: within 2e-7 of the peak
-    np.testing.assert_allclose([rates(i) for i in range(201)], [float(reference(i)) for i in range(201)], rtol=0, atol=2e-10)
+    np.testing.assert_allclose(
+        [rates(i) for i in range(201)], [float(reference(i)) for i in range(201)], rtol=0, atol=2e-10
+    )
     assert rates(500) == rates(200)  # held after the last step, as optax holds it
     for seed in (0, 2**31 + 5):
         for step in (0, 1, steps.KEY_BLOCK - 1, steps.KEY_BLOCK, 3 * steps.KEY_BLOCK + 7):
@@ -154,7 +174,9 @@ def test_every_optimizer_lowers_the_loss_on_one_batch(optimizer):
 
 
 def test_epochs_set_the_step_count():
-    cfg = load_config(None, ["train.max_steps=null", "train.epochs=3", "train.batch_size=4", "train.grad_accumulation=2"])
+    cfg = load_config(
+        None, ["train.max_steps=null", "train.epochs=3", "train.batch_size=4", "train.grad_accumulation=2"]
+    )
     assert total_steps(cfg.train, make_feed([10] * 100, cfg.train, 64, 1, packed=False)) == 3 * (100 // 4) // 2 == 37
     # Packed: 8-token rows, two to a 16-token sequence, two sequences hold the batch's 4 rows.
     packed = make_feed([8] * 100, cfg.train, 64, 1, packed=True)

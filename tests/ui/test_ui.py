@@ -23,8 +23,16 @@ CURVE_KEY = "offline-nightly-train-curve"  # the live training curve, made again
 DOCS = ROOT / "docs"
 # --virtual-time-budget lets the SPA fetch and render before the DOM is dumped or the page is shot;
 # without --run-all-compositor-stages-before-draw, screenshots miss lazily shown parts (the artifact timeline).
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--virtual-time-budget=20000", "--run-all-compositor-stages-before-draw", "--window-size=1400,1100"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--virtual-time-budget=20000",
+    "--run-all-compositor-stages-before-draw",
+    "--window-size=1400,1100",
+]
 
 
 def chromium(url: str, *args: str, profile, timeout: float = 180) -> str:
@@ -32,8 +40,9 @@ def chromium(url: str, *args: str, profile, timeout: float = 180) -> str:
     exe = shutil.which("chromium")
     if exe is None:
         pytest.fail("chromium is not installed: run `make ui-check`, which installs it")
-    done = subprocess.run([exe, *FLAGS, f"--user-data-dir={profile}", *args, url], capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [exe, *FLAGS, f"--user-data-dir={profile}", *args, url], capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, f"chromium exited {done.returncode} on {url}:\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -65,14 +74,17 @@ def run(tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     with PrefectServer() as server:
         server.deploy()
-        flow_run_id = server.run_deployment("offline-nightly", overrides=[*TOY, "train.eval_every=2", f"store.root={store}"])
+        flow_run_id = server.run_deployment(
+            "offline-nightly", overrides=[*TOY, "train.eval_every=2", f"store.root={store}"]
+        )
         server.work_once()
         with server.client_settings(), get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(flow_run_id)
             assert flow_run.state.is_completed(), f"{flow_run.state}\n{server.log('server')[-3000:]}"
             this_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
-            reports = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[REPORT_KEY])),
-                                            flow_run_filter=this_run)
+            reports = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[REPORT_KEY])), flow_run_filter=this_run
+            )
             task_runs = client.read_task_runs(flow_run_filter=this_run)
         assert len(reports) == 1, reports
         yield server, flow_run, reports[0].id, len(task_runs)
@@ -89,8 +101,10 @@ def _curve_versions(server, flow_run) -> list:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 
     with server.client_settings(), get_client(sync_client=True) as client:
-        versions = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[CURVE_KEY])),
-                                         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+        versions = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[CURVE_KEY])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])),
+        )
     return sorted(versions, key=lambda a: a.created)
 
 
@@ -99,9 +113,14 @@ def test_the_live_curve_shows_fewer_steps_mid_run_and_all_at_the_end(run, tmp_pa
     server, flow_run, _, _ = run
     versions = _curve_versions(server, flow_run)
     assert len(versions) >= 2, "the curve was made again as training went"
-    for version, screenshot, step in ((versions[0], "ui-train-curve-mid-run.png", 2), (versions[-1], "ui-train-curve.png", 4)):
+    for version, screenshot, step in (
+        (versions[0], "ui-train-curve-mid-run.png", 2),
+        (versions[-1], "ui-train-curve.png", 4),
+    ):
         dom = render(f"{server.url}/artifacts/artifact/{version.id}", screenshot, tmp_path)
-        assert f"Training, step {step} of 4" in dom, f"the curve at step {step} is not on its page (see docs/{screenshot})"
+        assert f"Training, step {step} of 4" in dom, (
+            f"the curve at step {step} is not on its page (see docs/{screenshot})"
+        )
         [image] = re.findall(r'<img[^>]*\bsrc="data:image/png;base64,([^"]+)"', dom)
         assert base64.b64decode(image).startswith(b"\x89PNG\r\n\x1a\n")
     dom = render(f"{server.url}/artifacts/key/{CURVE_KEY}", "ui-train-curve-key.png", tmp_path)
@@ -112,7 +131,7 @@ def test_flow_run_page_shows_run_state_and_stages(run, tmp_path):
     server, flow_run, _, task_runs = run
     dom = render(f"{server.url}/runs/flow-run/{flow_run.id}", "ui-flow-run.png", tmp_path)
     assert RUN_NAME in dom and flow_run.name == RUN_NAME
-    assert re.search(r'state-badge state--completed.*?<span>Completed</span>', dom, re.S), "no Completed badge"
+    assert re.search(r"state-badge state--completed.*?<span>Completed</span>", dom, re.S), "no Completed badge"
     assert f"{task_runs} Task runs" in dom
     # The graph is a canvas, so task run names reach the DOM only through the Logs tab (the default one).
     missing = [stage for stage in ALL_STAGES if f"{stage} · tiny gemma3 · lora r64" not in dom]
@@ -124,8 +143,15 @@ def test_artifact_pages_list_the_run_s_artifacts(run, tmp_path):
     dom = render(f"{server.url}/artifacts/key/{REPORT_KEY}", "ui-artifact-key.png", tmp_path)
     assert f'href="/artifacts/artifact/{artifact_id}"' in dom and RUN_NAME in dom, "report's versions not listed"
     dom = render(f"{server.url}/artifacts", "ui-artifacts.png", tmp_path)
-    for key in (REPORT_KEY, "offline-nightly-metrics", "offline-nightly-train-progress", "offline-nightly-stages",
-                "offline-nightly-stage-train", CURVE_KEY, "offline-nightly-train-latest"):
+    for key in (
+        REPORT_KEY,
+        "offline-nightly-metrics",
+        "offline-nightly-train-progress",
+        "offline-nightly-stages",
+        "offline-nightly-stage-train",
+        CURVE_KEY,
+        "offline-nightly-train-latest",
+    ):
         assert key in dom, f"{key} missing from the artifacts page"
 
 
@@ -137,6 +163,13 @@ def test_custom_run_form_offers_the_flows_typed_parameters(run, tmp_path):
         deployment = client.read_deployment_by_name("finetune/offline-nightly")
     dom = render(f"{server.url}/deployments/deployment/{deployment.id}/run", "ui-custom-run.png", tmp_path)
     # Each parameter is a field with its docstring's description (docs/ui-custom-run.png shows them filled in).
-    for text in ("recipe (Optional)", "overrides (Optional)", "refresh (Optional)", "until (Optional)",
-                 "the last stage to run", "section.key=value", "stages to recompute"):
+    for text in (
+        "recipe (Optional)",
+        "overrides (Optional)",
+        "refresh (Optional)",
+        "until (Optional)",
+        "the last stage to run",
+        "section.key=value",
+        "stages to recompute",
+    ):
         assert text in dom, f"{text!r} missing from the custom run form"

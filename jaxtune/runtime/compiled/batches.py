@@ -67,7 +67,9 @@ def stack_micro_batches(parts: Sequence[dict[str, np.ndarray]], pad_id: int) -> 
         if name == "reference" or a.shape[-1] == t:
             return a
         if name == "position_ids":
-            return np.concatenate([a, np.broadcast_to(np.arange(a.shape[-1], t, dtype=a.dtype), (*a.shape[:-1], t - a.shape[-1]))], -1)
+            return np.concatenate(
+                [a, np.broadcast_to(np.arange(a.shape[-1], t, dtype=a.dtype), (*a.shape[:-1], t - a.shape[-1]))], -1
+            )
         return np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, t - a.shape[-1])], constant_values=PADDING.get(name, pad_id))
 
     return {name: np.stack([padded(name, part[name]) for part in parts]) for name in parts[0]}

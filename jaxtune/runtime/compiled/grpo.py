@@ -53,8 +53,13 @@ def advantages(rewards: np.ndarray, num_generations: int, scale: str) -> np.ndar
     return (centred / (std + STD_FLOOR)).astype(np.float32)
 
 
-def token_terms(rl: RLConfig, logp: jax.Array, advantages: jax.Array, old: jax.Array | None = None,
-                reference: jax.Array | None = None) -> dict[str, jax.Array]:
+def token_terms(
+    rl: RLConfig,
+    logp: jax.Array,
+    advantages: jax.Array,
+    old: jax.Array | None = None,
+    reference: jax.Array | None = None,
+) -> dict[str, jax.Array]:
     """Per-token (S, T) loss, and the KL and policy ratio it was made of, float32.
 
     `logp`, `old` and `reference` are (S, T) log-probabilities of the answer tokens; `old` None is
@@ -126,4 +131,3 @@ def answer_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int
     batch["segment_ids"] = batch["attention_mask"].copy()  # one row, one segment; padding none
     batch["position_ids"] = np.broadcast_to(np.arange(length, dtype=np.int32), (len(ids), length)).copy()
     return batch
-

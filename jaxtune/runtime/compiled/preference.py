@@ -39,16 +39,22 @@ class PairLogps(NamedTuple):
     rejected_tokens: jax.Array
 
 
-def rewards(objective: str, cfg: PreferenceConfig, policy: PairLogps, reference: PairLogps | None) -> tuple[jax.Array, jax.Array]:
+def rewards(
+    objective: str, cfg: PreferenceConfig, policy: PairLogps, reference: PairLogps | None
+) -> tuple[jax.Array, jax.Array]:
     """The implicit rewards (chosen, rejected), each (P,)."""
     if objective == "dpo":
         return cfg.beta * (policy.chosen - reference.chosen), cfg.beta * (policy.rejected - reference.rejected)
     if objective == "simpo":
-        return cfg.beta * _mean(policy.chosen, policy.chosen_tokens), cfg.beta * _mean(policy.rejected, policy.rejected_tokens)
+        return cfg.beta * _mean(policy.chosen, policy.chosen_tokens), cfg.beta * _mean(
+            policy.rejected, policy.rejected_tokens
+        )
     raise ValueError(f"not a preference objective: {objective!r}")
 
 
-def pair_losses(objective: str, cfg: PreferenceConfig, policy: PairLogps, reference: PairLogps | None = None) -> jax.Array:
+def pair_losses(
+    objective: str, cfg: PreferenceConfig, policy: PairLogps, reference: PairLogps | None = None
+) -> jax.Array:
     """The loss of each pair (P,), float32; `reference` is needed by DPO alone.
 
     With `cfg.sft_weight` it adds that times the chosen answer's mean token NLL (RPO), for each
@@ -58,8 +64,9 @@ def pair_losses(objective: str, cfg: PreferenceConfig, policy: PairLogps, refere
     return _with_sft_term(_preference_losses(objective, cfg, policy, reference), objective, cfg, policy, reference)
 
 
-def _with_sft_term(losses: jax.Array, objective: str, cfg: PreferenceConfig, policy: PairLogps,
-                   reference: PairLogps | None) -> jax.Array:
+def _with_sft_term(
+    losses: jax.Array, objective: str, cfg: PreferenceConfig, policy: PairLogps, reference: PairLogps | None
+) -> jax.Array:
     if not cfg.sft_weight:
         return losses
     sft = chosen_nll(policy) - (chosen_nll(reference) if objective == "dpo" else 0.0)
@@ -71,7 +78,9 @@ def chosen_nll(policy: PairLogps) -> jax.Array:
     return -_mean(policy.chosen, policy.chosen_tokens)
 
 
-def _preference_losses(objective: str, cfg: PreferenceConfig, policy: PairLogps, reference: PairLogps | None) -> jax.Array:
+def _preference_losses(
+    objective: str, cfg: PreferenceConfig, policy: PairLogps, reference: PairLogps | None
+) -> jax.Array:
     if objective == "simpo":
         # TRL's CPO with loss_type=simpo: logits = mean_c - mean_r - gamma / beta.
         logits = _mean(policy.chosen, policy.chosen_tokens) - _mean(policy.rejected, policy.rejected_tokens)
@@ -108,10 +117,15 @@ def pair_metrics(objective: str, cfg: PreferenceConfig, policy: PairLogps, refer
     chosen, rejected = rewards(objective, cfg, policy, reference)
     margin = chosen - rejected
     preference_losses = _preference_losses(objective, cfg, policy, reference)
-    return {"loss": _with_sft_term(preference_losses, objective, cfg, policy, reference),
-            "preference_loss": preference_losses, "chosen_nll": chosen_nll(policy),
-            "chosen_reward": chosen, "rejected_reward": rejected,
-            "margin": margin, "win": jnp.where(margin > 0, 1.0, jnp.where(margin == 0, 0.5, 0.0))}
+    return {
+        "loss": _with_sft_term(preference_losses, objective, cfg, policy, reference),
+        "preference_loss": preference_losses,
+        "chosen_nll": chosen_nll(policy),
+        "chosen_reward": chosen,
+        "rejected_reward": rejected,
+        "margin": margin,
+        "win": jnp.where(margin > 0, 1.0, jnp.where(margin == 0, 0.5, 0.0)),
+    }
 
 
 def segment_sums(token_values: jax.Array, segment_ids: jax.Array, segments: int) -> jax.Array:
@@ -168,7 +182,9 @@ def objective_of(name: str, preference: PreferenceConfig | None, rl: RLConfig | 
     return Objective(name, preference or PreferenceConfig())
 
 
-def summed_objective(objective: Objective, nll: jax.Array, scored: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+def summed_objective(
+    objective: Objective, nll: jax.Array, scored: jax.Array, batch: dict
+) -> tuple[jax.Array, jax.Array]:
     """(summed loss, count) of one micro-batch, whose ratio is its mean: summed token NLL over scored
     tokens for sft; summed pair losses over pairs for dpo and simpo; for grpo see `grpo.summed_loss`. Summed over micro-batches, the
     ratio is the whole step's mean, as one big batch would give.

@@ -55,8 +55,9 @@ class Program:
     compiled once in the process, and, where the program is `keep`-able, kept on disk
     (`executables`) so that a later process loads it with no trace, lowering or compile."""
 
-    def __init__(self, jitted: Callable, ref: ModelRef, kind: str = "program", structure: str = "",
-                 settings: str | None = None):
+    def __init__(
+        self, jitted: Callable, ref: ModelRef, kind: str = "program", structure: str = "", settings: str | None = None
+    ):
         self.jitted, self.ref = jitted, ref
         self.kind, self.structure, self.settings = kind, structure, settings
         self.compiled: dict[str, Any] = {}  # by `executables.signature` of the arguments
@@ -110,13 +111,17 @@ class Program:
         if planning:
             _planned = None  # the candidate before is let go before this one compiles
         what = f"{self.kind} ({describe(self.settings, args)})"
-        kept = executables.key(self.kind, self.structure, self.settings, signature) \
-            if self.settings is not None and executables.folder() is not None else None
+        kept = (
+            executables.key(self.kind, self.structure, self.settings, signature)
+            if self.settings is not None and executables.folder() is not None
+            else None
+        )
         compiled = executables.load(kept, what) if kept else None
         if compiled is None:
             with executables.watching(what) as compiling:
-                compiled = compile_cache.compile_remembering_refusals(self.lower(model, *args),
-                                                                      model.placement.mesh.devices.flat)
+                compiled = compile_cache.compile_remembering_refusals(
+                    self.lower(model, *args), model.placement.mesh.devices.flat
+                )
             from_jax_cache = compiling.from_jax_cache
             keep = lambda: executables.save(kept, what, compiled, from_jax_cache) if kept else None  # noqa: E731
             if not planning:
@@ -142,8 +147,13 @@ def shapes(args) -> tuple:
 def describe(settings: str | None, args) -> str:
     """'int32[1,8,512]; remat none, ...': the shapes of the integer arrays of rank 2 or more among
     `args` (the batch or the prompts), then the settings, for a log line."""
-    shapes = sorted({f"{leaf.dtype}{list(leaf.shape)}" for leaf in jax.tree.leaves(args)
-                     if hasattr(leaf, "shape") and len(leaf.shape) >= 2 and np.issubdtype(leaf.dtype, np.integer)})
+    shapes = sorted(
+        {
+            f"{leaf.dtype}{list(leaf.shape)}"
+            for leaf in jax.tree.leaves(args)
+            if hasattr(leaf, "shape") and len(leaf.shape) >= 2 and np.issubdtype(leaf.dtype, np.integer)
+        }
+    )
     return "; ".join(filter(None, [" ".join(shapes), settings]))
 
 
@@ -151,8 +161,9 @@ _kept: OrderedDict[tuple, Program] = OrderedDict()
 _lock = threading.Lock()
 
 
-def shared(kind: str, model, settings: tuple[Hashable, ...], build: Callable[[ModelRef], Callable],
-           keep: bool = True) -> Program:
+def shared(
+    kind: str, model, settings: tuple[Hashable, ...], build: Callable[[ModelRef], Callable], keep: bool = True
+) -> Program:
     """The program `build(ref)` makes for models of `model`'s structure and these `settings` (everything
     else the traced function depends on), built now only if no model of that structure built it before.
     `keep`: whether its executables may be kept on disk, keyed by `repr(settings)`: only where that
@@ -176,8 +187,11 @@ def shared(kind: str, model, settings: tuple[Hashable, ...], build: Callable[[Mo
 
 
 def _settings_text(settings: tuple) -> str:
-    return ", ".join(map(str, settings)) if all(isinstance(s, (str, int, float, bool, type(None))) for s in settings) \
+    return (
+        ", ".join(map(str, settings))
+        if all(isinstance(s, (str, int, float, bool, type(None))) for s in settings)
         else repr(settings)
+    )
 
 
 def clear() -> None:
@@ -199,8 +213,10 @@ def structure(model) -> str:
     attention core a step traced now would run (`attention.kernel_for`) and whether the layers are scanned."""
     module = model.module
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    lora = {name: {k: v for k, v in config.to_dict().items() if k not in WHERE_FROM}
-            for name, config in getattr(module, "peft_config", {}).items()}
+    lora = {
+        name: {k: v for k, v in config.to_dict().items() if k not in WHERE_FROM}
+        for name, config in getattr(module, "peft_config", {}).items()
+    }
     config = {k: v for k, v in base.config.to_dict().items() if k not in WHERE_FROM}
     parts = [
         repr(module),

@@ -19,10 +19,9 @@ import torch
 
 from jaxtune.config import TrainConfig
 from jaxtune.runtime.compiled import programs
+from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
 from jaxtune.runtime.modeling.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.modeling.model import JaxModel
-from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
-
 
 OPTIMIZER_SCOPE = "optimizer"  # the name scope of the step's update in its compiled op names
 
@@ -94,8 +93,9 @@ def _optimizer(name: str, weight_decay: float, max_grad_norm: float) -> optax.Gr
     def chain(learning_rate):
         if name == "adafactor":
             # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting.
-            update = optax.adafactor(learning_rate, multiply_by_parameter_scale=False,
-                                     weight_decay_rate=weight_decay or None)
+            update = optax.adafactor(
+                learning_rate, multiply_by_parameter_scale=False, weight_decay_rate=weight_decay or None
+            )
         elif name == "sgd":
             update = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate, momentum=0.9))
         else:
@@ -119,15 +119,22 @@ def grad_norm_of(opt_state: Any) -> jax.Array:
     return opt_state.inner_state[0].grad_norm
 
 
-def _summed_loss(model: JaxModel, training: bool, remat: str, fused: bool, objective: Objective = SFT,
-                 chunk_tokens: int | None = None) -> Callable:
+def _summed_loss(
+    model: JaxModel,
+    training: bool,
+    remat: str,
+    fused: bool,
+    objective: Objective = SFT,
+    chunk_tokens: int | None = None,
+) -> Callable:
     """JAX function (weights, buffers, batch, labels, key) -> (summed loss, count) of `objective`
     (`preference.summed_objective`: token NLL and scored tokens for sft); dropout, if any, draws from `key`."""
     from torchax import interop
 
     temperature = objective.rl.temperature if objective.sampled else 1.0  # GRPO scores its tempered samples
-    forward = forward_token_nll(model, training=training, remat=remat, fused=fused, chunk_tokens=chunk_tokens,
-                                temperature=temperature)
+    forward = forward_token_nll(
+        model, training=training, remat=remat, fused=fused, chunk_tokens=chunk_tokens, temperature=temperature
+    )
 
     def per_token(weights, buffers, batch, labels):
         with model.env:
@@ -137,21 +144,31 @@ def _summed_loss(model: JaxModel, training: bool, remat: str, fused: bool, objec
 
     def run(weights, buffers, batch, labels, key):
         with model.env.override_property(prng=key):
-            nll, scored = as_jax(weights, buffers, {k: v for k, v in batch.items() if k not in OBJECTIVE_INPUTS}, labels)
+            nll, scored = as_jax(
+                weights, buffers, {k: v for k, v in batch.items() if k not in OBJECTIVE_INPUTS}, labels
+            )
         return summed_objective(objective, nll, scored, batch)
 
     return run
 
 
-def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool,
-                   objective: Objective = SFT, chunk_tokens: int | None = None) -> Callable:
+def _train_step_fn(
+    model: JaxModel,
+    optimizer: optax.GradientTransformation,
+    remat: str,
+    fused: bool,
+    objective: Objective = SFT,
+    chunk_tokens: int | None = None,
+) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr) -> (loss, weights, opt_state).
 
     `batch` arrays and `labels` are (k, b, t): k micro-batches whose summed gradients, divided
     by all k micro-batches' count (scored tokens, or pairs), equal one big batch's mean-loss gradient.
     """
-    grad = jax.value_and_grad(_summed_loss(model, training=True, remat=remat, fused=fused, objective=objective,
-                                           chunk_tokens=chunk_tokens), has_aux=True)
+    grad = jax.value_and_grad(
+        _summed_loss(model, training=True, remat=remat, fused=fused, objective=objective, chunk_tokens=chunk_tokens),
+        has_aux=True,
+    )
 
     def train_step(weights, buffers, opt_state, batch, labels, key, lr):
         def micro(carry, xs):
@@ -192,8 +209,11 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, weights: dict, 
 
 def optimizer_state_shapes(optimizer: optax.GradientTransformation, weights: dict, replicated) -> Any:
     """`optimizer.init(weights)` as shapes, each with its sharding (`optimizer_shardings`)."""
-    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                        jax.eval_shape(optimizer.init, weights), optimizer_shardings(optimizer, weights, replicated))
+    return jax.tree.map(
+        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        jax.eval_shape(optimizer.init, weights),
+        optimizer_shardings(optimizer, weights, replicated),
+    )
 
 
 def init_optimizer(model: JaxModel, optimizer: optax.GradientTransformation, weights: dict | None = None) -> Any:
@@ -203,8 +223,14 @@ def init_optimizer(model: JaxModel, optimizer: optax.GradientTransformation, wei
     return jax.jit(optimizer.init, out_shardings=shardings)(weights)
 
 
-def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str, fused: bool,
-                       objective: Objective = SFT, chunk_tokens: int | None = None):
+def _jitted_train_step(
+    model: JaxModel,
+    optimizer: optax.GradientTransformation,
+    remat: str,
+    fused: bool,
+    objective: Objective = SFT,
+    chunk_tokens: int | None = None,
+):
     """The train step jitted with every input and output's sharding pinned (so the second call
     finds the first's program), donating weights and optimizer state so they update in place."""
     placement = model.placement
@@ -212,22 +238,41 @@ def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation,
     buffers = jax.tree.map(lambda a: a.sharding, model.buffers)
     opt_state = optimizer_shardings(optimizer, model.weights, placement.replicated)
     batch, one = placement.micro_batch_sharding, placement.replicated
-    return jax.jit(_train_step_fn(model, optimizer, remat, fused, objective, chunk_tokens), donate_argnums=(0, 2),
-                   in_shardings=(weights, buffers, opt_state, batch, batch, one, one),
-                   out_shardings=(one, weights, opt_state))
+    return jax.jit(
+        _train_step_fn(model, optimizer, remat, fused, objective, chunk_tokens),
+        donate_argnums=(0, 2),
+        in_shardings=(weights, buffers, opt_state, batch, batch, one, one),
+        out_shardings=(one, weights, opt_state),
+    )
 
 
-def shared_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
-                      fused: bool = True, objective: Objective = SFT, chunk_tokens: int | None = None) -> programs.Program:
+def shared_train_step(
+    model: JaxModel,
+    optimizer: optax.GradientTransformation,
+    remat: str = "none",
+    fused: bool = True,
+    objective: Objective = SFT,
+    chunk_tokens: int | None = None,
+) -> programs.Program:
     """The jitted train step (`_jitted_train_step`) every model of this structure shares (see `programs`)."""
     described = optimizer_settings(optimizer)
-    return programs.shared("train_step", model, (described or id(optimizer), remat, fused, objective, chunk_tokens),
-                           lambda ref: _jitted_train_step(ref, optimizer, remat, fused, objective, chunk_tokens),
-                           keep=described is not None)
+    return programs.shared(
+        "train_step",
+        model,
+        (described or id(optimizer), remat, fused, objective, chunk_tokens),
+        lambda ref: _jitted_train_step(ref, optimizer, remat, fused, objective, chunk_tokens),
+        keep=described is not None,
+    )
 
 
-def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, remat: str = "none",
-                    fused: bool = True, objective: Objective = SFT, chunk_tokens: int | None = None) -> Callable:
+def make_train_step(
+    model: JaxModel,
+    optimizer: optax.GradientTransformation,
+    remat: str = "none",
+    fused: bool = True,
+    objective: Objective = SFT,
+    chunk_tokens: int | None = None,
+) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr), jitted; weights and optimizer state are donated.
 
     `fused=False` runs transformers' eager attention and full logits (what PyTorch eager
@@ -262,28 +307,51 @@ KEY_BLOCK = 1024
 @functools.lru_cache(maxsize=4)
 def _key_block(seed: int, block: int) -> np.ndarray:
     base = jax.random.PRNGKey(seed)
-    return np.asarray(jax.vmap(lambda s: jax.random.fold_in(base, s))(np.arange(block * KEY_BLOCK, (block + 1) * KEY_BLOCK)))
+    return np.asarray(
+        jax.vmap(lambda s: jax.random.fold_in(base, s))(np.arange(block * KEY_BLOCK, (block + 1) * KEY_BLOCK))
+    )
 
 
 BATCH_KEYS = ("input_ids", "attention_mask", "segment_ids", "position_ids")
 
 
-def train_step_memory(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
-                      length: int, remat: str = "none", fused: bool = True, objective: Objective = SFT,
-                      segments: int = 0, chunk_tokens: int | None = None) -> dict:
+def train_step_memory(
+    model: JaxModel,
+    optimizer: optax.GradientTransformation,
+    micro_batches: int,
+    batch_size: int,
+    length: int,
+    remat: str = "none",
+    fused: bool = True,
+    objective: Objective = SFT,
+    segments: int = 0,
+    chunk_tokens: int | None = None,
+) -> dict:
     """XLA's memory plan for one train step of (micro_batches, batch_size, length), compiled from shapes alone.
 
     `batch_size` is the whole micro-batch's rows, split over the mesh as training splits it; the
     bytes are one device's: of arguments (weights, frozen tensors, optimizer state, batch), of
     outputs, of temporaries (activations kept for the backward pass, gradients), and their peak.
     """
-    return compiled_memory(compiled_train_step(model, optimizer, micro_batches, batch_size, length, remat, fused,
-                                               objective, segments, chunk_tokens))
+    return compiled_memory(
+        compiled_train_step(
+            model, optimizer, micro_batches, batch_size, length, remat, fused, objective, segments, chunk_tokens
+        )
+    )
 
 
-def compiled_train_step(model: JaxModel, optimizer: optax.GradientTransformation, micro_batches: int, batch_size: int,
-                        length: int, remat: str = "none", fused: bool = True, objective: Objective = SFT,
-                        segments: int = 0, chunk_tokens: int | None = None):
+def compiled_train_step(
+    model: JaxModel,
+    optimizer: optax.GradientTransformation,
+    micro_batches: int,
+    batch_size: int,
+    length: int,
+    remat: str = "none",
+    fused: bool = True,
+    objective: Objective = SFT,
+    segments: int = 0,
+    chunk_tokens: int | None = None,
+):
     """The train step XLA compiles for (micro_batches, batch_size, length) on the model's devices, from
     shapes alone. The step is the one training calls (`shared_train_step`), so that its first call at
     these shapes reuses this trace instead of tracing the model again."""
@@ -304,8 +372,9 @@ def compiled_train_step(model: JaxModel, optimizer: optax.GradientTransformation
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
     with model.env:
-        return program.compiled_for(model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr,
-                                    planning=True)
+        return program.compiled_for(
+            model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr, planning=True
+        )
 
 
 def shapes_of(tree) -> Any:
@@ -347,6 +416,7 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def make_loss_and_grad(model: JaxModel, remat: str = "none", fused: bool = True) -> Callable:
     """grad(weights, buffers, batch, labels) -> (mean token loss, gradients of the weights), jitted."""
+
     def build(ref):
         summed = _summed_loss(ref, training=False, remat=remat, fused=fused)
 
@@ -424,6 +494,7 @@ def eval_step_memory(model: JaxModel, rows: int, length: int, fused: bool = True
     batch = {name: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding) for name in BATCH_KEYS}
     labels = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
     with model.env:
-        compiled = shared_eval_step(model, fused).compiled_for(model, shapes_of(model.weights), shapes_of(model.buffers),
-                                                               batch, labels)
+        compiled = shared_eval_step(model, fused).compiled_for(
+            model, shapes_of(model.weights), shapes_of(model.buffers), batch, labels
+        )
     return compiled_memory(compiled)

@@ -75,8 +75,9 @@ def _cached_forward(model: JaxModel) -> Callable:
     return forward
 
 
-def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...],
-                  sampling: Sampling = Sampling()) -> programs.Program:
+def make_generate(
+    model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...], sampling: Sampling = Sampling()
+) -> programs.Program:
     """generate(model, weights, buffers, prompt_ids, prompt_mask, key=None) -> (b, max_new_tokens) token
     ids, one program every model of this structure shares (see `programs`).
 
@@ -84,12 +85,17 @@ def make_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...]
     With no `eos_ids`, every row runs all `max_new_tokens`. Greedy by default; a `sampling` with a
     temperature draws token i from `fold_in(key, i)`, so a key gives the same answers on any run.
     """
-    return programs.shared("generate", model, (max_new_tokens, tuple(eos_ids), sampling),
-                           lambda ref: _jitted_generate(ref, max_new_tokens, eos_ids, sampling))
+    return programs.shared(
+        "generate",
+        model,
+        (max_new_tokens, tuple(eos_ids), sampling),
+        lambda ref: _jitted_generate(ref, max_new_tokens, eos_ids, sampling),
+    )
 
 
-def _jitted_generate(model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...],
-                     sampling: Sampling = Sampling()) -> Callable:
+def _jitted_generate(
+    model: JaxModel, max_new_tokens: int, eos_ids: tuple[int, ...], sampling: Sampling = Sampling()
+) -> Callable:
     from torchax import interop
 
     forward = _cached_forward(model)
@@ -139,7 +145,9 @@ def generate_memory(model: JaxModel, rows: int, prompt_length: int, max_new_toke
     prompts = jax.ShapeDtypeStruct((rows, prompt_length), jnp.int32, sharding=model.placement.prompt_sharding(rows))
     generate = make_generate(model, max_new_tokens, eos_ids=(0,))  # which ids stop decoding changes no buffer
     with model.env:
-        compiled = generate.lower(model, steps.shapes_of(model.weights), steps.shapes_of(model.buffers), prompts, prompts).compile()
+        compiled = generate.lower(
+            model, steps.shapes_of(model.weights), steps.shapes_of(model.buffers), prompts, prompts
+        ).compile()
     return steps.compiled_memory(compiled)
 
 

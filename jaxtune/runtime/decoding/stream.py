@@ -20,8 +20,8 @@ import numpy as np
 
 from jaxtune.runtime.compiled.batches import bucket_length
 from jaxtune.runtime.decoding.decode import _cached_forward, kv_shape, left_pad
-from jaxtune.runtime.modeling.model import JaxModel
 from jaxtune.runtime.decoding.sampling import Sampling, next_token
+from jaxtune.runtime.modeling.model import JaxModel
 
 
 @dataclass
@@ -64,8 +64,17 @@ class StreamDecoder:
         token, kv = prefill(weights, buffers, ids, mask, key)
         for i in range(max_new_tokens):
             if i + 1 < max_new_tokens:  # token i sits in cache slot p + i, at position len(prompt) + i
-                upcoming, kv = step(weights, buffers, kv, token, mask, np.int32(p + i), np.int32(len(prompt_ids) + i),
-                                    key, np.int32(i + 1))
+                upcoming, kv = step(
+                    weights,
+                    buffers,
+                    kv,
+                    token,
+                    mask,
+                    np.int32(p + i),
+                    np.int32(len(prompt_ids) + i),
+                    key,
+                    np.int32(i + 1),
+                )
             value = int(token[0])
             stats.seconds = time.perf_counter() - start
             if value in self.stop_ids:

@@ -75,8 +75,14 @@ def program_key(lowered, devices) -> str:
     the versions compiling it (jax, and the backend's own: libtpu's, the CUDA plugin's)."""
     devices = list(devices)
     client = getattr(devices[0], "client", None)
-    parts = [lowered.as_text(), jax.__version__, devices[0].platform, getattr(client, "platform_version", ""),
-             *sorted({d.device_kind for d in devices}), str(len(devices))]
+    parts = [
+        lowered.as_text(),
+        jax.__version__,
+        devices[0].platform,
+        getattr(client, "platform_version", ""),
+        *sorted({d.device_kind for d in devices}),
+        str(len(devices)),
+    ]
     return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
 
 
@@ -112,8 +118,9 @@ def compile_remembering_refusals(lowered, devices):
     devices = list(devices)
     known = known_refusal(lowered, devices)
     if known is not None:
-        raise RefusedBefore(f"RESOURCE_EXHAUSTED: {known} (refused before; remembered in the compilation cache's "
-                            f"{REFUSALS_FILE})")
+        raise RefusedBefore(
+            f"RESOURCE_EXHAUSTED: {known} (refused before; remembered in the compilation cache's {REFUSALS_FILE})"
+        )
     try:
         return lowered.compile()
     except Exception as error:
@@ -121,4 +128,3 @@ def compile_remembering_refusals(lowered, devices):
         if words is not None:
             remember_refusal(lowered, devices, words)
         raise
-

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxtune.host import processes
 from jaxtune.config import MeshConfig
+from jaxtune.host import processes
 
 
 def initialize(cfg: MeshConfig) -> None:
@@ -25,8 +25,10 @@ def initialize(cfg: MeshConfig) -> None:
         processes.join(cfg)
     except RuntimeError as error:
         if not jax.distributed.is_initialized():
-            error.add_note("join a multi-process job with jaxtune.host.processes.join(mesh config) before importing "
-                           "jaxtune.runtime, whose torchax set-up starts JAX's backend")
+            error.add_note(
+                "join a multi-process job with jaxtune.host.processes.join(mesh config) before importing "
+                "jaxtune.runtime, whose torchax set-up starts JAX's backend"
+            )
         raise
 
 

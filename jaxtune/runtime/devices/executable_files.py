@@ -24,10 +24,16 @@ from jax.experimental import serialize_executable
 from jax.tree_util import default_registry
 
 ROOTS = ("jax", "jaxlib", "numpy", "ml_dtypes")  # all a kept executable's description may name
-NUMPY_BUILDERS = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.multiarray", "_reconstruct"),
-                  ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
-                  ("numpy.core.multiarray", "scalar"),
-                  ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer")}
+NUMPY_BUILDERS = {
+    ("numpy", "dtype"),
+    ("numpy", "ndarray"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.numeric", "_frombuffer"),
+}
 
 
 class RefusedClass(pickle.UnpicklingError):
@@ -60,11 +66,11 @@ def load(data: bytes, trees: dict, devices: Sequence | None = None) -> jax.stage
     execution_devices = list(devices) if devices is not None else backend.devices()
     unloaded, args_info_flat, no_kwargs = RestrictedUnpickler(io.BytesIO(data), backend, execution_devices).load()
     in_tree, out_tree = tree_from_json(trees["in"]), tree_from_json(trees["out"])
-    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree,
-                               no_kwargs=no_kwargs)
+    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs)
 
 
 # -- trees as JSON -------------------------------------------------------------------------------------
+
 
 def tree_to_json(tree) -> dict:
     """{"type", "data", "children"} of a tree's nodes; a leaf is {"type": "*"}. A node that is not a builtin
@@ -74,8 +80,11 @@ def tree_to_json(tree) -> dict:
         return {"type": "*"}
     kind, data = tree.node_data()
     _node_type(f"{kind.__module__}:{kind.__qualname__}")  # a tree that cannot be read back is refused here
-    return {"type": f"{kind.__module__}:{kind.__qualname__}", "data": _data_to_json(kind, data),
-            "children": [tree_to_json(child) for child in tree.children()]}
+    return {
+        "type": f"{kind.__module__}:{kind.__qualname__}",
+        "data": _data_to_json(kind, data),
+        "children": [tree_to_json(child) for child in tree.children()],
+    }
 
 
 def tree_from_json(node: dict):
@@ -84,7 +93,8 @@ def tree_from_json(node: dict):
     kind = _node_type(node["type"])
     children = [tree_from_json(child) for child in node["children"]]
     return jax.tree_util.PyTreeDef.from_node_data_and_children(
-        default_registry, (kind, _data_from_json(node["data"])), children)
+        default_registry, (kind, _data_from_json(node["data"])), children
+    )
 
 
 def _data_to_json(kind: type, data):
@@ -107,7 +117,8 @@ def _node_type(name: str) -> type:
     value = importlib.import_module(module)
     for part in qualname.split("."):
         value = getattr(value, part)
-    if value in (tuple, list, dict, type(None)) or (isinstance(value, type) and issubclass(value, tuple)
-                                                     and hasattr(value, "_fields")):
+    if value in (tuple, list, dict, type(None)) or (
+        isinstance(value, type) and issubclass(value, tuple) and hasattr(value, "_fields")
+    ):
         return value
     raise ValueError(f"{name} is not a builtin container or a namedtuple")

@@ -51,8 +51,18 @@ FOLDER = "executables"  # below the compilation cache's folder
 FORMAT = 2  # of an entry's files; a new format gives every program a new key
 EXECUTABLE, ENTRY = "executable.bin", "entry.json"
 # What traces and compiles a program besides jaxtune's own code.
-LIBRARIES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda13-plugin", "torch", "torchax", "transformers",
-             "peft", "optax")
+LIBRARIES = (
+    "jax",
+    "jaxlib",
+    "libtpu",
+    "jax-cuda12-plugin",
+    "jax-cuda13-plugin",
+    "torch",
+    "torchax",
+    "transformers",
+    "peft",
+    "optax",
+)
 # Settings outside the program that change what XLA makes of it.
 ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 PROGRESS_SECONDS = 10.0  # a compile still running says so this often
@@ -103,7 +113,12 @@ def key(kind: str, structure: str, settings: str, args_signature: str) -> str:
     devices = jax.devices()
     client = getattr(devices[0], "client", None)
     parts = [
-        f"format {FORMAT}", kind, structure, settings, args_signature, code_digest(),
+        f"format {FORMAT}",
+        kind,
+        structure,
+        settings,
+        args_signature,
+        code_digest(),
         json.dumps(library_versions(), sort_keys=True),
         f"{devices[0].platform} {getattr(client, 'platform_version', '')}",
         json.dumps({name: os.environ.get(name, "") for name in ENVIRONMENT}, sort_keys=True),
@@ -153,8 +168,12 @@ def load(entry_key: str, what: str):
         compiled = executable_files.load(data, record["trees"])
     except Exception as error:  # noqa: BLE001 - a bad entry costs a compile, never the run
         return _refuse(entry, what, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-    logger.info("loaded the kept %s (%.0f MiB) in %.1f s, with no trace or compile", what, len(data) / 2**20,
-                time.perf_counter() - started)
+    logger.info(
+        "loaded the kept %s (%.0f MiB) in %.1f s, with no trace or compile",
+        what,
+        len(data) / 2**20,
+        time.perf_counter() - started,
+    )
     return compiled
 
 
@@ -183,8 +202,15 @@ def save(entry_key: str, what: str, compiled, from_jax_cache: bool = False) -> P
     try:
         temporary.mkdir(parents=True, exist_ok=True)
         (temporary / EXECUTABLE).write_bytes(data)
-        record = {"key": entry_key, "what": what, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trees": trees,
-                  "libraries": library_versions(), "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        record = {
+            "key": entry_key,
+            "what": what,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "trees": trees,
+            "libraries": library_versions(),
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         (temporary / ENTRY).write_text(json.dumps(record, indent=1))
         with _lock:
             if entry.exists():  # another process kept the same program first: its copy is as good

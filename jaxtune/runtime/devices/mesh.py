@@ -84,10 +84,12 @@ class Placement:
         devices = self.mesh.devices.flat
         first = next(iter(devices))
         processes = jax.process_count()
-        return (", ".join(f"{axis}={size}" for axis, size in self.sizes.items())
-                + f" on {self.mesh.size} {first.platform} device{'s' * (self.mesh.size != 1)}"
-                + (f" ({first.device_kind})" if first.platform != "cpu" else "")
-                + (f" across {processes} processes" if processes > 1 else ""))
+        return (
+            ", ".join(f"{axis}={size}" for axis, size in self.sizes.items())
+            + f" on {self.mesh.size} {first.platform} device{'s' * (self.mesh.size != 1)}"
+            + (f" ({first.device_kind})" if first.platform != "cpu" else "")
+            + (f" across {processes} processes" if processes > 1 else "")
+        )
 
 
 def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -122,8 +124,9 @@ def make_placement(cfg: MeshConfig, devices: Sequence | None = None) -> Placemen
     sizes = cfg.sizes(len(devices))
     used = int(np.prod(list(sizes.values())))
     # Auto axes: sharded gathers (embedding lookups) raise under Explicit axes.
-    mesh = jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices[:used])
+    mesh = jax.make_mesh(
+        tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices[:used]
+    )
     return Placement(mesh=mesh, overrides=dict(cfg.shardings))
 
 
@@ -149,5 +152,6 @@ def per_device(kernel, mesh, query, key, value, segment_ids):
     tensor = mesh.shape["tensor"]
     heads = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 and key.shape[2] % tensor == 0 else None
     spec = PartitionSpec(rows, None, heads, None)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(rows, None)), out_specs=spec,
-                         check_vma=False)(query, key, value, segment_ids)
+    return jax.shard_map(
+        kernel, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(rows, None)), out_specs=spec, check_vma=False
+    )(query, key, value, segment_ids)

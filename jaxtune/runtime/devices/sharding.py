@@ -33,8 +33,24 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj", "c_attn", "c_fc",
-          "query_key_value", "dense_h_to_4h", "fc1", "fc_in", "Wqkv", "w1", "w3"}
+COLUMN = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "c_attn",
+    "c_fc",
+    "query_key_value",
+    "dense_h_to_4h",
+    "fc1",
+    "fc_in",
+    "Wqkv",
+    "w1",
+    "w3",
+}
 ROW = {"o_proj", "down_proj", "c_proj", "dense", "out_proj", "dense_4h_to_h", "fc2", "fc_out", "w2"}
 EMBEDDING = {"embed_tokens", "wte", "wpe", "embed_in", "word_embeddings", "embed_positions"}
 HEAD = {"lm_head", "embed_out"}
@@ -89,19 +105,28 @@ def rule_spec(name: str, shape: Sequence[int], sizes: Mapping[str, int], transpo
     return PartitionSpec()
 
 
-def spec_for(name: str, shape: Sequence[int], sizes: Mapping[str, int], overrides: Mapping[str, Sequence[str | None]] = {},
-             transposed: bool = False) -> PartitionSpec:
+def spec_for(
+    name: str,
+    shape: Sequence[int],
+    sizes: Mapping[str, int],
+    overrides: Mapping[str, Sequence[str | None]] = {},
+    transposed: bool = False,
+) -> PartitionSpec:
     """`mesh.shardings`' first matching regex, else the built-in rule; ValueError naming the tensor
     and pattern when an override does not fit the tensor."""
     for pattern, axes in overrides.items():
         if re.search(pattern, name):
             if len(axes) != len(shape):
-                raise ValueError(f"mesh.shardings[{pattern!r}] gives {len(axes)} axes but {name} has "
-                                 f"{len(shape)} dimensions {tuple(shape)}")
+                raise ValueError(
+                    f"mesh.shardings[{pattern!r}] gives {len(axes)} axes but {name} has "
+                    f"{len(shape)} dimensions {tuple(shape)}"
+                )
             for axis, dim in zip(axes, shape):
                 if axis is not None and dim % sizes[axis]:
-                    raise ValueError(f"mesh.shardings[{pattern!r}]: {name} dimension {dim} does not divide over "
-                                     f"the {sizes[axis]} devices of the {axis} axis")
+                    raise ValueError(
+                        f"mesh.shardings[{pattern!r}]: {name} dimension {dim} does not divide over "
+                        f"the {sizes[axis]} devices of the {axis} axis"
+                    )
             return _trim(tuple(axes))
     return rule_spec(name, shape, sizes, transposed)
 

@@ -29,8 +29,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from jaxtune.host.environment import temporary_environment
 from jaxtune.errors import TargetError
+from jaxtune.host.environment import temporary_environment
 
 GiB = 2**30
 TPU_PLAN_EXTRA = "pip install 'jaxtune[tpu-plan]'"
@@ -42,6 +42,7 @@ JAX_GPU_MEMORY_SHARE = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
 @dataclass(frozen=True)
 class GpuSpec:
     """What XLA's GPU compiler needs to know of a GPU it cannot query (its GpuDeviceInfoProto)."""
+
     name: str  # the device kind CUDA reports
     compute_capability: tuple[int, int]
     sms: int
@@ -99,7 +100,9 @@ CHIPS = {
     "v5e": Chip("v5e", int(15.75 * GiB), 197e12, 819e9, 1),
     "v6e": Chip("v6e", int(31.25 * GiB), 918e12, 1640e9, 1),
     "v5p": Chip("v5p", int(95.74 * GiB), 459e12, 2765e9, 2),
-    "v4": Chip("v4", int(15.25 * GiB), 137.5e12, 614e9, 2, devices_per_chip=2),  # one of a chip's two cores: half of 275 TFLOP/s, 1228 GB/s
+    "v4": Chip(
+        "v4", int(15.25 * GiB), 137.5e12, 614e9, 2, devices_per_chip=2
+    ),  # one of a chip's two cores: half of 275 TFLOP/s, 1228 GB/s
 }
 
 
@@ -108,16 +111,48 @@ def _gpu(kind: str, spec: GpuSpec, peak_flops: float, bandwidth: float) -> Chip:
 
 
 GPUS = {  # dense bf16 FLOP/s; HBM bytes/s; device memory as nvidia-smi reports it
-    "h100": _gpu("h100", GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 81559 * MiB, 1.98, 50 * MiB, 233472, 232448), 989e12, 3.35e12),
-    "h200": _gpu("h200", GpuSpec("NVIDIA H200", (9, 0), 132, 143771 * MiB, 1.98, 50 * MiB, 233472, 232448), 989e12, 4.8e12),
-    "a100": _gpu("a100", GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 81920 * MiB, 1.41, 40 * MiB, 167936, 166912), 312e12, 2.039e12),
+    "h100": _gpu(
+        "h100",
+        GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 81559 * MiB, 1.98, 50 * MiB, 233472, 232448),
+        989e12,
+        3.35e12,
+    ),
+    "h200": _gpu(
+        "h200", GpuSpec("NVIDIA H200", (9, 0), 132, 143771 * MiB, 1.98, 50 * MiB, 233472, 232448), 989e12, 4.8e12
+    ),
+    "a100": _gpu(
+        "a100",
+        GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 81920 * MiB, 1.41, 40 * MiB, 167936, 166912),
+        312e12,
+        2.039e12,
+    ),
 }
 GPUS_PER_HOST = (1, 2, 4, 8)
 # The slice shapes libtpu accepts for each chip count: 2D tori for v5e/v6e, 3D for v4/v5p.
 SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
-KNOWN = ("v5e-1", "v5e-4", "v5e-8", "v5e-16", "v6e-1", "v6e-4", "v6e-8", "v6e-16", "v5p-8", "v5p-16", "v5p-32",
-         "v4-8", "v4-16", "v4-32", "h100", "h100-8", "h200", "h200-8", "a100", "a100-8")
+KNOWN = (
+    "v5e-1",
+    "v5e-4",
+    "v5e-8",
+    "v5e-16",
+    "v6e-1",
+    "v6e-4",
+    "v6e-8",
+    "v6e-16",
+    "v5p-8",
+    "v5p-16",
+    "v5p-32",
+    "v4-8",
+    "v4-16",
+    "v4-32",
+    "h100",
+    "h100-8",
+    "h200",
+    "h200-8",
+    "a100",
+    "a100-8",
+)
 
 
 @dataclass(frozen=True)
@@ -144,7 +179,9 @@ def resolve(name: str) -> Target:
     gpu = re.fullmatch(r"(h100|h200|a100)(?:-(\d+))?", text)
     if gpu and int(gpu[2] or 1) in GPUS_PER_HOST:
         chip = _memory_share(GPUS[gpu[1]])
-        return Target(name, chip, f"1x1x{int(gpu[2] or 1)}", {"target_config": chip.gpu.target_config(chip.hbm_bandwidth)})
+        return Target(
+            name, chip, f"1x1x{int(gpu[2] or 1)}", {"target_config": chip.gpu.target_config(chip.hbm_bandwidth)}
+        )
     named = re.fullmatch(r"(v5e|v6e|v5p|v4)-(\d+)", text)
     if named:
         chip = CHIPS[named[1]]
@@ -152,8 +189,10 @@ def resolve(name: str) -> Target:
         shape = (SHAPES_2D if chip.kind in ("v5e", "v6e") else SHAPES_3D).get(count)
         if shape and not rest:
             return Target(name, chip, f"{chip.kind}:{shape}", _single_chip(shape))
-    raise TargetError(f"unknown target {name!r}: use one of {', '.join(KNOWN)}, or a TPU topology such as "
-                      "v5e:2x4, v6e:4x4 or v5p:2x2x2 (GPUs: 1, 2, 4 or 8 on one host, as h100-4)")
+    raise TargetError(
+        f"unknown target {name!r}: use one of {', '.join(KNOWN)}, or a TPU topology such as "
+        "v5e:2x4, v6e:4x4 or v5p:2x2x2 (GPUs: 1, 2, 4 or 8 on one host, as h100-4)"
+    )
 
 
 def _memory_share(chip: Chip) -> Chip:
@@ -187,9 +226,13 @@ def devices(target: Target) -> list:
     try:
         import libtpu  # noqa: F401
     except ImportError:
-        raise TargetError(f"planning for {target.name} needs libtpu, which is not installed: {TPU_PLAN_EXTRA}") from None
+        raise TargetError(
+            f"planning for {target.name} needs libtpu, which is not installed: {TPU_PLAN_EXTRA}"
+        ) from None
     with _no_host_lookup():
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **target.options).devices)
+        return list(
+            topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **target.options).devices
+        )
 
 
 def _gpu_devices(target: Target) -> list:
@@ -198,10 +241,14 @@ def _gpu_devices(target: Target) -> list:
     try:
         import jax_plugins.xla_cuda13  # noqa: F401
     except ImportError:
-        raise TargetError(f"planning for {target.name} needs JAX's CUDA plugin, which is not installed: {GPU_PLAN_EXTRA}") from None
+        raise TargetError(
+            f"planning for {target.name} needs JAX's CUDA plugin, which is not installed: {GPU_PLAN_EXTRA}"
+        ) from None
     if not _ptxas():
-        raise TargetError(f"planning for {target.name} needs CUDA's ptxas, found neither on PATH nor in the "
-                          f"nvidia-cuda-nvcc package: {GPU_PLAN_EXTRA}")
+        raise TargetError(
+            f"planning for {target.name} needs CUDA's ptxas, found neither on PATH nor in the "
+            f"nvidia-cuda-nvcc package: {GPU_PLAN_EXTRA}"
+        )
     return list(topologies.get_topology_desc(platform="cuda", topology=target.topology, **target.options).devices)
 
 
@@ -211,6 +258,7 @@ def _ptxas() -> str | None:
 
     try:
         import nvidia.cu13  # the wheel's namespace package
+
         for folder in nvidia.cu13.__path__:
             if os.access(os.path.join(folder, "bin", "ptxas"), os.X_OK):
                 return os.path.join(folder, "bin", "ptxas")
@@ -225,6 +273,10 @@ def _no_host_lookup():
     naming a host for it stops that. It also takes /tmp/libtpu_lockfile, so that two processes
     never drive one chip, which would keep a second plan from compiling while a first one does:
     compile-only devices drive no chip. A real TPU VM's own settings are kept."""
-    settings = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    settings = {
+        "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
     with temporary_environment({key: os.environ.get(key, value) for key, value in settings.items()}):
         yield

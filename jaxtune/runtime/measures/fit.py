@@ -89,12 +89,24 @@ class Fit:
 
     def train_config(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` as it runs: the chosen policy, `batch_size` and `grad_accumulation` split."""
-        return cfg.model_copy(update={"remat": self.remat, "batch_size": cfg.batch_size // self.split,
-                                      "grad_accumulation": cfg.grad_accumulation * self.split})
+        return cfg.model_copy(
+            update={
+                "remat": self.remat,
+                "batch_size": cfg.batch_size // self.split,
+                "grad_accumulation": cfg.grad_accumulation * self.split,
+            }
+        )
 
     def record(self) -> dict:
-        return {"remat": self.remat, "loss_chunk_tokens": self.chunk_tokens, "split": self.split,
-                "chosen_by": self.chosen_by, "headroom": HEADROOM, "budget_bytes": self.budget, "tried": self.tried}
+        return {
+            "remat": self.remat,
+            "loss_chunk_tokens": self.chunk_tokens,
+            "split": self.split,
+            "chosen_by": self.chosen_by,
+            "headroom": HEADROOM,
+            "budget_bytes": self.budget,
+            "tried": self.tried,
+        }
 
     def describe(self, cfg: TrainConfig) -> str:
         """'remat auto: none, loss chunks of 1024 tokens, 1 x 8 rows per step (needs 9.81 GiB of 15.28 GiB; tried ...)'."""
@@ -103,13 +115,16 @@ class Fit:
         limit = f" of {_gib(self.budget)} ({HEADROOM:.0%} of the device kept free)" if self.budget else ""
         split = f", batch_size {cfg.batch_size} split into {self.split} micro-batches" if self.split > 1 else ""
         tried = "; ".join(_tried_text(t) for t in self.tried[:-1])
-        return (f"train.remat {cfg.remat}: {self.remat} ({self.chosen_by}), loss chunks of {self.chunk_tokens} tokens, "
-                f"{run.grad_accumulation} x {run.batch_size} rows per step{split}; needs {_gib(needed)}{limit}"
-                + (f"; did not fit: {tried}" if tried else ""))
+        return (
+            f"train.remat {cfg.remat}: {self.remat} ({self.chosen_by}), loss chunks of {self.chunk_tokens} tokens, "
+            f"{run.grad_accumulation} x {run.batch_size} rows per step{split}; needs {_gib(needed)}{limit}"
+            + (f"; did not fit: {tried}" if tried else "")
+        )
 
 
-def choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True, objective=None,
-           limit: int | None = None) -> Fit:
+def choose(
+    model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool = True, objective=None, limit: int | None = None
+) -> Fit:
     """The `Fit` of `cfg` on the model's devices (memory `limit`, else what they report); MemoryError,
     in one line with what would fit, when nothing does (or a fixed policy does not)."""
     limit = limit or memory.device_limit()
@@ -131,8 +146,19 @@ def _recalled(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, obj
     optimizer_settings = steps.optimizer_settings(optimizer)
     if executables.folder() is None or optimizer_settings is None:
         return None, None
-    settings = repr((optimizer_settings, objective, fused, limit, HEADROOM, cfg.remat, cfg.batch_size,
-                     cfg.grad_accumulation, shape(cfg)))
+    settings = repr(
+        (
+            optimizer_settings,
+            objective,
+            fused,
+            limit,
+            HEADROOM,
+            cfg.remat,
+            cfg.batch_size,
+            cfg.grad_accumulation,
+            shape(cfg),
+        )
+    )
     kept = executables.key("fit", programs.structure(model), settings, "")
     record = executables.recall(kept)
     if record is None:
@@ -149,13 +175,28 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
 
     def plan(remat: str, split: int, chunk: int = base) -> dict | None:
         """The plan of one candidate, None when the compiler refuses it for want of memory."""
-        run = cfg.model_copy(update={"remat": remat, "batch_size": cfg.batch_size // split,
-                                     "grad_accumulation": cfg.grad_accumulation * split})
+        run = cfg.model_copy(
+            update={
+                "remat": remat,
+                "batch_size": cfg.batch_size // split,
+                "grad_accumulation": cfg.grad_accumulation * split,
+            }
+        )
         rows, length, segments = shape(run)
         entry = {"remat": remat, "split": split, "chunk_tokens": chunk}
         try:
-            found = memory.memory_plan(model, optimizer, run, length, rows=rows, fused=fused, limit=limit,
-                                       objective=objective, segments=segments, chunk_tokens=chunk)
+            found = memory.memory_plan(
+                model,
+                optimizer,
+                run,
+                length,
+                rows=rows,
+                fused=fused,
+                limit=limit,
+                objective=objective,
+                segments=segments,
+                chunk_tokens=chunk,
+            )
         except Exception as error:  # XLA:TPU refuses, at compile time, a step that does not fit
             refused = compile_cache.refusal(error)
             if refused is None:
@@ -168,8 +209,11 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
     budget = int(limit * (1 - HEADROOM)) if limit else None
     fits = lambda found: found is not None and _needed(found) <= budget  # noqa: E731
     rows, length, _ = shape(cfg)
-    chunk = loss.grown_chunk_tokens(base, vocab_size(model), budget // CHUNK_SHARE,
-                                    (rows or cfg.batch_size) * length) if budget else base
+    chunk = (
+        loss.grown_chunk_tokens(base, vocab_size(model), budget // CHUNK_SHARE, (rows or cfg.batch_size) * length)
+        if budget
+        else base
+    )
     if cfg.remat != "auto" or not limit:
         # The policy is the user's (or, with no memory reported, the one default); the loss chunk is
         # still grown where the device has room for it, and falls back to the smallest when not.
@@ -178,8 +222,10 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
         if chunk > base and not fits(found):
             chunk, found = base, plan(remat, 1)
         if found is None:
-            raise NothingFits(f"train.remat={remat} does not compile for the device: {tried[-1]['refused']}. "
-                              f"{memory.knobs(cfg)}", None)
+            raise NothingFits(
+                f"train.remat={remat} does not compile for the device: {tried[-1]['refused']}. {memory.knobs(cfg)}",
+                None,
+            )
         chosen_by = "fixed" if cfg.remat != "auto" else "no device memory reported"
         return Fit(remat, chunk, 1, found, chosen_by, budget, tried)
 
@@ -205,8 +251,10 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
                     return Fit("none", base, split, split_plan, "auto", budget, tried)
     split, found = _split(cfg, model, found, budget, lambda s: plan("layer", s), fits)
     if not fits(found):
-        raise NothingFits(_nothing_fits(cfg, shape, tried, budget),
-                          Fit("layer", base, split, found, "auto", budget, tried) if found else None)
+        raise NothingFits(
+            _nothing_fits(cfg, shape, tried, budget),
+            Fit("layer", base, split, found, "auto", budget, tried) if found else None,
+        )
     return Fit("layer", base, split, found, "auto", budget, tried)
 
 
@@ -268,9 +316,11 @@ def _nothing_fits(cfg: TrainConfig, shape: Shape, tried: list[dict], budget: int
     last = tried[-1]
     needed = f"needs {_gib(last['needed'])}" if "needed" in last else f"is refused by the compiler ({last['refused']})"
     smallest = cfg.batch_size // last["split"]
-    return (f"train.batch_size={cfg.batch_size} rows of {length} tokens do not fit the device: even remat layer "
-            f"with {smallest} row{'s' * (smallest != 1)} per micro-batch {needed}, and {_gib(budget)} is free "
-            f"({HEADROOM:.0%} kept). Try {_what_would_fit(last, length, budget)}, or: {memory.knobs(cfg)}")
+    return (
+        f"train.batch_size={cfg.batch_size} rows of {length} tokens do not fit the device: even remat layer "
+        f"with {smallest} row{'s' * (smallest != 1)} per micro-batch {needed}, and {_gib(budget)} is free "
+        f"({HEADROOM:.0%} kept). Try {_what_would_fit(last, length, budget)}, or: {memory.knobs(cfg)}"
+    )
 
 
 def _what_would_fit(last: dict, length: int, budget: int) -> str:
@@ -285,7 +335,9 @@ def _what_would_fit(last: dict, length: int, budget: int) -> str:
     if state < budget and activations:
         shorter = int(length * (budget - state) / activations) // 128 * 128
         if shorter >= 128:
-            found.append(f"data.max_length={shorter} (about {_gib(state + activations * shorter / length)} by estimate)")
+            found.append(
+                f"data.max_length={shorter} (about {_gib(state + activations * shorter / length)} by estimate)"
+            )
     if activations < budget:
         devices = math.ceil(state / (budget - activations))
         found.append(f"mesh.fsdp={devices} on {devices} devices (about {_gib(state / devices + activations)} each)")
@@ -316,8 +368,10 @@ def _least_needed(plan: dict | None, entry: dict) -> int:
 
 def _skipped(none: dict, budget: int) -> str:
     need = f"needs {_gib(none['needed'])}" if "needed" in none else f"was refused ({none['refused'][:120]})"
-    return (f"not compiled: remat none {need}, more than {MATMULS_OF_NONE:g}x of which is past the "
-            f"{_gib(budget)} budget, and matmuls saves less than that")
+    return (
+        f"not compiled: remat none {need}, more than {MATMULS_OF_NONE:g}x of which is past the "
+        f"{_gib(budget)} budget, and matmuls saves less than that"
+    )
 
 
 def _needed(plan: dict) -> int:
@@ -331,8 +385,11 @@ def _gib(n: int | None) -> str:
 
 
 def _tried_text(entry: dict) -> str:
-    what = f"remat {entry['remat']}" + (f" split {entry['split']}" if entry["split"] > 1 else "") + \
-        f" chunk {entry['chunk_tokens']}"
+    what = (
+        f"remat {entry['remat']}"
+        + (f" split {entry['split']}" if entry["split"] > 1 else "")
+        + f" chunk {entry['chunk_tokens']}"
+    )
     if "skipped" in entry:
         return f"{what} not compiled (none needs too much)"
     return f"{what} needs {_gib(entry['needed'])}" if "needed" in entry else f"{what} refused"

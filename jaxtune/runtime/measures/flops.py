@@ -23,16 +23,22 @@ from jaxtune.runtime.modeling.model import JaxModel
 ACCELERATOR_PEAK = {
     "TPU v4": 275e12,  # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16 per chip
     # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16 per chip; JAX calls the chip "TPU v5 lite"
-    "TPU v5 lite": 197e12, "TPU v5e": 197e12,
-    "TPU v5p": 459e12, "TPU v5": 459e12,  # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16 per chip
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,  # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16 per chip
     # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16 per chip; JAX calls the chip "TPU v6 lite"
-    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
     # NVIDIA H100 data sheet (https://www.nvidia.com/en-us/data-center/h100/): bf16 Tensor Core 1,979 TFLOP/s
     # with sparsity on the SXM part ("NVIDIA H100 80GB HBM3"), 1,513 on the PCIe card, 1,671 on the NVL card
-    "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100": 989e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H100": 989e12,
     # NVIDIA H200 data sheet (https://www.nvidia.com/en-us/data-center/h200/): 1,979 TFLOP/s with sparsity on
     # the SXM part ("NVIDIA H200"), 1,671 on the NVL card
-    "NVIDIA H200 NVL": 835e12, "NVIDIA H200": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA H200": 989e12,
     # NVIDIA A100 data sheet (https://www.nvidia.com/en-us/data-center/a100/): 312 TFLOP/s dense, SXM and PCIe
     "NVIDIA A100": 312e12,
 }
@@ -73,8 +79,14 @@ def train_flops_per_token(model: JaxModel, context: float) -> dict:
     attention = 2 * 2 * context * heads * head_dim * layers
     forward = 2 * (frozen + trained) + attention
     backward = 2 * (frozen + trained) + 2 * trained + 2 * attention
-    return {"matmul_weights": frozen + trained, "trained_weights": trained, "attention_forward": attention,
-            "forward": forward, "backward": backward, "total": forward + backward}
+    return {
+        "matmul_weights": frozen + trained,
+        "trained_weights": trained,
+        "attention_forward": attention,
+        "forward": forward,
+        "backward": backward,
+        "total": forward + backward,
+    }
 
 
 def cpu_peak() -> dict:
@@ -89,8 +101,11 @@ def cpu_peak() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     flops_per_cycle = 32
     peak = cores * max(mhz) * 1e6 * flops_per_cycle
-    return {"peak_flops": peak, "derivation": f"{cores} cores x {max(mhz):.0f} MHz x {flops_per_cycle} float32 FLOP/cycle "
-                                              f"(2 FMA pipes x 8 lanes x 2) = {peak / 1e9:.1f} GFLOP/s"}
+    return {
+        "peak_flops": peak,
+        "derivation": f"{cores} cores x {max(mhz):.0f} MHz x {flops_per_cycle} float32 FLOP/cycle "
+        f"(2 FMA pipes x 8 lanes x 2) = {peak / 1e9:.1f} GFLOP/s",
+    }
 
 
 def chip_peak(device=None) -> dict:

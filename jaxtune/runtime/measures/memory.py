@@ -17,11 +17,23 @@ def tree_bytes(tree) -> int:
 
 def device_bytes(tree) -> int:
     """Bytes one device holds of `tree`: each leaf's shard (its whole size where it is replicated)."""
-    return int(sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+    return int(
+        sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    )
 
 
-def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | None = None, fused: bool = True,
-                limit: int | None = None, objective=None, segments: int = 0, chunk_tokens: int | None = None) -> dict:
+def memory_plan(
+    model,
+    optimizer,
+    cfg: TrainConfig,
+    length: int,
+    rows: int | None = None,
+    fused: bool = True,
+    limit: int | None = None,
+    objective=None,
+    segments: int = 0,
+    chunk_tokens: int | None = None,
+) -> dict:
     """Bytes per device for parameters, gradients, optimizer state and one micro-batch's
     activations at `rows` (default `train.batch_size`) sequences of `length`, XLA's peak for the
     whole step, and the device's memory: `limit`, else what JAX reports (accelerators do, the CPU
@@ -37,8 +49,18 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
     rows = rows or cfg.batch_size
     if cfg.remat == "auto":
         raise ValueError("memory_plan compiles one remat policy: resolve train.remat=auto with fit.choose first")
-    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, cfg.remat, fused=fused,
-                                  objective=objective, segments=segments, chunk_tokens=chunk_tokens)
+    xla = steps.train_step_memory(
+        model,
+        optimizer,
+        cfg.grad_accumulation,
+        rows,
+        length,
+        cfg.remat,
+        fused=fused,
+        objective=objective,
+        segments=segments,
+        chunk_tokens=chunk_tokens,
+    )
     gradients = device_bytes(model.weights)
     opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
     return {
@@ -55,8 +77,11 @@ def memory_plan(model, optimizer, cfg: TrainConfig, length: int, rows: int | Non
         "mesh": model.placement.sizes,
         "devices": model.placement.mesh.size,
         "platform": model.placement.mesh.devices.flat[0].platform,  # whose compiler made the plan: cpu, tpu, gpu
-        "shape": {"micro_batches": cfg.grad_accumulation, "rows_per_device": rows // model.placement.batch_shards,
-                  "length": length},
+        "shape": {
+            "micro_batches": cfg.grad_accumulation,
+            "rows_per_device": rows // model.placement.batch_shards,
+            "length": length,
+        },
     }
 
 
@@ -76,9 +101,13 @@ def base_bytes(model) -> dict:
         first = arrays[0]
         weights += elements // (np.prod(first.shape) // np.prod(first.sharding.shard_shape(first.shape)))
     scale = 2 / BLOCK  # a bfloat16 scale per block
-    return {"held": held, "unquantized": int(weights * np.dtype(model.dtype).itemsize), "scheme": scheme_of(model.module),
-            "compute_dtype": str(np.dtype(model.dtype)),
-            "by_scheme": {"int8": int(weights * (1 + scale)), "int4": int(weights * (0.5 + scale))}}
+    return {
+        "held": held,
+        "unquantized": int(weights * np.dtype(model.dtype).itemsize),
+        "scheme": scheme_of(model.module),
+        "compute_dtype": str(np.dtype(model.dtype)),
+        "by_scheme": {"int8": int(weights * (1 + scale)), "int4": int(weights * (0.5 + scale))},
+    }
 
 
 def device_limit() -> int | None:
@@ -108,10 +137,12 @@ def _mib(n: int) -> str:
 def describe(plan: dict) -> str:
     limit = _mib(plan["device_limit"]) if plan["device_limit"] else "not reported by this device"
     shape = plan["shape"]
-    return (f"memory plan per device on mesh {mesh_text(*_plan_mesh(plan))}: parameters {_mib(plan['parameters'])}, "
-            f"gradients {_mib(plan['gradients'])}, optimizer state {_mib(plan['optimizer_state'])}, activations "
-            f"{_mib(plan['activations_per_micro_batch'])} per micro-batch of {shape['rows_per_device']} x "
-            f"{shape['length']}; XLA peak {_mib(plan['peak'])}; device memory {limit}")
+    return (
+        f"memory plan per device on mesh {mesh_text(*_plan_mesh(plan))}: parameters {_mib(plan['parameters'])}, "
+        f"gradients {_mib(plan['gradients'])}, optimizer state {_mib(plan['optimizer_state'])}, activations "
+        f"{_mib(plan['activations_per_micro_batch'])} per micro-batch of {shape['rows_per_device']} x "
+        f"{shape['length']}; XLA peak {_mib(plan['peak'])}; device memory {limit}"
+    )
 
 
 def estimate_peak(plan: dict, sizes: dict[str, int]) -> int:
@@ -183,8 +214,10 @@ def knobs(cfg: TrainConfig) -> str:
     if cfg.remat not in ("layer", "auto"):
         found.append("train.remat=layer (recompute each layer's activations in the backward pass)")
     if cfg.batch_size > 1 and cfg.remat != "auto":  # auto splits the batch itself
-        found.append(f"a smaller train.batch_size with a larger train.grad_accumulation "
-                     f"(e.g. batch_size={max(cfg.batch_size // 2, 1)}, grad_accumulation={cfg.grad_accumulation * 2}: same rows per step)")
+        found.append(
+            f"a smaller train.batch_size with a larger train.grad_accumulation "
+            f"(e.g. batch_size={max(cfg.batch_size // 2, 1)}, grad_accumulation={cfg.grad_accumulation * 2}: same rows per step)"
+        )
     return "; ".join(found) or "a shorter data.max_length or a device with more memory"
 
 
@@ -195,17 +228,20 @@ def advice(plan: dict, cfg: TrainConfig) -> str:
     suggestion = suggest_mesh(plan, cfg)
     if suggestion is not None:
         sizes = suggestion["mesh"]
-        return (f"Try {mesh_setting(sizes)}: about {suggestion['peak'] / 2**30:.2f} GiB per device by estimate "
-                f"(parameters, gradients and optimizer state split {sizes['fsdp'] * sizes['tensor']} ways instead of "
-                f"{now['fsdp'] * now['tensor']}, each batch split {sizes['data'] * sizes['fsdp']} ways instead of "
-                f"{now['data'] * now['fsdp']}). Or try: {knobs(cfg)}")
+        return (
+            f"Try {mesh_setting(sizes)}: about {suggestion['peak'] / 2**30:.2f} GiB per device by estimate "
+            f"(parameters, gradients and optimizer state split {sizes['fsdp'] * sizes['tensor']} ways instead of "
+            f"{now['fsdp'] * now['tensor']}, each batch split {sizes['data'] * sizes['fsdp']} ways instead of "
+            f"{now['data'] * now['fsdp']}). Or try: {knobs(cfg)}"
+        )
     candidates = mesh_candidates(plan, cfg)
     smallest = min(candidates, key=lambda c: c["peak"], default=None)
-    closest = (f" (the smallest estimate, {mesh_setting(smallest['mesh'])}, needs about {smallest['peak'] / 2**30:.2f} GiB)"
-               if smallest else "")
+    closest = (
+        f" (the smallest estimate, {mesh_setting(smallest['mesh'])}, needs about {smallest['peak'] / 2**30:.2f} GiB)"
+        if smallest
+        else ""
+    )
     return f"No mesh of {devices} device{'s' * (devices != 1)} fits by estimate{closest}. Try: {knobs(cfg)}"
-
-
 
 
 def check_fits(plan: dict, cfg: TrainConfig) -> None:
@@ -214,5 +250,7 @@ def check_fits(plan: dict, cfg: TrainConfig) -> None:
     limit = plan["device_limit"]
     if not limit or plan["peak"] <= limit:
         return
-    raise MemoryError(f"training needs {plan['peak'] / 2**30:.2f} GiB per device on mesh {mesh_text(*_plan_mesh(plan))} "
-                      f"but the device has {limit / 2**30:.2f} GiB. {describe(plan)}. {advice(plan, cfg)}")
+    raise MemoryError(
+        f"training needs {plan['peak'] / 2**30:.2f} GiB per device on mesh {mesh_text(*_plan_mesh(plan))} "
+        f"but the device has {limit / 2**30:.2f} GiB. {describe(plan)}. {advice(plan, cfg)}"
+    )

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from jaxtune.runtime.decoding import decode
 from jaxtune.runtime.compiled import programs, steps
+from jaxtune.runtime.decoding import decode
 from jaxtune.runtime.modeling.model import JaxModel
 
 
@@ -37,7 +37,9 @@ def _torch_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 def _torch_forward(model: JaxModel, weights: dict[str, torch.Tensor], batch: dict[str, np.ndarray]) -> torch.Tensor:
     kwargs = {**_torch_batch(batch), "use_cache": False}
     buffers = _to_torch(model.buffers)
-    return torch.func.functional_call(model.module, (model.for_compute(weights), buffers), args=(), kwargs=kwargs).logits
+    return torch.func.functional_call(
+        model.module, (model.for_compute(weights), buffers), args=(), kwargs=kwargs
+    ).logits
 
 
 def jax_logits(model: JaxModel, batch: dict[str, np.ndarray]) -> np.ndarray:
@@ -56,12 +58,16 @@ def torch_logits(model: JaxModel, batch: dict[str, np.ndarray]) -> np.ndarray:
         return _torch_forward(model, _to_torch(model.weights), batch).float().numpy()
 
 
-def jax_loss_and_grads(model: JaxModel, batch: dict[str, np.ndarray], labels: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+def jax_loss_and_grads(
+    model: JaxModel, batch: dict[str, np.ndarray], labels: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
     loss, grads = steps.make_loss_and_grad(model)(model.weights, model.buffers, dict(batch), labels)
     return float(loss), {name: np.asarray(g, dtype=np.float32) for name, g in grads.items()}
 
 
-def torch_loss_and_grads(model: JaxModel, batch: dict[str, np.ndarray], labels: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+def torch_loss_and_grads(
+    model: JaxModel, batch: dict[str, np.ndarray], labels: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
     weights = {name: value.requires_grad_(True) for name, value in _to_torch(model.weights).items()}
     loss = steps.mean_token_loss(_torch_forward(model, weights, batch), torch.from_numpy(np.asarray(labels)).long())
     loss.backward()
@@ -81,23 +87,30 @@ def worst_gradient(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) 
     return name, diffs[name]
 
 
-def jax_greedy(model: JaxModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int,
-               eos_ids: tuple[int, ...] = ()) -> list[list[int]]:
+def jax_greedy(
+    model: JaxModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int, eos_ids: tuple[int, ...] = ()
+) -> list[list[int]]:
     """All prompts decoded together (left-padded) by the compiled decoder; no eos: every row runs to the end."""
     ids, mask = decode.left_pad(prompts, pad_id)
     tokens = decode.make_generate(model, max_new_tokens, eos_ids)(model, model.weights, model.buffers, ids, mask)
     return np.asarray(tokens).tolist()
 
 
-def torch_greedy(module: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, pad_id: int,
-                 eos_ids: Sequence[int] = ()) -> list[int]:
+def torch_greedy(
+    module: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, pad_id: int, eos_ids: Sequence[int] = ()
+) -> list[int]:
     """`generate(do_sample=False)` on one unpadded prompt, stopping after any of `eos_ids` (kept)."""
     # eos_token_id=[] for none: None would fall back to the model's own generation config.
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad_id)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad_id
+    )
     with torch.no_grad():
-        out = module.generate(input_ids=torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              generation_config=config)
-    return out[0, len(prompt):].tolist()
+        out = module.generate(
+            input_ids=torch.tensor([list(prompt)]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=config,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def logits_parity(model: JaxModel, rows: Sequence[Sequence[int]], pad_id: int) -> dict:

@@ -50,6 +50,7 @@ _REPORTED: set[tuple[str, str]] = set()
 @dataclass(frozen=True)
 class Kernel:
     """Which core a traced step's attention runs: "xla", "splash" or "gpu-flash", on what mesh."""
+
     name: str = "xla"
     mesh: object = None
     interpret: bool = False  # a Pallas kernel in Pallas's interpreter: its exact arithmetic on any backend (tests)
@@ -119,8 +120,19 @@ def _core(query, key, value, segment_ids, *, scale, window, softcap, dropout, dr
     return jnp.einsum("bnts,bsnh->btnh", probs.astype(value.dtype), value)
 
 
-def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                    softcap=None, segment_ids=None, **kwargs):
+def fused_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    segment_ids=None,
+    **kwargs,
+):
     """transformers' attention signature: q (b, n, t, h), k/v (b, kv, t, h) -> ((b, t, n, h), None)."""
     from torchax import interop
 
@@ -130,10 +142,20 @@ def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     kernel = _KERNEL.get()
     pallas = KERNELS.get(kernel.name)
     if pallas is not None and _applies(kernel.name, pallas.refusal(query.shape[2], query.shape[3], float(dropout))):
+
         def run_kernel(q, k, v, segments):
             q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (b, t, heads, h)
-            return pallas.attention(q, k, v, segments, scale=float(scale), window=sliding_window, softcap=softcap,
-                                    mesh=kernel.mesh, interpret=kernel.interpret)
+            return pallas.attention(
+                q,
+                k,
+                v,
+                segments,
+                scale=float(scale),
+                window=sliding_window,
+                softcap=softcap,
+                mesh=kernel.mesh,
+                interpret=kernel.interpret,
+            )
 
         return interop.call_jax(run_kernel, query, key, value, segment_ids), None
     dropout_key = next_key() if dropout else jnp.zeros((2,), jnp.uint32)

@@ -22,10 +22,28 @@ from jaxtune.runtime.modeling.model import JaxModel
 # Model types whose causal-LM forward is `logits = lm_head(hidden)`, soft-capped by
 # `final_logit_softcapping` where set; the chunked loss reproduces exactly that. Others
 # (logit scales, multipliers) keep the full-logits loss.
-PLAIN_HEAD_FAMILIES = frozenset({
-    "gemma", "gemma2", "gemma3", "gemma3_text", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
-    "qwen3_moe", "phi", "phi3", "gpt2", "olmo", "olmo2", "starcoder2", "smollm3",
-})
+PLAIN_HEAD_FAMILIES = frozenset(
+    {
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "phi",
+        "phi3",
+        "gpt2",
+        "olmo",
+        "olmo2",
+        "starcoder2",
+        "smollm3",
+    }
+)
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +76,11 @@ def tracing(model: JaxModel, training: bool, remat: str, fused: bool):
     module = model.module
     module.train(training)
     try:
-        with keyed_layers(module, remat) if training or remat != "none" else contextlib.nullcontext(), \
-                attention.fused(module, fused, model.placement.mesh), \
-                scanned_layers(decoder_layers(module)) if model.scan_layers else contextlib.nullcontext():
+        with (
+            keyed_layers(module, remat) if training or remat != "none" else contextlib.nullcontext(),
+            attention.fused(module, fused, model.placement.mesh),
+            scanned_layers(decoder_layers(module)) if model.scan_layers else contextlib.nullcontext(),
+        ):
             yield module
     finally:
         module.eval()
@@ -78,8 +98,14 @@ def forward_logits(model: JaxModel, training: bool = False, remat: str = "none",
     return forward
 
 
-def forward_token_nll(model: JaxModel, training: bool = False, remat: str = "none", fused: bool = True,
-                      chunk_tokens: int | None = None, temperature: float = 1.0) -> Callable:
+def forward_token_nll(
+    model: JaxModel,
+    training: bool = False,
+    remat: str = "none",
+    fused: bool = True,
+    chunk_tokens: int | None = None,
+    temperature: float = 1.0,
+) -> Callable:
     """(weights, buffers, batch, labels) -> (per-token NLL (b, t-1) float32, scored (b, t-1) bool), as a torch function.
     `chunk_tokens`: tokens per chunk of the loss (default `loss.chunk_tokens_on` the model's platform).
     `temperature`: of the distribution scored, softmax(logits / temperature) (GRPO scores the answers it
@@ -91,8 +117,9 @@ def forward_token_nll(model: JaxModel, training: bool = False, remat: str = "non
         parts = None
     if parts is None:
         logits = forward_logits(model, training, remat, fused)
-        return lambda weights, buffers, batch, labels: token_nll(_tempered(logits(weights, buffers, batch), temperature),
-                                                                 labels)
+        return lambda weights, buffers, batch, labels: token_nll(
+            _tempered(logits(weights, buffers, batch), temperature), labels
+        )
 
     def forward(weights, buffers, batch, labels):
         with tracing(model, training, remat, fused):
@@ -137,14 +164,22 @@ class _Parts:
 
     @staticmethod
     def _slice(tensors: dict, prefix: str) -> dict:
-        return {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
+        return {name[len(prefix) :]: value for name, value in tensors.items() if name.startswith(prefix)}
 
     def hidden(self, tensors: dict, kwargs: dict) -> torch.Tensor:
-        out = torch.func.functional_call(self.decoder, self._slice(tensors, self.decoder_prefix), args=(), kwargs=kwargs)
+        out = torch.func.functional_call(
+            self.decoder, self._slice(tensors, self.decoder_prefix), args=(), kwargs=kwargs
+        )
         return out.last_hidden_state
 
-    def nll(self, tensors: dict, hidden: torch.Tensor, labels: torch.Tensor, platform: str | None = None,
-            chunk_tokens: int | None = None) -> torch.Tensor:
+    def nll(
+        self,
+        tensors: dict,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        platform: str | None = None,
+        chunk_tokens: int | None = None,
+    ) -> torch.Tensor:
         from torchax import interop
 
         from jaxtune.runtime.modeling import loss
@@ -153,9 +188,13 @@ class _Parts:
         chunk = chunk_tokens or loss.chunk_tokens_on(platform, vocab)
         if self.weight is not None:
             bias = tensors[self.bias] if self.bias is not None else None
-            return interop.call_jax(lambda h, w, y, b: loss.linear_token_nll(h, w, y, bias=b, softcap=self.softcap,
-                                                                            chunk_tokens=chunk),
-                                    hidden, tensors[self.weight], labels, bias)
+            return interop.call_jax(
+                lambda h, w, y, b: loss.linear_token_nll(h, w, y, bias=b, softcap=self.softcap, chunk_tokens=chunk),
+                hidden,
+                tensors[self.weight],
+                labels,
+                bias,
+            )
         own = self._slice(tensors, self.head_prefix)
 
         def head(h):  # a wrapped head (LoRA, modules_to_save): the module itself, on one chunk

@@ -43,6 +43,7 @@ SMALLEST_TILE = 16  # Triton's dot takes tiles of at least 16 rows
 @dataclass(frozen=True)
 class Tiles:
     """Tile lengths (queries, keys) of the three kernels, and Triton's warps and pipeline depth."""
+
     forward: tuple[int, int]
     dkdv: tuple[int, int]
     dq: tuple[int, int]
@@ -83,8 +84,18 @@ def refusal(length: int, head: int, dropout: float) -> str | None:
     return None
 
 
-def attention(query, key, value, segment_ids, *, scale: float, window: int | None, softcap: float | None,
-              mesh=None, interpret: bool = False):
+def attention(
+    query,
+    key,
+    value,
+    segment_ids,
+    *,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    mesh=None,
+    interpret: bool = False,
+):
     """q (b, t, n, h), k/v (b, t, kv, h), segment ids (b, t) -> (b, t, n, h), as `attention._core` computes it."""
     from jaxtune.runtime.devices.mesh import per_device
 
@@ -172,9 +183,16 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, tiles: Tiles, settings: 
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
-                          interpret=settings.interpret, name=name)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=settings.interpret,
+        name=name,
+    )
 
 
 def _whole(t, h):
@@ -195,14 +213,21 @@ def _forward(query, key, value, segment_ids, settings: _Settings):
     tiles = tiles_for(h, t, query.dtype.itemsize)
     q_len, k_len = tiles.forward
     kv_spec = pl.BlockSpec((None, t, None, h), lambda i, r, m: (r, 0, m // groups, 0))
-    in_specs = [pl.BlockSpec((None, q_len, None, h), lambda i, r, m: (r, i, m, 0)), kv_spec, kv_spec,
-                pl.BlockSpec((None, t), lambda i, r, m: (r, 0))]
-    out_specs = [pl.BlockSpec((None, q_len, None, h), lambda i, r, m: (r, i, m, 0)),
-                 pl.BlockSpec((None, None, q_len), lambda i, r, m: (r, m, i))]
+    in_specs = [
+        pl.BlockSpec((None, q_len, None, h), lambda i, r, m: (r, i, m, 0)),
+        kv_spec,
+        kv_spec,
+        pl.BlockSpec((None, t), lambda i, r, m: (r, 0)),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, q_len, None, h), lambda i, r, m: (r, i, m, 0)),
+        pl.BlockSpec((None, None, q_len), lambda i, r, m: (r, m, i)),
+    ]
     out_shape = [jax.ShapeDtypeStruct(query.shape, query.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)]
     kernel = functools.partial(_forward_kernel, q_len=q_len, k_len=k_len, settings=settings)
     return _call(kernel, (t // q_len, b, n), in_specs, out_specs, out_shape, tiles, settings, "jaxtune_flash_forward")(
-        query, key, value, segment_ids)
+        query, key, value, segment_ids
+    )
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, segments_ref, out_ref, lse_ref, *, q_len, k_len, settings: _Settings):
@@ -225,7 +250,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, segments_ref, out_ref, lse_ref, *, q_le
         return out, new_top, total * shrink + probs.sum(axis=-1)
 
     first, end = _key_tiles(tile, q_len, k_len, settings.window)
-    start = (jnp.zeros((q_len, h), jnp.float32), jnp.full((q_len,), -jnp.inf, jnp.float32), jnp.zeros((q_len,), jnp.float32))
+    start = (
+        jnp.zeros((q_len, h), jnp.float32),
+        jnp.full((q_len,), -jnp.inf, jnp.float32),
+        jnp.zeros((q_len,), jnp.float32),
+    )
     out, top, total = lax.fori_loop(first, end, step, start)
     out_ref[...] = (out / total[:, None]).astype(out_ref.dtype)
     lse_ref[...] = top + jnp.log(total)
@@ -246,12 +275,21 @@ def _dq(query, key, value, segment_ids, d_out, lse, delta, settings: _Settings):
     row_spec = pl.BlockSpec((None, None, q_len), lambda i, r, m: (r, m, i))
     in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, t), lambda i, r, m: (r, 0)), q_spec, row_spec, row_spec]
     kernel = functools.partial(_dq_kernel, q_len=q_len, k_len=k_len, settings=settings)
-    return _call(kernel, (t // q_len, b, n), in_specs, q_spec, jax.ShapeDtypeStruct(query.shape, query.dtype), tiles,
-                 settings, "jaxtune_flash_dq")(query, key, value, segment_ids, d_out, lse, delta)
+    return _call(
+        kernel,
+        (t // q_len, b, n),
+        in_specs,
+        q_spec,
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        tiles,
+        settings,
+        "jaxtune_flash_dq",
+    )(query, key, value, segment_ids, d_out, lse, delta)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, segments_ref, d_out_ref, lse_ref, delta_ref, dq_ref, *, q_len, k_len,
-               settings: _Settings):
+def _dq_kernel(
+    q_ref, k_ref, v_ref, segments_ref, d_out_ref, lse_ref, delta_ref, dq_ref, *, q_len, k_len, settings: _Settings
+):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -289,12 +327,36 @@ def _dkdv(query, key, value, segment_ids, d_out, lse, delta, settings: _Settings
     in_specs = [group, kv_spec, kv_spec, pl.BlockSpec((None, t), lambda j, r, m: (r, 0)), group, rows, rows]
     out_shape = jax.ShapeDtypeStruct(key.shape, key.dtype)
     kernel = functools.partial(_dkdv_kernel, q_len=q_len, k_len=k_len, groups=groups, settings=settings)
-    return tuple(_call(kernel, (t // k_len, b, kv), in_specs, [kv_spec, kv_spec], [out_shape, out_shape], tiles,
-                       settings, "jaxtune_flash_dkdv")(query, key, value, segment_ids, d_out, lse, delta))
+    return tuple(
+        _call(
+            kernel,
+            (t // k_len, b, kv),
+            in_specs,
+            [kv_spec, kv_spec],
+            [out_shape, out_shape],
+            tiles,
+            settings,
+            "jaxtune_flash_dkdv",
+        )(query, key, value, segment_ids, d_out, lse, delta)
+    )
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, segments_ref, d_out_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, q_len, k_len,
-                 groups, settings: _Settings):
+def _dkdv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    segments_ref,
+    d_out_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    q_len,
+    k_len,
+    groups,
+    settings: _Settings,
+):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 

@@ -150,6 +150,7 @@ def _logit_grad(logits, lse, targets, scale, softcap, dtype):
 
 def _frozen_head_scan(h, weight, bias, targets, softcap):
     """(c, k) NLL and (c, k, d) d NLL / d hidden at unit cotangent."""
+
     def chunk(_, xs):
         hc, tc = xs
         logits = _linear_logits(hc, weight, bias, softcap)  # (k, vocab)

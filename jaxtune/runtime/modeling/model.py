@@ -58,7 +58,9 @@ class JaxModel:
         return {name: value.to(self.casts[name]) if name in self.casts else value for name, value in weights.items()}
 
 
-def load_torch_model(name: str, revision: str | None, trust_remote_code: bool, dtype: str = "float32") -> PreTrainedModel:
+def load_torch_model(
+    name: str, revision: str | None, trust_remote_code: bool, dtype: str = "float32"
+) -> PreTrainedModel:
     """`from_pretrained` on CPU, torchax not involved; eager attention for exact parity across backends.
 
     `dtype` goes to `from_pretrained` alone: the process-wide torch default dtype is untouched.
@@ -73,8 +75,9 @@ def load_torch_model(name: str, revision: str | None, trust_remote_code: bool, d
     return model.eval()
 
 
-def load_quantized(name: str, revision: str | None, trust_remote_code: bool, dtype: str, scheme: str,
-                   whole: tuple[str, ...] = ()) -> tuple[PreTrainedModel, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+def load_quantized(
+    name: str, revision: str | None, trust_remote_code: bool, dtype: str, scheme: str, whole: tuple[str, ...] = ()
+) -> tuple[PreTrainedModel, tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """`load_torch_model`'s model read a decoder layer at a time (`streaming`), each linear layer
     that a quantized base holds quantized (`held_quantized`) quantized as `scheme` as soon as its
     weight arrives, its float weight then dropped: host memory holds the quantized base, never the
@@ -87,22 +90,28 @@ def load_quantized(name: str, revision: str | None, trust_remote_code: bool, dty
     def take(layer: str, linear: torch.nn.Linear) -> bool:
         if not held_quantized(layer, linear) or layer.endswith(whole):
             return False
-        stored.update({f"{layer}.{field}": tensor for field, tensor in _quantized_by_rows(linear.weight, scheme).items()})
+        stored.update(
+            {f"{layer}.{field}": tensor for field, tensor in _quantized_by_rows(linear.weight, scheme).items()}
+        )
         schemes[layer] = scheme
         return True
 
     module = load_model(name, revision, trust_remote_code, dtype, take)
     order = [layer for layer, _ in module.named_modules() if layer in schemes]  # the model's, as quantize_base's
-    return module, ({key: stored[key] for layer in order for key in stored if key.rpartition(".")[0] == layer},
-                    {layer: schemes[layer] for layer in order})
+    return module, (
+        {key: stored[key] for layer in order for key in stored if key.rpartition(".")[0] == layer},
+        {layer: schemes[layer] for layer in order},
+    )
 
 
 def _quantized_by_rows(weight: torch.Tensor, scheme: str, rows: int = 1024) -> dict[str, torch.Tensor]:
     """`quantize(weight, scheme)`, `rows` rows at a time: the same codes and scales (each row's are its
     own), with temporaries of `rows` rows in float32 instead of the whole weight's."""
-    parts = [quantize(weight[start:start + rows], scheme) for start in range(0, weight.shape[0], rows)]
-    return {field: torch.cat([part[field] for part in parts]) if field != "levels" else parts[0][field]
-            for field in parts[0]}
+    parts = [quantize(weight[start : start + rows], scheme) for start in range(0, weight.shape[0], rows)]
+    return {
+        field: torch.cat([part[field] for part in parts]) if field != "levels" else parts[0][field]
+        for field in parts[0]
+    }
 
 
 def open_model(
@@ -124,15 +133,24 @@ def open_model(
     (`load_quantized`). Either way their float weights are dropped as they arrive (`streaming`).
     """
     if base is None and cfg.base_quantization not in SCHEMES and cfg.base_quantization != "none":
-        raise ModelError(f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed")
+        raise ModelError(
+            f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed"
+        )
     whole = tuple(lora.modules_to_save) if lora is not None else ()  # LoRA trains copies of these: read their weights
     frozen = lora is not None or not (train_all or trained is not None)
     if base is None and cfg.base_quantization in SCHEMES and frozen:  # quantized as the weights arrive
-        module, base = load_quantized(name, revision, cfg.trust_remote_code, cfg.compute_dtype, cfg.base_quantization, whole)
+        module, base = load_quantized(
+            name, revision, cfg.trust_remote_code, cfg.compute_dtype, cfg.base_quantization, whole
+        )
     elif base is not None:  # the stored base replaces these layers: their weights are not kept
         layers = base[1]
-        module = load_model(name, revision, cfg.trust_remote_code, cfg.compute_dtype,
-                            take=lambda layer, linear: layer in layers and not layer.endswith(whole))
+        module = load_model(
+            name,
+            revision,
+            cfg.trust_remote_code,
+            cfg.compute_dtype,
+            take=lambda layer, linear: layer in layers and not layer.endswith(whole),
+        )
     else:
         module = load_torch_model(name, revision, cfg.trust_remote_code, cfg.compute_dtype)
     if lora is not None:
@@ -169,8 +187,10 @@ def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
         return get_peft_model(model, peft_cfg)
     except NoMatchingPeftModuleError:  # no target matched, or only modules_to_save did
         targets = cfg.target_modules if isinstance(cfg.target_modules, str) else f"[{', '.join(cfg.target_modules)}]"
-        raise ModelError(f"lora.target_modules {targets} matches no layer of this model; its linear layers are: "
-                         f"{', '.join(linear_layer_names(model))} (or all-linear)") from None
+        raise ModelError(
+            f"lora.target_modules {targets} matches no layer of this model; its linear layers are: "
+            f"{', '.join(linear_layer_names(model))} (or all-linear)"
+        ) from None
 
 
 def adapters_off(weights: dict) -> dict:
@@ -188,8 +208,12 @@ def linear_layer_names(module: torch.nn.Module) -> list[str]:
     return [name for name in dict.fromkeys(names) if name != "lm_head"]
 
 
-def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.ndarray] | None = None,
-           shapes_only: bool = False) -> JaxModel:
+def to_jax(
+    module: torch.nn.Module,
+    placement: Placement,
+    trained: dict[str, np.ndarray] | None = None,
+    shapes_only: bool = False,
+) -> JaxModel:
     """Split trainable from frozen tensors and place both on the mesh, each split as its name
     says (`jaxtune.runtime.devices.sharding`); `trained` overrides weights.
 
@@ -214,7 +238,9 @@ def to_jax(module: torch.nn.Module, placement: Placement, trained: dict[str, np.
         buffers[name] = convert(buf, placement.parameter_sharding(name, tuple(buf.shape)))
     if trained is not None:
         _check_names(trained, weights)
-        weights = {name: placement.put(np.asarray(trained[name], np.float32), weights[name].sharding) for name in weights}
+        weights = {
+            name: placement.put(np.asarray(trained[name], np.float32), weights[name].sharding) for name in weights
+        }
     dtype = jnp.dtype(str(base.dtype).removeprefix("torch."))
     return JaxModel(module=module, weights=weights, buffers=buffers, placement=placement, dtype=dtype, casts=casts)
 
@@ -255,9 +281,7 @@ def _check_names(trained: dict[str, np.ndarray], expected: dict[str, jax.Array])
     missing = sorted(set(expected) - set(trained))
     extra = sorted(set(trained) - set(expected))
     if missing or extra:
-        raise ValueError(
-            f"trained weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
-        )
+        raise ValueError(f"trained weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
 
 
 def save_weights(weights: dict[str, np.ndarray], path: Path) -> None:

@@ -29,10 +29,24 @@ BLOCK = 64  # values per scale, along the layer's input dimension
 SCALE_DTYPE = torch.bfloat16  # as bitsandbytes' and qwix's scales: the base's bytes, not its precision, matter
 # QLoRA's NormalFloat4: the 16 levels (of a block scaled by its largest magnitude) that split a
 # normal distribution into equal shares, zero exact; bitsandbytes' table.
-NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-              0.7229568362236023, 1.0)
+NF4_LEVELS = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
 
 
 def quantize(weight: torch.Tensor, scheme: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
@@ -98,8 +112,9 @@ class QuantizedLinear(torch.nn.Module):
     """A frozen `nn.Linear` whose weight is held as blockwise codes and scales (buffers): made from
     the layer's weight by `quantize` (int8, int4), or from tensors stored before (a GGUF file's blocks too)."""
 
-    def __init__(self, linear: torch.nn.Linear, scheme: str, tensors: dict[str, torch.Tensor] | None = None,
-                 block: int = BLOCK):
+    def __init__(
+        self, linear: torch.nn.Linear, scheme: str, tensors: dict[str, torch.Tensor] | None = None, block: int = BLOCK
+    ):
         super().__init__()
         self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
         self.compute_dtype = linear.weight.dtype
@@ -150,14 +165,20 @@ def quantizable(module: torch.nn.Module, block: int = BLOCK) -> list[str]:
     """Names of the frozen `nn.Linear`s a quantized base holds quantized: every one but the output
     head (tied to the embedding in many models, and what the loss reads most precisely), whose
     input dimension splits into blocks."""
-    return [name for name, sub in module.named_modules()
-            if held_quantized(name, sub, block) and not any(p.requires_grad for p in sub.parameters())]
+    return [
+        name
+        for name, sub in module.named_modules()
+        if held_quantized(name, sub, block) and not any(p.requires_grad for p in sub.parameters())
+    ]
 
 
 def held_quantized(name: str, layer: torch.nn.Module, block: int = BLOCK) -> bool:
     """Whether a quantized base holds `layer` quantized, once frozen (`quantizable`)."""
-    return (type(layer) is torch.nn.Linear and name.rsplit(".", 1)[-1] not in ("lm_head", "embed_out")
-            and layer.in_features % block == 0)
+    return (
+        type(layer) is torch.nn.Linear
+        and name.rsplit(".", 1)[-1] not in ("lm_head", "embed_out")
+        and layer.in_features % block == 0
+    )
 
 
 def quantize_base(module: torch.nn.Module, scheme: str, block: int = BLOCK) -> list[str]:
@@ -219,8 +240,11 @@ def base_layers(module: torch.nn.Module) -> list[tuple[tuple[str, ...], int]]:
     """The frozen base's linear layers that a quantized base holds quantized, each as (the names of
     the tensors that hold it: `codes` and `scales` once quantized, else `weight`; its weight's
     element count): what the memory plans count as the base."""
-    found = [((f"{name}.codes", f"{name}.scales"), sub.in_features * sub.out_features)
-             for name, sub in module.named_modules() if isinstance(sub, QuantizedLinear)]
+    found = [
+        ((f"{name}.codes", f"{name}.scales"), sub.in_features * sub.out_features)
+        for name, sub in module.named_modules()
+        if isinstance(sub, QuantizedLinear)
+    ]
     found += [((f"{name}.weight",), module.get_submodule(name).weight.numel()) for name in quantizable(module)]
     return found
 

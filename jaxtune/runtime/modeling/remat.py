@@ -32,7 +32,9 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(base, "_no_split_modules", None) or ())
     layers = [m for m in base.modules() if type(m).__name__ in names]
     if not layers:
-        raise ValueError(f"{type(base).__name__} names no decoder layer class (_no_split_modules); train.remat=layer cannot find its layers")
+        raise ValueError(
+            f"{type(base).__name__} names no decoder layer class (_no_split_modules); train.remat=layer cannot find its layers"
+        )
     return layers
 
 
@@ -95,8 +97,9 @@ def _keyed(forward: Callable, remat: str) -> Callable:
     from jaxtune.runtime.compat import torchax_env
 
     if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat {remat!r} is not a policy ({', '.join(REMAT_POLICIES)}): resolve train.remat=auto "
-                         "with fit.choose")
+        raise ValueError(
+            f"remat {remat!r} is not a policy ({', '.join(REMAT_POLICIES)}): resolve train.remat=auto with fit.choose"
+        )
     env = torchax_env()
 
     def plain(*args, **kwargs):

@@ -29,9 +29,15 @@ POSITION_ATTRIBUTES = ("layer_idx", "layer_index", "layer_id")  # a layer's own 
 
 
 def _settings(module: torch.nn.Module) -> tuple:
-    return tuple(sorted((k, v) for k, v in vars(module).items()
-                        if isinstance(v, (int, float, str, bool, type(None))) and not k.startswith("_")
-                        and k not in POSITION_ATTRIBUTES))
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in vars(module).items()
+            if isinstance(v, (int, float, str, bool, type(None)))
+            and not k.startswith("_")
+            and k not in POSITION_ATTRIBUTES
+        )
+    )
 
 
 def _flat(call) -> tuple[list, jax.tree_util.PyTreeDef]:
@@ -87,8 +93,13 @@ def scanned_layers(layers: list[torch.nn.Module]) -> Iterator[None]:
                     hidden = originals[i](hidden, *calls[i][0], **calls[i][1])
                 return hidden
             tensors = [{**dict(layer.named_parameters()), **dict(layer.named_buffers())} for layer in layers]
-            stacked = [{name: jnp.stack([interop.jax_view(tensors[g * p + q][name]) for g in range(groups)])
-                        for name in tensors[q]} for q in range(p)]
+            stacked = [
+                {
+                    name: jnp.stack([interop.jax_view(tensors[g * p + q][name]) for g in range(groups)])
+                    for name in tensors[q]
+                }
+                for q in range(p)
+            ]
             keys = jnp.stack([jnp.stack([next_key() for _ in range(p)]) for _ in range(groups)])
             # The calls' tensors (masks, rotary tables) enter the scan as loop-invariant carry, not as closed-over
             # values of the enclosing trace, which layer remat's closure conversion cannot take.
@@ -103,7 +114,8 @@ def scanned_layers(layers: list[torch.nn.Module]) -> Iterator[None]:
                 for q in range(p):
                     leaves, tree = flat[q]
                     args, kwargs = jax.tree_util.tree_unflatten(
-                        tree, [next(inputs) if isinstance(v, torch.Tensor) else v for v in leaves])
+                        tree, [next(inputs) if isinstance(v, torch.Tensor) else v for v in leaves]
+                    )
                     params = {name: interop.torch_view(v) for name, v in group[q].items()}
                     with torchax_env().override_property(prng=group_keys[q]):
                         h = torch.func.functional_call(layers[q], params, args=(h, *args), kwargs=kwargs, strict=False)
@@ -136,4 +148,3 @@ def scanned_layers(layers: list[torch.nn.Module]) -> Iterator[None]:
                 layer.forward = original
             else:
                 del layer.forward
-

@@ -36,8 +36,18 @@ def refusal(length: int, head: int, dropout: float) -> str | None:
     return None
 
 
-def attention(query, key, value, segment_ids, *, scale: float, window: int | None, softcap: float | None,
-              mesh=None, interpret: bool = False):
+def attention(
+    query,
+    key,
+    value,
+    segment_ids,
+    *,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    mesh=None,
+    interpret: bool = False,
+):
     """q (b, t, n, h), k/v (b, t, kv, h), segment ids (b, t) -> (b, t, n, h), as `attention._core` computes it."""
     from jaxtune.runtime.devices.mesh import per_device
 
@@ -53,12 +63,26 @@ def _local(query, key, value, segment_ids, *, scale, window, softcap, interpret)
     kv = key.shape[2]
     groups = n // kv
     block = block_for(t)
-    sizes = kernels.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    sizes = kernels.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     # transformers' sliding window: query i sees keys i - window < j <= i.
     one = masks.CausalMask((t, t)) if window is None else masks.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
-    kernel = kernels.make_splash_mqa(masks.MultiHeadMask([one] * groups), block_sizes=sizes, head_shards=1,
-                                     q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
+    kernel = kernels.make_splash_mqa(
+        masks.MultiHeadMask([one] * groups),
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        attn_logits_soft_cap=softcap,
+        interpret=interpret,
+    )
     # The kernel does not scale the logits: scaled queries give the same q·k * scale.
     queries = (query * scale).astype(query.dtype).transpose(0, 2, 1, 3).reshape(b, kv, groups, t, h)
     keys, values = (x.transpose(0, 2, 1, 3) for x in (key, value))  # (b, kv, t, h)

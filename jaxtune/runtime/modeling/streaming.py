@@ -43,8 +43,9 @@ class NotStreamable(Exception):
     """Why a checkpoint is loaded whole instead."""
 
 
-def load_model(name: str, revision: str | None, trust_remote_code: bool = False, dtype: str = "float32",
-               take: Take | None = None) -> PreTrainedModel:
+def load_model(
+    name: str, revision: str | None, trust_remote_code: bool = False, dtype: str = "float32", take: Take | None = None
+) -> PreTrainedModel:
     """The model `from_pretrained(name, dtype=dtype, attn_implementation="eager")` gives, in eval
     mode, loaded a decoder layer at a time; each linear layer that `take` takes holds a placeholder weight."""
     try:
@@ -60,8 +61,13 @@ def load_model(name: str, revision: str | None, trust_remote_code: bool = False,
 
 
 def load_whole(name: str, revision: str | None, trust_remote_code: bool, dtype: str) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=getattr(torch, dtype),
-                                                attn_implementation="eager", trust_remote_code=trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(
+        name,
+        revision=revision,
+        dtype=getattr(torch, dtype),
+        attn_implementation="eager",
+        trust_remote_code=trust_remote_code,
+    )
 
 
 def placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.nn.Parameter:
@@ -84,7 +90,9 @@ def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     return {name: sub for name, sub in model.named_modules() if type(sub) is torch.nn.Linear}
 
 
-def _stream(name: str, revision: str | None, trust_remote_code: bool, dtype: torch.dtype, take: Take | None) -> PreTrainedModel:
+def _stream(
+    name: str, revision: str | None, trust_remote_code: bool, dtype: torch.dtype, take: Take | None
+) -> PreTrainedModel:
     from transformers import GenerationConfig
     from transformers.models.auto.auto_factory import _get_model_class
 
@@ -120,7 +128,8 @@ def _stream(name: str, revision: str | None, trust_remote_code: bool, dtype: tor
             tensors.update(dict.fromkeys(handle.keys(), handle))
         for group in _groups(tensors):
             part, _ = convert_and_load_state_dict_in_model(
-                model=model, state_dict={key: tensors[key].get_slice(key) for key in group}, load_config=load_config)
+                model=model, state_dict={key: tensors[key].get_slice(key) for key in group}, load_config=load_config
+            )
             info = part if info is None else _merged(info, part)
             if take is not None:
                 for layer, linear in list(linears.items()):
@@ -132,10 +141,14 @@ def _stream(name: str, revision: str | None, trust_remote_code: bool, dtype: tor
     if info is None:
         raise NotStreamable("the checkpoint holds no tensors")
     model._weight_conversions = [conversion for conversion in load_config.weight_mapping if conversion.was_used()]
-    unmapped = (info.missing_keys - set(getattr(model, "all_tied_weights_keys", {}))) | {key for key, *_ in info.mismatched_keys}
+    unmapped = (info.missing_keys - set(getattr(model, "all_tied_weights_keys", {}))) | {
+        key for key, *_ in info.mismatched_keys
+    }
     if unmapped or info.conversion_errors:
-        raise NotStreamable(f"checkpoint keys do not map onto the model: missing or mismatched {sorted(unmapped)[:5]}, "
-                            f"conversion errors {sorted(info.conversion_errors)[:5]}")
+        raise NotStreamable(
+            f"checkpoint keys do not map onto the model: missing or mismatched {sorted(unmapped)[:5]}, "
+            f"conversion errors {sorted(info.conversion_errors)[:5]}"
+        )
     model_class._finalize_model_loading(model, load_config, info)
     if model.can_generate():
         try:
@@ -158,9 +171,12 @@ def _skeleton(model_class, config, name: str, dtype: torch.dtype, files: list[st
     config.name_or_path = name
     with ContextManagers(model_class.get_init_context(dtype, False, False, False, config)):
         model = model_class(config)
-    load_config = LoadStateDictConfig(pretrained_model_name_or_path=name, dtype=dtype,
-                                      dtype_plan=model._get_dtype_plan(dtype),
-                                      weight_mapping=get_model_conversion_mapping(model))
+    load_config = LoadStateDictConfig(
+        pretrained_model_name_or_path=name,
+        dtype=dtype,
+        dtype_plan=model._get_dtype_plan(dtype),
+        weight_mapping=get_model_conversion_mapping(model),
+    )
     return model, load_config
 
 
@@ -226,9 +242,12 @@ def _groups(keys) -> list[list[str]]:
 
 def _merged(info, part):
     """Two groups' loading reports as one: a key is missing when no group loaded it."""
-    return replace(info, missing_keys=info.missing_keys & part.missing_keys,
-                   unexpected_keys=info.unexpected_keys | part.unexpected_keys,
-                   mismatched_keys=info.mismatched_keys | part.mismatched_keys,
-                   error_msgs=info.error_msgs + part.error_msgs,
-                   conversion_errors={**info.conversion_errors, **part.conversion_errors},
-                   skipped_pp_keys=info.skipped_pp_keys | part.skipped_pp_keys)
+    return replace(
+        info,
+        missing_keys=info.missing_keys & part.missing_keys,
+        unexpected_keys=info.unexpected_keys | part.unexpected_keys,
+        mismatched_keys=info.mismatched_keys | part.mismatched_keys,
+        error_msgs=info.error_msgs + part.error_msgs,
+        conversion_errors={**info.conversion_errors, **part.conversion_errors},
+        skipped_pp_keys=info.skipped_pp_keys | part.skipped_pp_keys,
+    )

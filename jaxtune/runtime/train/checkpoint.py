@@ -44,8 +44,10 @@ def arrays_to_tree(arrays: dict[str, np.ndarray], template: Any) -> Any:
     names = [jax.tree_util.keystr(path) for path, _ in leaves]
     missing = sorted(set(names) - set(arrays))
     if missing or len(names) != len(arrays):
-        raise ValueError(f"checkpoint optimizer state does not match the optimizer: missing {missing[:3]}, "
-                         f"{len(arrays)} saved vs {len(names)} expected")
+        raise ValueError(
+            f"checkpoint optimizer state does not match the optimizer: missing {missing[:3]}, "
+            f"{len(arrays)} saved vs {len(names)} expected"
+        )
     out = []
     for name, (_, leaf) in zip(names, leaves):
         value = arrays[name]
@@ -62,9 +64,13 @@ def save(folder: Path, step: int, weights: dict, opt_state: Any, state: dict) ->
     temp = folder / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
-    save_file({k: np.asarray(jax.device_get(v), order="C") for k, v in weights.items()}, str(temp / "weights.safetensors"))
+    save_file(
+        {k: np.asarray(jax.device_get(v), order="C") for k, v in weights.items()}, str(temp / "weights.safetensors")
+    )
     # asarray, not ascontiguousarray: the latter turns 0-d leaves (counts, norms) into shape (1,)
-    save_file({k: np.asarray(v, order="C") for k, v in tree_to_arrays(opt_state).items()}, str(temp / "optimizer.safetensors"))
+    save_file(
+        {k: np.asarray(v, order="C") for k, v in tree_to_arrays(opt_state).items()}, str(temp / "optimizer.safetensors")
+    )
     with open(temp / "state.json", "w") as handle:
         json.dump({**state, "step": step}, handle)
         handle.flush()

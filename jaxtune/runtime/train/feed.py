@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxtune.config import TrainConfig
-from jaxtune.runtime.train import packing
 from jaxtune.runtime.compiled.batches import bucket_length, pad_batch, train_batches
+from jaxtune.runtime.train import packing
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,13 @@ class Feed:
     segments: int = 0  # pairs: the columns of `reference`, the most segments a sequence can hold (1: padded)
     multiple: int = 1  # every length a multiple of it: the attention kernel's tile (splash: 128 tokens)
 
-    def micro_batches(self, input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
-                      pad_id: int, reference: np.ndarray | None = None) -> Iterator[dict[str, np.ndarray]]:
+    def micro_batches(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        labels: Sequence[Sequence[int]],
+        pad_id: int,
+        reference: np.ndarray | None = None,
+    ) -> Iterator[dict[str, np.ndarray]]:
         """Endless numpy micro-batches: input_ids, attention_mask, segment_ids, position_ids, labels
         (rows, t); for pairs also `reference` (rows, segments), from `reference` (a value per table row)."""
         pairs = self.segments > 0
@@ -72,8 +77,15 @@ def _per_segment(reference: np.ndarray, bins: list[list[int]], rows: int, segmen
     return out
 
 
-def make_feed(lengths: Sequence[int], cfg: TrainConfig, max_length: int, batch_shards: int, packed: bool,
-              pairs: bool = False, multiple: int = 1) -> Feed:
+def make_feed(
+    lengths: Sequence[int],
+    cfg: TrainConfig,
+    max_length: int,
+    batch_shards: int,
+    packed: bool,
+    pairs: bool = False,
+    multiple: int = 1,
+) -> Feed:
     """The feed of `cfg`'s run over rows of `lengths`; `batch_shards` devices (data × fsdp) split each
     micro-batch. `pairs`: the rows are preference pairs (2p chosen, 2p+1 rejected). `multiple`: every
     sequence length a multiple of it (the attention kernel's tile, `attention.length_multiple`)."""
@@ -86,17 +98,22 @@ def make_feed(lengths: Sequence[int], cfg: TrainConfig, max_length: int, batch_s
         shape = packing.packed_shape(lengths, cfg.batch_size, max_length, seed=cfg.seed, multiple=multiple)
         per_epoch = packing.micro_batches_per_epoch(lengths, shape, cfg.seed)
         rows = -(-shape.sequences // batch_shards) * batch_shards
-        return Feed(True, rows, shape.length, per_epoch, cfg.seed, lengths, planned_rows=shape.sequences, multiple=multiple)
+        return Feed(
+            True, rows, shape.length, per_epoch, cfg.seed, lengths, planned_rows=shape.sequences, multiple=multiple
+        )
     if cfg.batch_size % batch_shards:
-        raise ValueError(f"train.batch_size={cfg.batch_size} must divide over the {batch_shards} devices the batch is split over (mesh data × fsdp)")
+        raise ValueError(
+            f"train.batch_size={cfg.batch_size} must divide over the {batch_shards} devices the batch is split over (mesh data × fsdp)"
+        )
     if len(lengths) < cfg.batch_size:
         raise ValueError(f"{len(lengths)} training rows is fewer than one batch of {cfg.batch_size}")
     length = bucket_length(max(lengths), max_length, multiple)
     return Feed(False, cfg.batch_size, length, len(lengths) // cfg.batch_size, cfg.seed, lengths, multiple=multiple)
 
 
-def _pair_feed(lengths: np.ndarray, cfg: TrainConfig, max_length: int, batch_shards: int, packed: bool,
-               multiple: int = 1) -> Feed:
+def _pair_feed(
+    lengths: np.ndarray, cfg: TrainConfig, max_length: int, batch_shards: int, packed: bool, multiple: int = 1
+) -> Feed:
     """`make_feed` of preference pairs: packed, each pair is one unit of the plan, as long as its two rows."""
     if len(lengths) % 2:
         raise ValueError(f"{len(lengths)} rows are not whole preference pairs (chosen row, then rejected row)")
@@ -107,13 +124,25 @@ def _pair_feed(lengths: np.ndarray, cfg: TrainConfig, max_length: int, batch_sha
         per_epoch = packing.micro_batches_per_epoch(units, shape, cfg.seed)
         rows = -(-shape.sequences // batch_shards) * batch_shards
         segments = 2 * (shape.length // min(units))  # the most pairs a sequence can hold, two rows each
-        return Feed(True, rows, shape.length, per_epoch, cfg.seed, units, planned_rows=shape.sequences, segments=segments,
-                    multiple=multiple)
+        return Feed(
+            True,
+            rows,
+            shape.length,
+            per_epoch,
+            cfg.seed,
+            units,
+            planned_rows=shape.sequences,
+            segments=segments,
+            multiple=multiple,
+        )
     if (2 * cfg.batch_size) % batch_shards:
-        raise ValueError(f"train.batch_size={cfg.batch_size} pairs (twice as many rows) must divide over the "
-                         f"{batch_shards} devices the batch is split over (mesh data × fsdp)")
+        raise ValueError(
+            f"train.batch_size={cfg.batch_size} pairs (twice as many rows) must divide over the "
+            f"{batch_shards} devices the batch is split over (mesh data × fsdp)"
+        )
     if len(units) < cfg.batch_size:
         raise ValueError(f"{len(units)} training pairs is fewer than one batch of {cfg.batch_size}")
     length = bucket_length(int(lengths.max()), max_length, multiple)
-    return Feed(False, 2 * cfg.batch_size, length, len(units) // cfg.batch_size, cfg.seed, units, segments=1,
-                multiple=multiple)
+    return Feed(
+        False, 2 * cfg.batch_size, length, len(units) // cfg.batch_size, cfg.seed, units, segments=1, multiple=multiple
+    )

@@ -27,7 +27,9 @@ class PackedShape:
     length: int  # L: tokens per sequence
 
 
-def packed_shape(lengths: Sequence[int], batch_size: int, max_length: int, seed: int = 0, multiple: int = 1) -> PackedShape:
+def packed_shape(
+    lengths: Sequence[int], batch_size: int, max_length: int, seed: int = 0, multiple: int = 1
+) -> PackedShape:
     """One fixed shape for every micro-batch, so the train step compiles once.
 
     L is the bucket of the longest row, so every row fits a sequence whole (never split: a split
@@ -55,7 +57,9 @@ def _first_fit(free: list[int], n: int) -> int | None:
     return next((b for b, room in enumerate(free) if room >= n), None)
 
 
-def _pack_epoch(lengths: Sequence[int], shape: PackedShape, order: np.ndarray, lookahead: int) -> Iterator[list[list[int]]]:
+def _pack_epoch(
+    lengths: Sequence[int], shape: PackedShape, order: np.ndarray, lookahead: int
+) -> Iterator[list[list[int]]]:
     """Greedy first-fit over one epoch's order, emitting S bins at a time.
 
     The head of the order is tried first; when it fits no bin, the next `lookahead` rows are
@@ -87,10 +91,13 @@ def _check_fits(lengths: Sequence[int], shape: PackedShape) -> None:
     longest = max(lengths, default=0)
     assert longest <= shape.length, (
         f"a row of {longest} tokens cannot fit a packed sequence of {shape.length}; "
-        "size the shape with packed_shape() over these same lengths")
+        "size the shape with packed_shape() over these same lengths"
+    )
 
 
-def packed_micro_batches(lengths: Sequence[int], shape: PackedShape, seed: int, lookahead: int = 64) -> Iterator[list[list[int]]]:
+def packed_micro_batches(
+    lengths: Sequence[int], shape: PackedShape, seed: int, lookahead: int = 64
+) -> Iterator[list[list[int]]]:
     """Endless micro-batches of S bins (row indices in placement order), reshuffled every epoch
     with batches.epoch_order. Every row appears exactly once per epoch; deterministic given
     (lengths, shape, seed, lookahead), so a resumed run regenerates and skips."""
@@ -104,7 +111,9 @@ def packed_micro_batches(lengths: Sequence[int], shape: PackedShape, seed: int, 
         epoch += 1
 
 
-def micro_batches_per_epoch(lengths: Sequence[int], shape: PackedShape, seed: int, lookahead: int = 64, epoch: int = 0) -> int:
+def micro_batches_per_epoch(
+    lengths: Sequence[int], shape: PackedShape, seed: int, lookahead: int = 64, epoch: int = 0
+) -> int:
     """How many micro-batches `epoch` (the first, by default) packs into. Later epochs shuffle
     differently and may pack into a batch or so more or fewer; use this to size schedules."""
     lengths = [int(n) for n in lengths]
@@ -112,8 +121,13 @@ def micro_batches_per_epoch(lengths: Sequence[int], shape: PackedShape, seed: in
     return sum(1 for _ in _pack_epoch(lengths, shape, epoch_order(len(lengths), seed, epoch), lookahead))
 
 
-def pack(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], bins: list[list[int]], pad_id: int,
-         shape: PackedShape) -> dict[str, np.ndarray]:
+def pack(
+    input_ids: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    bins: list[list[int]],
+    pad_id: int,
+    shape: PackedShape,
+) -> dict[str, np.ndarray]:
     """The (S, L) arrays for one micro-batch: rows laid end to end in each bin's order.
 
     Each row's first label is IGNORE_INDEX: the loss scores label[i+1] from position i, and at a
@@ -140,8 +154,13 @@ def pack(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], bi
             seg[s, start:end], pos[s, start:end] = k, np.arange(n)
             start = end
         pos[s, start:] = np.arange(L - start)
-    return {"input_ids": ids, "labels": lab, "segment_ids": seg, "position_ids": pos,
-            "attention_mask": (seg > 0).astype(np.int32)}
+    return {
+        "input_ids": ids,
+        "labels": lab,
+        "segment_ids": seg,
+        "position_ids": pos,
+        "attention_mask": (seg > 0).astype(np.int32),
+    }
 
 
 def nonpad_fraction(batch: dict[str, np.ndarray]) -> float:
