@@ -43,24 +43,21 @@ def quantize_base(section: QuantizeSection, inputs: dict[str, ArtifactRef], stor
         import torch
         from safetensors.torch import save_file
 
-        from jaxtune.runtime.modeling.model import load_torch_model
-        from jaxtune.runtime.modeling.quantize import quantize_base
+        from jaxtune.runtime.modeling.model import load_quantized, load_torch_model
 
         name, revision = pretrained_location(inputs["model"])
-        module = load_torch_model(name, revision, section.trust_remote_code, section.dtype).requires_grad_(False)
         left: dict[str, str] = {}
         if section.scheme == "gguf":
             from jaxtune.gguf.blocks import read_blocks
 
+            module = load_torch_model(name, revision, section.trust_remote_code, section.dtype)
             arrays, schemes, left = read_blocks(inputs["gguf"].path, module.config)
             tensors = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
-        else:
-            schemes = dict.fromkeys(quantize_base(module, section.scheme), section.scheme)
-            tensors = {
-                f"{layer}.{field}": tensor.contiguous()
-                for layer in schemes
-                for field, tensor in module.get_submodule(layer).tensors().items()
-            }
+        else:  # quantized as each layer is read: the float model is never all in memory
+            module, (stored, schemes) = load_quantized(
+                name, revision, section.trust_remote_code, section.dtype, section.scheme
+            )
+            tensors = {key: tensor.contiguous() for key, tensor in stored.items()}
         save_file(tensors, str(folder / STORED))
         itemsize = torch.empty((), dtype=getattr(torch, section.dtype)).element_size()
         weights = sum(_weight_elements(module, layer) for layer in schemes)

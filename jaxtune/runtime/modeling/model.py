@@ -16,7 +16,14 @@ from jaxtune.config import LoraConfig, ModelConfig
 from jaxtune.errors import ModelError
 from jaxtune.runtime.compat import torchax_env
 from jaxtune.runtime.devices.mesh import Placement, place
-from jaxtune.runtime.modeling.quantize import SCHEMES, load_base, quantize_base
+from jaxtune.runtime.modeling.quantize import (
+    SCHEMES,
+    held_quantized,
+    load_base,
+    quantize,
+    quantize_base,
+)
+from jaxtune.runtime.modeling.streaming import is_placeholder, load_model
 
 
 @dataclass
@@ -68,6 +75,45 @@ def load_torch_model(
     return model.eval()
 
 
+def load_quantized(
+    name: str, revision: str | None, trust_remote_code: bool, dtype: str, scheme: str, whole: tuple[str, ...] = ()
+) -> tuple[PreTrainedModel, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """`load_torch_model`'s model read a decoder layer at a time (`streaming`), each linear layer
+    that a quantized base holds quantized (`held_quantized`) quantized as `scheme` as soon as its
+    weight arrives, its float weight then dropped: host memory holds the quantized base, never the
+    float one. Returns the model (those layers' weights placeholders) and, as `load_base` takes
+    them, their tensors ('<layer>.codes', '<layer>.scales', ...) and each layer's scheme. Layers
+    whose names end with one of `whole` are loaded as they are (LoRA trains copies of them)."""
+    stored: dict[str, torch.Tensor] = {}
+    schemes: dict[str, str] = {}
+
+    def take(layer: str, linear: torch.nn.Linear) -> bool:
+        if not held_quantized(layer, linear) or layer.endswith(whole):
+            return False
+        stored.update(
+            {f"{layer}.{field}": tensor for field, tensor in _quantized_by_rows(linear.weight, scheme).items()}
+        )
+        schemes[layer] = scheme
+        return True
+
+    module = load_model(name, revision, trust_remote_code, dtype, take)
+    order = [layer for layer, _ in module.named_modules() if layer in schemes]  # the model's, as quantize_base's
+    return module, (
+        {key: stored[key] for layer in order for key in stored if key.rpartition(".")[0] == layer},
+        {layer: schemes[layer] for layer in order},
+    )
+
+
+def _quantized_by_rows(weight: torch.Tensor, scheme: str, rows: int = 1024) -> dict[str, torch.Tensor]:
+    """`quantize(weight, scheme)`, `rows` rows at a time: the same codes and scales (each row's are its
+    own), with temporaries of `rows` rows in float32 instead of the whole weight's."""
+    parts = [quantize(weight[start : start + rows], scheme) for start in range(0, weight.shape[0], rows)]
+    return {
+        field: torch.cat([part[field] for part in parts]) if field != "levels" else parts[0][field]
+        for field in parts[0]
+    }
+
+
 def open_model(
     name: str,
     revision: str | None,
@@ -83,21 +129,40 @@ def open_model(
     Trainable tensors are the LoRA ones, or all of them for full fine-tuning (`train_all`, or
     trained weights without LoRA); a plain base model has none. With `model.base_quantization`,
     the frozen linear layers are held quantized: as `base` holds them (the quantize_base stage's
-    tensors and each layer's scheme), else quantized here (int8, int4).
+    tensors and each layer's scheme), else quantized here (int8, int4, nf4) as each layer is read
+    (`load_quantized`). Either way their float weights are dropped as they arrive (`streaming`).
     """
-    module = load_torch_model(name, revision, cfg.trust_remote_code, cfg.compute_dtype)
+    if base is None and cfg.base_quantization not in SCHEMES and cfg.base_quantization != "none":
+        raise ModelError(
+            f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed"
+        )
+    whole = tuple(lora.modules_to_save) if lora is not None else ()  # LoRA trains copies of these: read their weights
+    frozen = lora is not None or not (train_all or trained is not None)
+    if base is None and cfg.base_quantization in SCHEMES and frozen:  # quantized as the weights arrive
+        module, base = load_quantized(
+            name, revision, cfg.trust_remote_code, cfg.compute_dtype, cfg.base_quantization, whole
+        )
+    elif base is not None:  # the stored base replaces these layers: their weights are not kept
+        layers = base[1]
+        module = load_model(
+            name,
+            revision,
+            cfg.trust_remote_code,
+            cfg.compute_dtype,
+            take=lambda layer, linear: layer in layers and not layer.endswith(whole),
+        )
+    else:
+        module = load_torch_model(name, revision, cfg.trust_remote_code, cfg.compute_dtype)
     if lora is not None:
         module = attach_lora(module, lora)
     else:
         module.requires_grad_(train_all or trained is not None)
     if base is not None:  # the frozen linear layers; LoRA's adapters stay as they are
         load_base(module, *base)
-    elif cfg.base_quantization in SCHEMES:
+    if cfg.base_quantization in SCHEMES:  # those not quantized while loading (LoRA's modules_to_save originals)
         quantize_base(module, cfg.base_quantization)
-    elif cfg.base_quantization != "none":
-        raise ModelError(
-            f"model.base_quantization={cfg.base_quantization}: the quantize_base stage's tensors are needed"
-        )
+    if left := [name for name, tensor in module.named_parameters() if is_placeholder(tensor)]:
+        raise ModelError(f"layers left without weights after loading: {', '.join(left[:5])}")
     weights = load_weights(trained) if trained is not None else None
     model = to_jax(module, placement, weights)
     model.scan_layers = cfg.scan_layers

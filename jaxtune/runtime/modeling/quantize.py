@@ -165,13 +165,20 @@ def quantizable(module: torch.nn.Module, block: int = BLOCK) -> list[str]:
     """Names of the frozen `nn.Linear`s a quantized base holds quantized: every one but the output
     head (tied to the embedding in many models, and what the loss reads most precisely), whose
     input dimension splits into blocks."""
-    names = []
-    for name, sub in module.named_modules():
-        if type(sub) is not torch.nn.Linear or name.rsplit(".", 1)[-1] in ("lm_head", "embed_out"):
-            continue
-        if not any(p.requires_grad for p in sub.parameters()) and sub.in_features % block == 0:
-            names.append(name)
-    return names
+    return [
+        name
+        for name, sub in module.named_modules()
+        if held_quantized(name, sub, block) and not any(p.requires_grad for p in sub.parameters())
+    ]
+
+
+def held_quantized(name: str, layer: torch.nn.Module, block: int = BLOCK) -> bool:
+    """Whether a quantized base holds `layer` quantized, once frozen (`quantizable`)."""
+    return (
+        type(layer) is torch.nn.Linear
+        and name.rsplit(".", 1)[-1] not in ("lm_head", "embed_out")
+        and layer.in_features % block == 0
+    )
 
 
 def quantize_base(module: torch.nn.Module, scheme: str, block: int = BLOCK) -> list[str]:
