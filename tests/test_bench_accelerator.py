@@ -319,7 +319,13 @@ def test_shipped_shapes_are_the_published_models():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    expected = {"gemma-3-1b": 999_885_952, "llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768}
+    expected = {
+        "gemma-3-1b": 999_885_952,
+        "gemma-3-4b": 3_880_099_328,  # the text decoder of Gemma 3 4B and 12B, as published without the vision tower
+        "gemma-3-12b": 11_765_788_416,
+        "llama-3.2-1b": 1_235_814_400,
+        "qwen2.5-0.5b": 494_032_768,
+    }
     assert sorted(p.name for p in (BENCHMARKS / "configs").iterdir()) == sorted(expected)
     for name, parameters in expected.items():
         with torch.device("meta"):
