@@ -124,7 +124,8 @@ class FeedSource:
         return total_steps(cfg, self._feed(cfg))
 
     def start(self, cfg: TrainConfig, step: int) -> None:
-        self.cfg, self.feed, self.first, self._flops = cfg, self._feed(cfg), step, None
+        self.cfg, self.feed, self.first = cfg, self._feed(cfg), step
+        self.figures = flops_per_token(self.model, self.feed)  # the MFU's: once, for the records and the summary
         self.micro_batches = self.feed.micro_batches(self.input_ids, self.labels, self.pad_id, self.reference)
         for _ in range(step * cfg.grad_accumulation):  # the data position: every micro-batch before the resumed step
             next(self.micro_batches)
@@ -137,9 +138,7 @@ class FeedSource:
         return batch, {}
 
     def flops(self) -> dict:
-        if getattr(self, "_flops", None) is None:
-            self._flops = flops_per_token(self.model, self.feed)
-        return self._flops
+        return self.figures
 
     def summary(self, log: list[dict]) -> dict:
         cfg, feed, slots = self.cfg, self.feed, self.slots
