@@ -308,9 +308,14 @@ _leaving.status = 1  # until `main` returns another: an error it raised (--debug
 def _local_servers() -> None:
     """Servers jaxtune starts listen on this machine only: Prefect's temporary API server (its
     default already) and the webserver of a served deployment (Prefect's default is 'localhost',
-    which some resolvers map to every interface's name)."""
+    which some resolvers map to every interface's name).
+
+    The temporary server is given two minutes to answer rather than Prefect's 20 s: its first start
+    in a new Prefect home creates and migrates the database, which on a busy 2-core machine took
+    longer than 20 s, and `jaxtune run` then failed before its first stage."""
     os.environ.setdefault("PREFECT_SERVER_API_HOST", "127.0.0.1")
     os.environ.setdefault("PREFECT_RUNNER_SERVER_HOST", "127.0.0.1")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def _one_line(error: BaseException) -> str:

@@ -23,10 +23,13 @@ pytestmark = pytest.mark.safety
 ROOT = Path(__file__).parents[2]
 LOOPBACK = {"127.0.0.1", "::1"}
 
-# The child: start the temporary server as `jaxtune run` does (through get_client), report the
-# server process, wait for the test to look at its sockets, then exit (Prefect stops the server at exit).
+# The child: start the temporary server as `jaxtune run` does (its server settings first, then
+# get_client), report the server process, wait for the test to look at its sockets, then exit
+# (Prefect stops the server at exit).
 START_TEMPORARY_SERVER = """
 import json, sys
+from jaxtune.cli import main as cli
+cli._local_servers()
 from prefect.client.orchestration import get_client
 from prefect.server.api.server import SubprocessASGIServer
 with get_client(sync_client=True) as client:
@@ -128,7 +131,8 @@ LOCAL_SERVERS = """
 from jaxtune.cli import main as cli
 cli._local_servers()
 from prefect.settings import PREFECT_RUNNER_SERVER_HOST, PREFECT_SERVER_API_HOST
-print(PREFECT_RUNNER_SERVER_HOST.value(), PREFECT_SERVER_API_HOST.value())
+from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as startup
+print(PREFECT_RUNNER_SERVER_HOST.value(), PREFECT_SERVER_API_HOST.value(), startup.value())
 """
 
 
@@ -151,7 +155,8 @@ def test_jaxtune_points_the_servers_prefect_starts_at_loopback(tmp_path):
         [sys.executable, "-c", LOCAL_SERVERS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split() == ["127.0.0.1", "127.0.0.1"]
+    # and the temporary server is given time to migrate a new database on a busy machine (Prefect's: 20 s)
+    assert done.stdout.split() == ["127.0.0.1", "127.0.0.1", "120"]
 
 
 # The child: the runner webserver `jaxtune serve` starts when PREFECT_RUNNER_SERVER_ENABLE is on,
