@@ -121,7 +121,8 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
     )
     log(f"{side} {case_name(rows, length)}: {chosen.describe(cfg.train.model_copy(update={'batch_size': rows}))}")
     split = chosen.split
-    train_step = steps.make_train_step(model, optimizer, remat=chosen.remat, chunk_tokens=chosen.chunk_tokens)
+    spec = steps.StepSpec(chosen.remat, chunk_tokens=chosen.chunk_tokens)
+    train_step = steps.make_train_step(model, optimizer, spec)
     schedule = steps.learning_rate_schedule(cfg.train, cfg.train.max_steps)
     state = {"weights": model.weights}
     state["opt"] = steps.init_optimizer(model, optimizer, state["weights"])
@@ -159,9 +160,7 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
 
     def profile(first: int) -> dict:
         # The program fit.choose compiled for these shapes: JAX still holds it, so this compiles nothing.
-        compiled = steps.compiled_train_step(
-            model, optimizer, split, rows // split, length, chosen.remat, chunk_tokens=chosen.chunk_tokens
-        )
+        compiled = steps.compiled_train_step(model, optimizer, split, rows // split, length, spec)
         folder = Path(settings.profile) / f"{side}-{case_name(rows, length)}"
         found = profile_steps(step, first, folder, compiled.as_text())
         log(f"{side} {case_name(rows, length)}: profiled {PROFILE_STEPS} steps into {folder}")

@@ -350,7 +350,7 @@ def compile_step(
     model.scan_layers = scan_layers or config.model.scan_layers
     with attention.choose(attention_core) if attention_core else _nothing():
         compiled = steps.compiled_train_step(
-            model, steps.make_optimizer(config.train), 1, rows, length, fit.fixed(config.train.remat)
+            model, steps.make_optimizer(config.train), 1, rows, length, steps.StepSpec(fit.fixed(config.train.remat))
         )
     rank = config.lora.r if config.train.method == "lora" else None
     return compiled, target, rank, module.config.get_text_config().vocab_size

@@ -42,7 +42,7 @@ def api_state(step=None) -> str:
         step_new = STEP_TAKES_LR if STEP_TAKES_LR is not None else hasattr(steps, "with_learning_rate")
     else:
         step_new = step_takes_lr(step)
-    fused = "fused" in inspect.signature(steps.train_step_memory).parameters
+    fused = hasattr(steps, "StepSpec") or "fused" in inspect.signature(steps.train_step_memory).parameters
     kind = "new (lr input, segment ids)" if step_new else "pre-change (no lr input, input_ids/attention_mask only)"
     return f"train step: {kind}; train_step_memory fused flag: {'present' if fused else 'absent (TODO)'}"
 
@@ -87,7 +87,8 @@ class JaxtuneTrainer:
             weight_decay=0.01,
         )
         self.optimizer = make_optimizer(cfg, 1000)
-        self.step_fn = steps.make_train_step(model, self.optimizer, remat=fit.WITHOUT_LIMIT)  # auto on the CPU
+        spec = steps.StepSpec(fit.WITHOUT_LIMIT)  # auto on the CPU
+        self.step_fn = steps.make_train_step(model, self.optimizer, spec)
         self.weights = model.weights
         self.opt_state = steps.init_optimizer(model, self.optimizer)  # as training places it
         self.n = 0

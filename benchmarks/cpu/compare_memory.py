@@ -25,15 +25,19 @@ def bench_activation_memory_vs_eager(ctx: Context) -> dict:
     model = jaxtune_model(folder, "bfloat16", recipe_lora())
     optimizer = make_optimizer(TrainConfig(), 100)
     gradients = int(sum(np.prod(w.shape) * np.dtype(w.dtype).itemsize for w in model.weights.values()))
-    has_fused = "fused" in inspect.signature(steps.train_step_memory).parameters
+    has_spec = hasattr(steps, "StepSpec")
+    has_fused = has_spec or "fused" in inspect.signature(steps.train_step_memory).parameters
 
     def plan(fused: bool | None) -> dict:
         # jaxtune as it runs by default (fused attention, chunked loss, remat matmuls) against the
         # step as it was: eager attention, full logits, every activation kept.
         remat = fit.WITHOUT_LIMIT if fused else "none"  # auto on the CPU
         log(f"memory plan, fused={fused}, remat={remat}: compiling (8, 512)")
-        extra = {} if fused is None else {"fused": fused}
-        p = steps.train_step_memory(model, optimizer, 1, 8, 512, remat=remat, **extra)
+        if has_spec:
+            p = steps.train_step_memory(model, optimizer, 1, 8, 512, steps.StepSpec(remat, fused=fused))
+        else:
+            extra = {} if fused is None else {"fused": fused}
+            p = steps.train_step_memory(model, optimizer, 1, 8, 512, remat=remat, **extra)
         p["activations"] = max(p["temp_bytes"] - 2 * gradients, 0)
         return p
 

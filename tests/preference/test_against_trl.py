@@ -161,7 +161,7 @@ def jaxtune_step(model, objective, ids, labels, reference) -> tuple[float, dict[
     batch = next(feed.micro_batches(ids, labels, PAD, reference))
     assert batch["input_ids"].shape[0] < len(ids)  # packed: several rows to a sequence
     batch_labels = batch.pop("labels")
-    summed = steps._summed_loss(model, training=True, remat="none", fused=True, objective=objective)
+    summed = steps._summed_loss(model, training=True, spec=steps.StepSpec(objective=objective))
 
     def mean_loss(weights, buffers, batch, batch_labels):
         total, count = summed(weights, buffers, batch, batch_labels, jax.random.PRNGKey(0))

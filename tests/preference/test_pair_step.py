@@ -49,7 +49,7 @@ def pair_rows(pairs: int, seed: int = 0) -> tuple[list[np.ndarray], list[np.ndar
 
 def summed(model, objective, batch):
     """The train step's (summed loss, pairs) of one micro-batch, without the update."""
-    fn = jax.jit(steps._summed_loss(model, training=False, remat="none", fused=True, objective=objective))
+    fn = jax.jit(steps._summed_loss(model, training=False, spec=steps.StepSpec(objective=objective)))
     labels = batch.pop("labels")
     total, count = fn(model.weights, model.buffers, batch, labels, jax.random.PRNGKey(0))
     return float(total), int(count)

@@ -281,7 +281,9 @@ def test_on_a_tpu_the_int4_step_peaks_below_the_bfloat16_one():
         if scheme != "none":
             quantize.quantize_base(module, scheme)
         model = rt_model.to_jax(module, make_placement(MeshConfig(), devices), shapes_only=True)
-        plans[scheme] = steps.train_step_memory(model, steps.make_optimizer(TrainConfig()), 1, 8, 256, remat="layer")
+        plans[scheme] = steps.train_step_memory(
+            model, steps.make_optimizer(TrainConfig()), 1, 8, 256, steps.StepSpec("layer")
+        )
     none, int4 = plans["none"], plans["int4"]
     assert int4["argument_bytes"] < 0.4 * none["argument_bytes"]
     assert int4["temp_bytes"] < 2 * none["temp_bytes"]  # the layers' dequantized weights one at a time, not all at once

@@ -257,7 +257,7 @@ def test_loss_and_lora_gradients_match_trls(lora_module, jax_model, tokenizer, r
     for name, values in extra.items():
         batch[name] = on_token_axis(values, prompt_lengths, LENGTH)
     objective = preference.objective_of("grpo", None, rl)
-    summed = steps._summed_loss(jax_model, training=True, remat="none", fused=True, objective=objective)
+    summed = steps._summed_loss(jax_model, training=True, spec=steps.StepSpec(objective=objective))
 
     def mean_loss(weights, batch, labels):
         total, count = summed(weights, jax_model.buffers, batch, labels, jax.random.PRNGKey(0))

@@ -70,7 +70,7 @@ def test_a_model_drops_attention_in_training_and_not_in_eval():
     def losses(training: bool, dropout: float, seeds=(0,)) -> list[float]:
         for layer in module.model.layers:
             layer.self_attn.attention_dropout = dropout  # read when the step is traced
-        summed = jax.jit(steps._summed_loss(model, training=training, remat="none", fused=True))
+        summed = jax.jit(steps._summed_loss(model, training=training))
         return [float(summed(model.weights, model.buffers, batch, ids, jax.random.PRNGKey(s))[0]) for s in seeds]
 
     [plain] = losses(False, 0.0)

@@ -53,7 +53,7 @@ def _breakdown(folder, target: str) -> tuple[dict, object]:
     )
     module = as_trained(meta_model(str(folder), None, False, "bfloat16"), config, randomize_lora=False)
     model = to_jax(module, make_placement(config.mesh, targets.devices(targets.resolve(target))), shapes_only=True)
-    compiled = steps.compiled_train_step(model, steps.make_optimizer(config.train), 1, ROWS, LENGTH, "none")
+    compiled = steps.compiled_train_step(model, steps.make_optimizer(config.train), 1, ROWS, LENGTH)
     found = step_hlo.kernels(compiled.as_text(), RANK, VOCAB)
     chip = targets.resolve("h100").chip
     groups = {g["group"]: g for g in step_hlo.breakdown(found, chip.peak_flops, chip.hbm_bandwidth)}

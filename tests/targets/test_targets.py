@@ -137,7 +137,7 @@ def _argument_bytes(folder, method: str, mesh: list[str], target: str = "v5e:2x2
         folder, [f"train.method={method}", "train.batch_size=32", "lora.r=128", *mesh], target
     )
     optimizer = steps.make_optimizer(config.train)
-    plan = steps.train_step_memory(model, optimizer, 1, 32, 128, "matmuls")
+    plan = steps.train_step_memory(model, optimizer, 1, 32, 128, steps.StepSpec("matmuls"))
     if model.placement.mesh.devices.flat[0].platform == "tpu":  # a compile-only GPU counts neither
         assert plan["flops"] > 0 and plan["code_bytes"] > 0
     opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)

@@ -247,13 +247,13 @@ def test_a_step_the_compiler_refused_is_refused_again_without_compiling(tmp_path
     monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
     for attempt in range(2):
         with pytest.raises(RuntimeError) as refused:
-            steps.train_step_memory(model, optimizer, 1, 2, 32, remat="none")
+            steps.train_step_memory(model, optimizer, 1, 2, 32)
         assert words in compile_cache.refusal(refused.value)
     assert len(compiles) == 1 and isinstance(refused.value, compile_cache.RefusedBefore)
     # Another program (another length) is compiled, and refused on its own account.
     with pytest.raises(RuntimeError):
-        steps.train_step_memory(model, optimizer, 1, 2, 48, remat="none")
+        steps.train_step_memory(model, optimizer, 1, 2, 48)
     assert len(compiles) == 2
     monkeypatch.undo()  # the real compiler: a program it compiles is never held refused
     compile_cache.enable(tmp_path / "xla-cache")
-    assert steps.train_step_memory(model, optimizer, 1, 2, 64, remat="none")["peak_bytes"] > 0
+    assert steps.train_step_memory(model, optimizer, 1, 2, 64)["peak_bytes"] > 0

@@ -134,8 +134,16 @@ def test_every_input_of_a_key_gives_a_new_key():
             steps.shared_train_step(lora_model(layers=3), optimizer).structure,
             *base[2:],
         ),
-        "the remat policy": (*base[:2], steps.shared_train_step(model, optimizer, remat="layer").settings, base[3]),
-        "the loss chunk": (*base[:2], steps.shared_train_step(model, optimizer, chunk_tokens=64).settings, base[3]),
+        "the remat policy": (
+            *base[:2],
+            steps.shared_train_step(model, optimizer, steps.StepSpec("layer")).settings,
+            base[3],
+        ),
+        "the loss chunk": (
+            *base[:2],
+            steps.shared_train_step(model, optimizer, steps.StepSpec(chunk_tokens=64)).settings,
+            base[3],
+        ),
         "the optimizer's rule": (
             *base[:2],
             steps.shared_train_step(model, steps.make_optimizer(TrainConfig(optimizer="sgd"))).settings,

@@ -61,7 +61,7 @@ def step(family: str, remat: str, scanned: bool, monkeypatch) -> tuple[float, di
         "position_ids": np.broadcast_to(np.arange(48, dtype=np.int32), ids.shape).copy(),
     }
     weights = {k: v.copy() for k, v in model.weights.items()}
-    train_step = steps.make_train_step(model, optimizer, remat=remat)
+    train_step = steps.make_train_step(model, optimizer, steps.StepSpec(remat))
     loss, weights, _ = train_step(
         weights, model.buffers, steps.init_optimizer(model, optimizer, weights), batch, ids, steps.step_key(0, 0), 1.0
     )

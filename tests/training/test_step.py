@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+
 import jax
 import numpy as np
+import optax
 import pytest
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig, load_config
 from jaxtune.errors import ConfigError
-from jaxtune.runtime.compiled import steps
+from jaxtune.runtime.compiled import preference, programs, steps
 from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling import model as rt_model
 from jaxtune.runtime.train.feed import make_feed
@@ -43,7 +47,7 @@ def rows(n: int, seed: int = 0, longest: int = 40) -> tuple[np.ndarray, np.ndarr
 def one_step(model, cfg: TrainConfig, ids, mask, labels, k: int, remat: str = "none"):
     """One optimizer step over the rows split into k micro-batches; returns (loss, new weights)."""
     optimizer = steps.make_optimizer(cfg)
-    step = steps.make_train_step(model, optimizer, remat=remat)
+    step = steps.make_train_step(model, optimizer, steps.StepSpec(remat))
     shape = lambda a: a.reshape(k, a.shape[0] // k, a.shape[1])  # noqa: E731
     weights = {name: value.copy() for name, value in model.weights.items()}  # the step donates its inputs
     loss, weights, _ = step(
@@ -82,7 +86,7 @@ def remat_plans():
     model = lora_model(layers=4)
     optimizer = steps.make_optimizer(TrainConfig())
     temp = {
-        remat: steps.train_step_memory(model, optimizer, 1, 2, 512, remat=remat)["temp_bytes"]
+        remat: steps.train_step_memory(model, optimizer, 1, 2, 512, steps.StepSpec(remat))["temp_bytes"]
         for remat in ("none", "matmuls", "layer")
     }
     print(
@@ -171,6 +175,47 @@ def test_every_optimizer_lowers_the_loss_on_one_batch(optimizer):
         loss, weights, state = step(weights, model.buffers, state, batch, labels, steps.step_key(0, i), 1e-2)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_a_step_spec_is_a_hashable_value_with_a_concrete_remat_policy():
+    a = steps.StepSpec("layer", objective=preference.objective_of("dpo", None), chunk_tokens=64)
+    b = steps.StepSpec("layer", objective=preference.objective_of("dpo", None), chunk_tokens=64)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != dataclasses.replace(a, chunk_tokens=128) and a != steps.StepSpec("layer")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.remat = "none"
+    for bad in ("auto", "bogus"):
+        with pytest.raises(ValueError, match=rf"remat '{bad}' is not a policy .*\(none, matmuls, layer\)"):
+            steps.StepSpec(remat=bad)
+
+
+def kept_key(program: programs.Program) -> tuple:
+    """The settings `programs.shared` keeps `program` under."""
+    [settings] = [key[2] for key, kept in programs._kept.items() if kept is program]
+    return settings
+
+
+def test_equal_specs_share_a_train_step_and_an_optimizer_of_its_own_is_held_by_the_key():
+    model = lora_model()
+    optimizer, spec = steps.make_optimizer(TrainConfig()), steps.StepSpec("layer")
+    program = steps.shared_train_step(model, optimizer, spec)
+    assert steps.shared_train_step(model, optimizer, steps.StepSpec("layer")) is program
+    assert steps.shared_train_step(model, optimizer, steps.StepSpec("layer", chunk_tokens=64)) is not program
+    assert steps.shared_train_step(model, optimizer) is not program
+    assert kept_key(program) == (steps.optimizer_settings(optimizer), spec) and program.settings is not None
+
+    # An optimizer `make_optimizer` did not make is keyed by itself, not its id: the key keeps it alive,
+    # so no later optimizer can take its id and be served its program.
+    sgd = optax.sgd(0.1)
+    own, identity, init, update = steps.shared_train_step(model, sgd, spec), id(sgd), sgd.init, sgd.update
+    assert own is not program and own.settings is None  # nothing about it can be kept on disk
+    del sgd
+    gc.collect()
+    held, held_spec = kept_key(own)
+    assert isinstance(held, optax.GradientTransformation), held
+    assert (id(held), held.init, held.update, held_spec) == (identity, init, update, spec)
+    assert steps.shared_train_step(model, held, spec) is own
+    assert steps.shared_train_step(model, optax.sgd(0.1), spec) is not own
 
 
 def test_epochs_set_the_step_count():

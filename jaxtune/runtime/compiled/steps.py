@@ -8,6 +8,7 @@ backward pass, and draws dropout from a key the caller derives from (seed, step)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -17,7 +18,7 @@ import numpy as np
 import optax
 import torch
 
-from jaxtune.config import TrainConfig
+from jaxtune.config import REMAT_POLICIES, TrainConfig
 from jaxtune.runtime.compiled import programs
 from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
 from jaxtune.runtime.modeling.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
@@ -119,21 +120,43 @@ def grad_norm_of(opt_state: Any) -> jax.Array:
     return opt_state.inner_state[0].grad_norm
 
 
-def _summed_loss(
-    model: JaxModel,
-    training: bool,
-    remat: str,
-    fused: bool,
-    objective: Objective = SFT,
-    chunk_tokens: int | None = None,
-) -> Callable:
-    """JAX function (weights, buffers, batch, labels, key) -> (summed loss, count) of `objective`
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What a compiled train step depends on beyond the model's structure and the optimizer: with the
+    optimizer's settings, the key of its program (`shared_train_step`).
+
+    `remat`: the recomputation policy, one of `REMAT_POLICIES` (auto is resolved by `fit` before a
+    step is built); `fused`: fused attention and the chunked loss, else transformers' eager attention
+    and full logits; `objective`: what the step minimises; `chunk_tokens`: the loss's tokens per chunk
+    (None: `loss.chunk_tokens_on` the platform)."""
+
+    remat: str = "none"
+    fused: bool = True
+    objective: Objective = SFT
+    chunk_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat {self.remat!r} is not a policy a step compiles ({', '.join(REMAT_POLICIES)}): "
+                "resolve train.remat=auto with fit.choose first"
+            )
+
+
+def _summed_loss(model: JaxModel, training: bool, spec: StepSpec = StepSpec()) -> Callable:
+    """JAX function (weights, buffers, batch, labels, key) -> (summed loss, count) of `spec.objective`
     (`preference.summed_objective`: token NLL and scored tokens for sft); dropout, if any, draws from `key`."""
     from torchax import interop
 
+    objective = spec.objective
     temperature = objective.rl.temperature if objective.sampled else 1.0  # GRPO scores its tempered samples
     forward = forward_token_nll(
-        model, training=training, remat=remat, fused=fused, chunk_tokens=chunk_tokens, temperature=temperature
+        model,
+        training=training,
+        remat=spec.remat,
+        fused=spec.fused,
+        chunk_tokens=spec.chunk_tokens,
+        temperature=temperature,
     )
 
     def per_token(weights, buffers, batch, labels):
@@ -152,23 +175,13 @@ def _summed_loss(
     return run
 
 
-def _train_step_fn(
-    model: JaxModel,
-    optimizer: optax.GradientTransformation,
-    remat: str,
-    fused: bool,
-    objective: Objective = SFT,
-    chunk_tokens: int | None = None,
-) -> Callable:
+def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, spec: StepSpec = StepSpec()) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr) -> (loss, weights, opt_state).
 
     `batch` arrays and `labels` are (k, b, t): k micro-batches whose summed gradients, divided
     by all k micro-batches' count (scored tokens, or pairs), equal one big batch's mean-loss gradient.
     """
-    grad = jax.value_and_grad(
-        _summed_loss(model, training=True, remat=remat, fused=fused, objective=objective, chunk_tokens=chunk_tokens),
-        has_aux=True,
-    )
+    grad = jax.value_and_grad(_summed_loss(model, training=True, spec=spec), has_aux=True)
 
     def train_step(weights, buffers, opt_state, batch, labels, key, lr):
         def micro(carry, xs):
@@ -223,14 +236,7 @@ def init_optimizer(model: JaxModel, optimizer: optax.GradientTransformation, wei
     return jax.jit(optimizer.init, out_shardings=shardings)(weights)
 
 
-def _jitted_train_step(
-    model: JaxModel,
-    optimizer: optax.GradientTransformation,
-    remat: str,
-    fused: bool,
-    objective: Objective = SFT,
-    chunk_tokens: int | None = None,
-):
+def _jitted_train_step(model: JaxModel, optimizer: optax.GradientTransformation, spec: StepSpec = StepSpec()):
     """The train step jitted with every input and output's sharding pinned (so the second call
     finds the first's program), donating weights and optimizer state so they update in place."""
     placement = model.placement
@@ -239,7 +245,7 @@ def _jitted_train_step(
     opt_state = optimizer_shardings(optimizer, model.weights, placement.replicated)
     batch, one = placement.micro_batch_sharding, placement.replicated
     return jax.jit(
-        _train_step_fn(model, optimizer, remat, fused, objective, chunk_tokens),
+        _train_step_fn(model, optimizer, spec),
         donate_argnums=(0, 2),
         in_shardings=(weights, buffers, opt_state, batch, batch, one, one),
         out_shardings=(one, weights, opt_state),
@@ -247,40 +253,32 @@ def _jitted_train_step(
 
 
 def shared_train_step(
-    model: JaxModel,
-    optimizer: optax.GradientTransformation,
-    remat: str = "none",
-    fused: bool = True,
-    objective: Objective = SFT,
-    chunk_tokens: int | None = None,
+    model: JaxModel, optimizer: optax.GradientTransformation, spec: StepSpec = StepSpec()
 ) -> programs.Program:
-    """The jitted train step (`_jitted_train_step`) every model of this structure shares (see `programs`)."""
+    """The jitted train step (`_jitted_train_step`) every model of this structure shares (see `programs`).
+
+    Keyed by the optimizer's settings where `make_optimizer` made it, else by the optimizer itself
+    (a tuple of functions, equal only to itself), which the key then holds: no other optimizer can
+    come to share it."""
     described = optimizer_settings(optimizer)
     return programs.shared(
         "train_step",
         model,
-        (described or id(optimizer), remat, fused, objective, chunk_tokens),
-        lambda ref: _jitted_train_step(ref, optimizer, remat, fused, objective, chunk_tokens),
+        (described or optimizer, spec),
+        lambda ref: _jitted_train_step(ref, optimizer, spec),
         keep=described is not None,
     )
 
 
-def make_train_step(
-    model: JaxModel,
-    optimizer: optax.GradientTransformation,
-    remat: str = "none",
-    fused: bool = True,
-    objective: Objective = SFT,
-    chunk_tokens: int | None = None,
-) -> Callable:
+def make_train_step(model: JaxModel, optimizer: optax.GradientTransformation, spec: StepSpec = StepSpec()) -> Callable:
     """step(weights, buffers, opt_state, batch, labels, key, lr), jitted; weights and optimizer state are donated.
 
-    `fused=False` runs transformers' eager attention and full logits (what PyTorch eager
+    `spec.fused=False` runs transformers' eager attention and full logits (what PyTorch eager
     computes); it cannot isolate packed rows, so it takes unpacked batches only. A preference
-    `objective`'s batches carry `reference` (see `preference.summed_objective`). `chunk_tokens`: the
+    objective's batches carry `reference` (see `preference.summed_objective`). `spec.chunk_tokens`: the
     loss's tokens per chunk (default `loss.chunk_tokens_on` the platform; `fit` may choose more).
     """
-    program = shared_train_step(model, optimizer, remat, fused, objective, chunk_tokens)
+    program = shared_train_step(model, optimizer, spec)
     put = model.placement.put
 
     def run(weights, buffers, opt_state, batch, labels, key, lr):
@@ -321,11 +319,8 @@ def train_step_memory(
     micro_batches: int,
     batch_size: int,
     length: int,
-    remat: str = "none",
-    fused: bool = True,
-    objective: Objective = SFT,
+    spec: StepSpec = StepSpec(),
     segments: int = 0,
-    chunk_tokens: int | None = None,
 ) -> dict:
     """XLA's memory plan for one train step of (micro_batches, batch_size, length), compiled from shapes alone.
 
@@ -333,11 +328,7 @@ def train_step_memory(
     bytes are one device's: of arguments (weights, frozen tensors, optimizer state, batch), of
     outputs, of temporaries (activations kept for the backward pass, gradients), and their peak.
     """
-    return compiled_memory(
-        compiled_train_step(
-            model, optimizer, micro_batches, batch_size, length, remat, fused, objective, segments, chunk_tokens
-        )
-    )
+    return compiled_memory(compiled_train_step(model, optimizer, micro_batches, batch_size, length, spec, segments))
 
 
 def compiled_train_step(
@@ -346,16 +337,15 @@ def compiled_train_step(
     micro_batches: int,
     batch_size: int,
     length: int,
-    remat: str = "none",
-    fused: bool = True,
-    objective: Objective = SFT,
+    spec: StepSpec = StepSpec(),
     segments: int = 0,
-    chunk_tokens: int | None = None,
 ):
     """The train step XLA compiles for (micro_batches, batch_size, length) on the model's devices, from
     shapes alone. The step is the one training calls (`shared_train_step`), so that its first call at
-    these shapes reuses this trace instead of tracing the model again."""
-    program = shared_train_step(model, optimizer, remat, fused, objective, chunk_tokens)
+    these shapes reuses this trace instead of tracing the model again. `segments`: the reference
+    log-probabilities per sequence of a pairwise objective's batch."""
+    program = shared_train_step(model, optimizer, spec)
+    objective = spec.objective
     weights = shapes_of(model.weights)
     opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)
     shape = (micro_batches, batch_size, length)
@@ -418,7 +408,7 @@ def make_loss_and_grad(model: JaxModel, remat: str = "none", fused: bool = True)
     """grad(weights, buffers, batch, labels) -> (mean token loss, gradients of the weights), jitted."""
 
     def build(ref):
-        summed = _summed_loss(ref, training=False, remat=remat, fused=fused)
+        summed = _summed_loss(ref, training=False, spec=StepSpec(remat, fused))
 
         def loss(weights, buffers, batch, labels):
             nll, count = summed(weights, buffers, batch, labels, jnp.zeros((2,), jnp.uint32))

@@ -49,18 +49,8 @@ def memory_plan(
     rows = rows or cfg.batch_size
     if cfg.remat == "auto":
         raise ValueError("memory_plan compiles one remat policy: resolve train.remat=auto with fit.choose first")
-    xla = steps.train_step_memory(
-        model,
-        optimizer,
-        cfg.grad_accumulation,
-        rows,
-        length,
-        cfg.remat,
-        fused=fused,
-        objective=objective,
-        segments=segments,
-        chunk_tokens=chunk_tokens,
-    )
+    spec = steps.StepSpec(cfg.remat, fused=fused, objective=objective, chunk_tokens=chunk_tokens)
+    xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, spec, segments=segments)
     gradients = device_bytes(model.weights)
     opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
     return {

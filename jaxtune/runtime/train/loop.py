@@ -101,6 +101,7 @@ def run(
         cfg, chunk = chosen.train_config(cfg), chosen.chunk_tokens
     elif cfg.remat == "auto":
         cfg = cfg.model_copy(update={"remat": fit.fixed(cfg.remat)})
+    spec = steps.StepSpec(cfg.remat, fused=fused, objective=objective, chunk_tokens=chunk)
     total = source.total_steps(cfg)
     if chosen is not None:  # with train.epochs, a split feed may count a step more or less than the configured one
         on_log(
@@ -114,9 +115,7 @@ def run(
         )
         memory.check_fits(plan, asked)
     schedule = steps.learning_rate_schedule(cfg, total)
-    step_fn = steps.make_train_step(
-        model, optimizer, remat=cfg.remat, fused=fused, objective=objective, chunk_tokens=chunk
-    )
+    step_fn = steps.make_train_step(model, optimizer, spec)
     evaluate = evaluator(cfg) if evaluator is not None and cfg.eval_every else None
 
     weights, opt_state, start, log, last_checkpoint = resume(model, optimizer, checkpoint_dir, on_log)
