@@ -150,6 +150,52 @@ def _argument_bytes(folder, method: str, mesh: list[str], target: str = "v5e:2x2
 DATA4, FSDP4 = ["mesh.data=4"], ["mesh.data=1", "mesh.fsdp=4"]
 
 
+def test_a_plan_for_compile_only_devices_is_remembered_and_read_back_without_a_compile(
+    aligned_folder, tmp_path, monkeypatch
+):
+    """A target's step is compiled only for its plan: planning the very same program again reads the
+    plan remembered in the plans file instead of compiling for minutes, and gets the same figures; any
+    other program, or other compiler flags, is compiled."""
+    import json
+
+    import jax
+
+    from jaxtune.runtime.compiled import programs, steps
+    from jaxtune.runtime.devices import compile_cache
+
+    plans = tmp_path / "plans.json"
+    monkeypatch.setenv(compile_cache.PLANS_FILE_VARIABLE, str(plans))
+    config, model = _placed_model(aligned_folder, ["train.method=lora", *DATA4], "v5e:2x2")
+    optimizer = steps.make_optimizer(config.train)
+    compiles, compile = [], jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered, "compile", lambda self, *a, **k: compiles.append(self) or compile(self, *a, **k)
+    )
+
+    def plan(length: int) -> dict:
+        programs.clear()  # as a new process would: nothing compiled in memory
+        return steps.train_step_memory(model, optimizer, 1, 8, length, steps.StepSpec("matmuls"))
+
+    first = plan(64)
+    assert len(compiles) == 1 and len(json.loads(plans.read_text())) == 1
+    assert first["peak_bytes"] > first["argument_bytes"] > 0 and first["flops"] > 0
+    assert plan(64) == first and len(compiles) == 1  # read back, not compiled
+    # The key: another program, or the same one under other compiler flags, is another compile.
+    lowered, devices = compiles[0], list(model.placement.mesh.devices.flat)
+    key = compile_cache.program_key(lowered, devices)
+    programs.clear()
+    spec = steps.StepSpec("matmuls")
+    with model.env:
+        longer = steps.shared_train_step(model, optimizer, spec).lower(
+            model, *steps.train_step_arguments(model, optimizer, 1, 8, 128, spec)
+        )
+    assert compile_cache.program_key(longer, devices) != key
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler=true")
+    assert compile_cache.program_key(lowered, devices) != key
+    # Nothing of this machine's paths is in the key: a clone elsewhere finds the same records.
+    assert str(compile_cache.Path(__file__).parents[2]) not in lowered.as_text()
+
+
 def test_the_full_train_step_compiles_for_v5e_2x2_holding_the_shards_placement_gives_a_device(aligned_folder):
     """Measured: XLA:TPU's argument bytes are placement's to within 2,332 bytes of 13.4 MB on
     data=4 and of 3.4 MB on fsdp=4 (the 1-D norms and scalars, which XLA:TPU lays out in tiles of

@@ -116,12 +116,14 @@ class Program:
             if self.settings is not None and executables.folder() is not None
             else None
         )
-        compiled = executables.load(kept, what) if kept else None
-        if compiled is None:
+        devices = list(model.placement.mesh.devices.flat)
+        if planning and compile_cache.compile_only(devices):  # never run: its plan alone is read, and remembered
+            with executables.watching(what):
+                compiled = compile_cache.compile_for_plan(self.lower(model, *args), devices, what)
+            keep = lambda: None  # noqa: E731
+        elif (compiled := executables.load(kept, what) if kept else None) is None:
             with executables.watching(what) as compiling:
-                compiled = compile_cache.compile_remembering_refusals(
-                    self.lower(model, *args), model.placement.mesh.devices.flat
-                )
+                compiled = compile_cache.compile_remembering_refusals(self.lower(model, *args), devices)
             from_jax_cache = compiling.from_jax_cache
             keep = lambda: executables.save(kept, what, compiled, from_jax_cache) if kept else None  # noqa: E731
             if not planning:

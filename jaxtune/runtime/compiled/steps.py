@@ -345,6 +345,22 @@ def compiled_train_step(
     these shapes reuses this trace instead of tracing the model again. `segments`: the reference
     log-probabilities per sequence of a pairwise objective's batch."""
     program = shared_train_step(model, optimizer, spec)
+    arguments = train_step_arguments(model, optimizer, micro_batches, batch_size, length, spec, segments)
+    with model.env:
+        return program.compiled_for(model, *arguments, planning=True)
+
+
+def train_step_arguments(
+    model: JaxModel,
+    optimizer: optax.GradientTransformation,
+    micro_batches: int,
+    batch_size: int,
+    length: int,
+    spec: StepSpec = StepSpec(),
+    segments: int = 0,
+) -> tuple:
+    """The train step's arguments (weights, buffers, optimizer state, batch, labels, key, rate) as shapes
+    with their shardings, for a batch of (micro_batches, batch_size, length) (see `compiled_train_step`)."""
     objective = spec.objective
     weights = shapes_of(model.weights)
     opt_state = optimizer_state_shapes(optimizer, weights, model.placement.replicated)
@@ -361,10 +377,7 @@ def compiled_train_step(
     labels = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=model.placement.replicated)
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=model.placement.replicated)
-    with model.env:
-        return program.compiled_for(
-            model, weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr, planning=True
-        )
+    return weights, shapes_of(model.buffers), opt_state, batch, labels, key, lr
 
 
 def shapes_of(tree) -> Any:

@@ -8,6 +8,13 @@ JAX keeps only programs that compiled. A program the compiler refused for want o
 refuses at compile time a step past the chip) is remembered here too, in `refused.json` beside
 JAX's files, by the lowered program and the devices and versions that refused it, so that
 `train.remat: auto`'s next run skips that candidate's minutes-long compile.
+
+A program compiled for a target's compile-only devices (`jaxtune doctor --target`, planning for a
+chip that is not here) is never run: only its memory plan and costs are read. Those figures are
+remembered in `plans.json` (or the file `$JAXTUNE_PLANS_FILE` names) by the same key, so that planning
+the same program again reads them instead of compiling it for minutes. The key holds all a
+compile's outcome depends on: the lowered program, the devices (kind, count, place in the topology),
+the compiler's version and its flags.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -83,7 +91,18 @@ def program_key(lowered, devices) -> str:
         *sorted({d.device_kind for d in devices}),
         str(len(devices)),
     ]
-    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
+    if compile_only(devices):  # a target's devices: their places in its topology, and the flags libtpu reads
+        parts += [str([getattr(d, "coords", None) for d in devices]), *map(os.environ.get, COMPILER_FLAGS)]
+    return hashlib.sha256("\n".join(map(str, parts)).encode("utf-8")).hexdigest()
+
+
+COMPILER_FLAGS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")  # the environment's settings of the compilers
+
+
+def compile_only(devices) -> bool:
+    """Whether `devices` are a target's (`targets.devices`): compiled for, never run on."""
+    client = getattr(list(devices)[0], "client", None)
+    return "CompileOnly" in type(client).__name__
 
 
 def known_refusal(lowered, devices) -> str | None:
@@ -128,3 +147,74 @@ def compile_remembering_refusals(lowered, devices):
         if words is not None:
             remember_refusal(lowered, devices, words)
         raise
+
+
+PLANS_FILE = "plans.json"
+PLANS_FILE_VARIABLE = "JAXTUNE_PLANS_FILE"  # a file of plans in place of the one beside the compilation cache
+# What `steps.compiled_memory` reads of a compiled program's memory analysis.
+MEMORY_FIELDS = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "temp_size_in_bytes",
+    "alias_size_in_bytes",
+    "generated_code_size_in_bytes",
+)
+
+
+class KnownPlan:
+    """A compile's memory analysis and costs as remembered (`plans.json`): what planning reads of an
+    executable for devices that cannot run it, without the executable."""
+
+    def __init__(self, record: dict):
+        self.record = record
+
+    def memory_analysis(self) -> SimpleNamespace:
+        return SimpleNamespace(**self.record["memory"])
+
+    def cost_analysis(self) -> dict:
+        return dict(self.record["cost"])
+
+
+def _plans() -> Path | None:
+    named = os.environ.get(PLANS_FILE_VARIABLE)
+    if named:
+        return Path(named)
+    folder = jax.config.jax_compilation_cache_dir
+    return Path(folder) / PLANS_FILE if folder else None
+
+
+def _read(path: Path | None) -> dict:
+    try:
+        return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        return {}  # an unreadable record costs a compile, nothing more
+
+
+def compile_for_plan(lowered, devices, what: str = ""):
+    """For a target's compile-only devices: the plan remembered for this very program (`KnownPlan`), else
+    `compile_remembering_refusals`, its plan then remembered under `what` (a program's description,
+    for a reader of the file). Refusals are remembered as they are for any compile."""
+    devices = list(devices)
+    path = _plans()
+    key = program_key(lowered, devices) if path is not None else None
+    known = _read(path).get(key) if key else None
+    if known is not None:
+        executables.logger.info("%s: its plan read from %s, where this very program's compile left it", what, path)
+        return KnownPlan(known)
+    compiled = compile_remembering_refusals(lowered, devices)
+    if key:
+        stats, cost = compiled.memory_analysis(), compiled.cost_analysis()
+        if isinstance(cost, list):  # one dict per program in older JAX
+            cost = cost[0] if cost else {}
+        record = {
+            "program": what,
+            "memory": {field: int(getattr(stats, field)) for field in MEMORY_FIELDS},
+            "cost": {k: float(v) for k, v in (cost or {}).items()},
+        }
+        found = _read(path)
+        found[key] = record
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+        temporary.replace(path)
+    return compiled
