@@ -122,6 +122,11 @@ def _stream(
         # Read in this thread: tensors read by worker threads go to their own malloc arenas, which
         # each keep a layer's worth of freed memory.
         stack.enter_context(_environ(HF_DEACTIVATE_ASYNC_LOAD="1"))
+        # What exists before the load (the imported libraries' objects, the caller's) is frozen out of the
+        # collections each layer runs, so that each looks at the load's own objects alone: a full
+        # collection of the whole heap took 0.7 s a layer in a process holding PyTorch, transformers and JAX.
+        gc.freeze()
+        stack.callback(gc.unfreeze)
         tensors = {}
         for file in files:
             handle = stack.enter_context(_open(file))
