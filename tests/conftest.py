@@ -47,6 +47,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The CPU alone, in this process and every process it starts: with libtpu installed (the tpu-plan
 # extra the target tests use) JAX would first look for a TPU and print libtpu's warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The plans of the steps the suite compiles for a target's compile-only TPU or GPU devices (recipe fits,
+# doctor --target) are read from, and a new one written to, this committed file (`compile_cache`): each
+# of those compiles takes minutes on 2 cores, and its outcome is a function of its key alone (the lowered
+# program, the devices, the compiler's version and flags). A change to a program, a recipe or the
+# compiler is another key: that step is compiled for real and its plan added here (commit the file with
+# the change; delete it and run `PYTHONHASHSEED=0 pytest -m target` to drop the records nothing reads any
+# more). `make test` runs with PYTHONHASHSEED=0: Gemma 3's programs trace in the order of a set of strings.
+os.environ.setdefault("JAXTUNE_PLANS_FILE", os.path.join(os.path.dirname(__file__), "targets", "plans.json"))
 # No executables kept whole, nor plans recalled, across the suite's tests: a test that fakes a plan or a
 # refusal must not find another test's. tests/training/test_kept_executables.py turns them on in a
 # folder of its own.

@@ -4,9 +4,10 @@ compiler for `plan.target`, on a meta model of its checkpoint's exact shape.
 
 The shapes come from nothing downloaded (tests/targets/recipes.py): the hub recipes' models from
 their `config.json` as published, the offline recipes' from the headers of the GGUF files their pip
-packages install. The train step is each plan's largest and is what is compiled
-here (1-2 minutes each on 2 cores); `jaxtune doctor MODEL --config RECIPE --target` adds the eval
-and decode steps (docs/planning.md's table of recipes and chips). A recipe whose step is another's
+packages install. The train step is each plan's largest and is what is compiled here (2-7 minutes
+each on 2 cores; where it traces to the very program whose plan tests/targets/plans.json holds, that
+plan is read instead: tests/conftest.py); `jaxtune doctor MODEL --config RECIPE --target` adds the
+eval and decode steps (docs/planning.md's table of recipes and chips). A recipe whose step is another's
 on fewer rows (`COVERED_BY`) fits where that one does and is not compiled again."""
 
 from __future__ import annotations

@@ -159,6 +159,7 @@ MEMORY_FIELDS = (
     "alias_size_in_bytes",
     "generated_code_size_in_bytes",
 )
+COST_FIELDS = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")  # the whole program's, not per operand
 
 
 class KnownPlan:
@@ -209,7 +210,7 @@ def compile_for_plan(lowered, devices, what: str = ""):
         record = {
             "program": what,
             "memory": {field: int(getattr(stats, field)) for field in MEMORY_FIELDS},
-            "cost": {k: float(v) for k, v in (cost or {}).items()},
+            "cost": {k: float(v) for k, v in (cost or {}).items() if k in COST_FIELDS},
         }
         found = _read(path)
         found[key] = record
