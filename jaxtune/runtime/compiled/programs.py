@@ -90,14 +90,16 @@ class Program:
         with lowering(model.placement.mesh):
             return self.jitted.lower(*args)
 
-    def compiled_for(self, model, *args, planning: bool = False):
+    def compiled_for(self, model, *args, planning: bool = False, plan_only: bool = False):
         """The executable for `args` (arrays or shapes): this process's, else the one kept on disk, else
         traced, lowered and compiled now (saying so while it runs) and kept. A compile the devices'
         compiler refuses for want of memory raises, and is remembered (`compile_cache`).
 
         `planning`: compiled to read its memory plan, one candidate of several (`fit`): held only
         until the next candidate's compile (a loaded executable's code lies in device memory), so
-        that the chosen one, compiled last, is the one the first step finds, and kept on disk then."""
+        that the chosen one, compiled last, is the one the first step finds, and kept on disk then.
+        `plan_only`: only its memory analysis and costs will be read: for a target's compile-only devices,
+        which never run it, a plan remembered for this very program stands in (`compile_cache.compile_for_plan`)."""
         global _planned
         signature = executables.signature(args)
         compiled = self.compiled.get(signature)
@@ -117,7 +119,7 @@ class Program:
             else None
         )
         devices = list(model.placement.mesh.devices.flat)
-        if planning and compile_cache.compile_only(devices):  # never run: its plan alone is read, and remembered
+        if plan_only and compile_cache.compile_only(devices):  # never run: its plan alone is read, and remembered
             with executables.watching(what):
                 compiled = compile_cache.compile_for_plan(self.lower(model, *args), devices, what)
             keep = lambda: None  # noqa: E731

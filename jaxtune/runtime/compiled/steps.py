@@ -328,7 +328,9 @@ def train_step_memory(
     bytes are one device's: of arguments (weights, frozen tensors, optimizer state, batch), of
     outputs, of temporaries (activations kept for the backward pass, gradients), and their peak.
     """
-    return compiled_memory(compiled_train_step(model, optimizer, micro_batches, batch_size, length, spec, segments))
+    return compiled_memory(
+        compiled_train_step(model, optimizer, micro_batches, batch_size, length, spec, segments, plan_only=True)
+    )
 
 
 def compiled_train_step(
@@ -339,15 +341,17 @@ def compiled_train_step(
     length: int,
     spec: StepSpec = StepSpec(),
     segments: int = 0,
+    plan_only: bool = False,
 ):
     """The train step XLA compiles for (micro_batches, batch_size, length) on the model's devices, from
     shapes alone. The step is the one training calls (`shared_train_step`), so that its first call at
     these shapes reuses this trace instead of tracing the model again. `segments`: the reference
-    log-probabilities per sequence of a pairwise objective's batch."""
+    log-probabilities per sequence of a pairwise objective's batch. `plan_only`: only its memory analysis
+    and costs are read (on a target's compile-only devices, they may be a remembered plan's)."""
     program = shared_train_step(model, optimizer, spec)
     arguments = train_step_arguments(model, optimizer, micro_batches, batch_size, length, spec, segments)
     with model.env:
-        return program.compiled_for(model, *arguments, planning=True)
+        return program.compiled_for(model, *arguments, planning=True, plan_only=plan_only)
 
 
 def train_step_arguments(
