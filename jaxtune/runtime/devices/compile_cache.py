@@ -105,37 +105,28 @@ def compile_only(devices) -> bool:
     return "CompileOnly" in type(client).__name__
 
 
-def known_refusal(lowered, devices) -> str | None:
-    """The compiler's words when it refused `lowered` for `devices` before (with the cache enabled), else None."""
+def known_refusal(lowered, devices, key: str | None = None) -> str | None:
+    """The compiler's words when it refused `lowered` for `devices` before (with the cache enabled), else None.
+    `key`: its `program_key`, where the caller has it."""
     path = _refusals()
     if path is None or not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text()).get(program_key(lowered, devices))
-    except (OSError, ValueError):
-        return None  # an unreadable record costs a compile, nothing more
+    return _read(path).get(key or program_key(lowered, devices))
 
 
-def remember_refusal(lowered, devices, words: str) -> None:
+def remember_refusal(lowered, devices, words: str, key: str | None = None) -> None:
     """Record that the compiler refused `lowered` for `devices`, saying `words` (with the cache enabled)."""
     path = _refusals()
-    if path is None:
-        return
-    try:
-        found = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        found = {}
-    found[program_key(lowered, devices)] = words
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(found, indent=1, sort_keys=True))
-    temporary.replace(path)
+    if path is not None:
+        _record(path, key or program_key(lowered, devices), words)
 
 
-def compile_remembering_refusals(lowered, devices):
+def compile_remembering_refusals(lowered, devices, key: str | None = None):
     """`lowered.compile()`, except where the compiler refused the same program before (for want of
-    memory): then RefusedBefore at once, with the compiler's words."""
+    memory): then RefusedBefore at once, with the compiler's words. `key`: its `program_key`, where
+    the caller has it (hashing a large program's text takes seconds)."""
     devices = list(devices)
-    known = known_refusal(lowered, devices)
+    known = known_refusal(lowered, devices, key)
     if known is not None:
         raise RefusedBefore(
             f"RESOURCE_EXHAUSTED: {known} (refused before; remembered in the compilation cache's {REFUSALS_FILE})"
@@ -145,8 +136,26 @@ def compile_remembering_refusals(lowered, devices):
     except Exception as error:
         words = refusal(error)
         if words is not None:
-            remember_refusal(lowered, devices, words)
+            remember_refusal(lowered, devices, words, key)
         raise
+
+
+def _read(path: Path | None) -> dict:
+    """A file of records by program key (`refused.json`, `plans.json`); empty where there is none."""
+    try:
+        return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        return {}  # an unreadable record costs a compile, nothing more
+
+
+def _record(path: Path, key: str, value) -> None:
+    """`value` under `key` in the file at `path`, the records other processes wrote since kept."""
+    found = _read(path)
+    found[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+    temporary.replace(path)
 
 
 PLANS_FILE = "plans.json"
@@ -184,13 +193,6 @@ def _plans() -> Path | None:
     return Path(folder) / PLANS_FILE if folder else None
 
 
-def _read(path: Path | None) -> dict:
-    try:
-        return json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    except (OSError, ValueError):
-        return {}  # an unreadable record costs a compile, nothing more
-
-
 def compile_for_plan(lowered, devices, what: str = ""):
     """For a target's compile-only devices: the plan remembered for this very program (`KnownPlan`), else
     `compile_remembering_refusals`, its plan then remembered under `what` (a program's description,
@@ -202,7 +204,7 @@ def compile_for_plan(lowered, devices, what: str = ""):
     if known is not None:
         executables.logger.info("%s: its plan read from %s, where this very program's compile left it", what, path)
         return KnownPlan(known)
-    compiled = compile_remembering_refusals(lowered, devices)
+    compiled = compile_remembering_refusals(lowered, devices, key)
     if key:
         stats, cost = compiled.memory_analysis(), compiled.cost_analysis()
         if isinstance(cost, list):  # one dict per program in older JAX
@@ -212,10 +214,5 @@ def compile_for_plan(lowered, devices, what: str = ""):
             "memory": {field: int(getattr(stats, field)) for field in MEMORY_FIELDS},
             "cost": {k: float(v) for k, v in (cost or {}).items() if k in COST_FIELDS},
         }
-        found = _read(path)
-        found[key] = record
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
-        temporary.replace(path)
+        _record(path, key, record)
     return compiled
