@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.runtime.test_flops import counted_keys
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 ACCELERATOR = BENCHMARKS / "accelerator"
@@ -188,9 +190,10 @@ def test_mfu_follows_from_tokens_per_second_and_the_model_flops(tiny):
             achieved = figures["tokens_per_second"] * figures["flops_per_token"]
             assert figures["mfu"] == pytest.approx(achieved / peak, rel=1e-9)
             assert figures["mfu_vs_matmul"] == pytest.approx(achieved / matmul, rel=1e-9)
-        # full fine-tuning: 6 FLOPs per matmul weight and token, attention 3 x 2 x 2 x (length / 2) x heads x
-        # head_dim per layer
-        attention = 12 * (length / 2) * shape["num_attention_heads"] * shape["head_dim"] * shape["num_hidden_layers"]
+        # full fine-tuning: 6 FLOPs per matmul weight and token, attention 3 x 2 x 2 x keys x heads x head_dim per
+        # layer, the keys each query's mask lets through (a sliding layer's at most its window)
+        keys = sum(counted_keys([kind], shape["sliding_window"], length) for kind in shape["layer_types"])
+        attention = 12 * keys * shape["num_attention_heads"] * shape["head_dim"]
         full = result["sides"]["jaxtune-full"]["flops_per_token"]
         assert full == pytest.approx(6 * shape["matmul_weights"] + attention, rel=1e-12), config["model_type"]
         assert (
@@ -310,6 +313,8 @@ def tiny_shape(report: dict) -> dict:
         "num_attention_heads": config.num_attention_heads,
         "head_dim": config.head_dim,
         "num_hidden_layers": config.num_hidden_layers,
+        "layer_types": getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers,
+        "sliding_window": getattr(config, "sliding_window", None),
         "matmul_weights": linear,
     }
 

@@ -68,11 +68,16 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
     cfg, model = open_benchmark_model(settings, folder, method)
     results.add(event="loaded", method=method, seconds=time.perf_counter() - start)
     for rows, length in settings.cases:  # counted before any case runs, so a cut case's other sides still get an MFU
-        per_token = flops.train_flops_per_token(
-            model, length / 2
-        )  # causal: a token attends over half the row on average
+        # attention as the model computes it: half the row causally, at most the window in a sliding layer
+        per_token = flops.train_flops_per_token(model, flops.attended_keys(model.config, length))
+        half_row = flops.train_flops_per_token(model, (length + 1) / 2)["total"]  # as before: every layer global
         results.add(
-            event="flops", method=method, case=case_name(rows, length), per_token=per_token["total"], detail=per_token
+            event="flops",
+            method=method,
+            case=case_name(rows, length),
+            per_token=per_token["total"],
+            per_token_half_row=half_row,
+            detail=per_token,
         )
     initial = jax.device_get(model.weights)  # each case starts from these, with one copy on the device at a time
 

@@ -177,7 +177,8 @@ def build_report(
         "peak": device.get("peak"),
         "measured_matmul": matmul or None,
         "mfu_derivation": (
-            "tokens/s x flops.train_flops_per_token (attention over half the row) / peak FLOP/s of one device"
+            "tokens/s x flops.train_flops_per_token (attention over flops.attended_keys: half the row causally, "
+            "at most the window in a sliding-window layer) / peak FLOP/s of one device"
         ),
         "parts": parts,
         "train": train_results(settings, lines, parts, peak, matmul.get("flops_per_second")),

@@ -4,7 +4,9 @@ Counted as the PaLM paper does (appendix B), adapted to frozen weights: a matmul
 entries costs 2n FLOPs per token forward and 2n backward for the activations' gradient; only
 trained weights add another 2n for their own gradient. Attention adds 2·2·t·d per token and
 layer forward (scores and the weighted sum over t keys, d = heads × head_dim), twice that
-backward. Embedding lookups are not FLOPs; a tied output head is a matmul and counts.
+backward, with t the keys the layer computes over (`attended_keys`: causally about half the row,
+at most the window in a sliding-window layer). Embedding lookups are not FLOPs; a tied output
+head is a matmul and counts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxtune.runtime.modeling.model import JaxModel
+from jaxtune.runtime.modeling.quantize import QuantizedLinear
 
 # Dense (no sparsity) bf16 peak FLOP/s of one chip, by the device kind JAX reports: the first key
 # the kind starts with. The data sheets quote NVIDIA's figures with sparsity, twice the dense ones.
@@ -51,14 +54,23 @@ def _matmul_entries(model: JaxModel) -> tuple[int, int]:
     """(entries of frozen matmul weights, entries of trained ones).
 
     Every 2-d tensor is a matmul weight but lookup tables: position tables, and the (vocab, d)
-    tensors, of which exactly one, the output head, is a matmul (trained if any of them is).
+    tensors, of which exactly one, the output head, is a matmul (trained if any of them is). A weight
+    held quantized counts its (out, in) entries, as the matmul its dequantized value takes part in.
     """
     config = model.config
     vocab = (config.vocab_size, config.hidden_size)
-    entries = {"frozen": 0, "trained": 0}
+    # A base held quantized (`QuantizedLinear`): its codes, scales and levels stand for one (out, in) weight.
+    quantized = {
+        name: layer.in_features * layer.out_features
+        for name, layer in model.module.named_modules()
+        if isinstance(layer, QuantizedLinear)
+    }
+    entries = {"frozen": sum(quantized.values()), "trained": 0}
     head = "frozen"
     for kind, tree in (("frozen", model.buffers), ("trained", model.weights)):
         for name, value in tree.items():
+            if name.rsplit(".", 1)[0] in quantized:  # counted once, above, as the weight it stands for
+                continue
             if value.ndim != 2 or any(p in name for p in POSITION_TABLES):
                 continue
             if tuple(value.shape) == vocab:
@@ -67,6 +79,22 @@ def _matmul_entries(model: JaxModel) -> tuple[int, int]:
             entries[kind] += int(np.prod(value.shape))
     entries[head] += vocab[0] * vocab[1]
     return entries["frozen"], entries["trained"]
+
+
+def attended_keys(config, length: int) -> float:
+    """The keys a token attends over in a causal row of `length` tokens, averaged over the row's tokens and
+    the model's layers: (length + 1) / 2 in a global layer; in a sliding-window layer of window w, where
+    token i sees min(i + 1, w) keys, at most w (Gemma 3's 5 of 6 layers, Mistral's all)."""
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None) or [("sliding_attention" if window else "full_attention")] * layers
+
+    def mean(w: int | None) -> float:
+        if not w or w >= length:
+            return (length + 1) / 2
+        return (w * (w + 1) / 2 + (length - w) * w) / length
+
+    return sum(mean(window if kind == "sliding_attention" else None) for kind in kinds) / len(kinds)
 
 
 def train_flops_per_token(model: JaxModel, context: float) -> dict:

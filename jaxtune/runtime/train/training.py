@@ -162,10 +162,11 @@ class FeedSource:
 
 
 def flops_per_token(model: JaxModel, feed: Feed) -> dict:
-    """Model FLOPs per real token (attention over about half the mean row, causally) and the devices' peak."""
-    from jaxtune.runtime.measures.flops import device_peak, train_flops_per_token
+    """Model FLOPs per real token (attention over about half the mean row causally, at most the window in a
+    sliding-window layer) and the devices' peak."""
+    from jaxtune.runtime.measures.flops import attended_keys, device_peak, train_flops_per_token
 
-    context = float(np.mean(feed.lengths)) / 2
+    context = attended_keys(model.config, round(float(np.mean(feed.lengths))))
     per_token = train_flops_per_token(model, context)["total"]
     peak = device_peak()
     return {
