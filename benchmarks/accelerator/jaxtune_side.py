@@ -18,6 +18,7 @@ from benchmarks.accelerator.shared import (
     jax_memory,
     jaxtune_side,
     measure_cases,
+    process_rss,
     prompts,
     train_batch,
 )
@@ -66,7 +67,10 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
 
     start = time.perf_counter()
     cfg, model = open_benchmark_model(settings, folder, method)
-    results.add(event="loaded", method=method, seconds=time.perf_counter() - start)
+    # the process's peak resident memory once loaded: a base quantized on the way never holds its float weights whole
+    results.add(
+        event="loaded", method=method, seconds=time.perf_counter() - start, host_peak_bytes=process_rss()["peak_bytes"]
+    )
     for rows, length in settings.cases:  # counted before any case runs, so a cut case's other sides still get an MFU
         # attention as the model computes it: half the row causally, at most the window in a sliding layer
         per_token = flops.train_flops_per_token(model, flops.attended_keys(model.config, length))

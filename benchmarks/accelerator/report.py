@@ -181,6 +181,12 @@ def build_report(
             "at most the window in a sliding-window layer) / peak FLOP/s of one device"
         ),
         "parts": parts,
+        # jaxtune's model opened as the train stage opens it: seconds, and the process's peak host memory by then
+        "loaded": {
+            line["method"]: {k: v for k, v in line.items() if k not in ("event", "method", "part")}
+            for line in lines
+            if line.get("event") == "loaded"
+        },
         "train": train_results(settings, lines, parts, peak, matmul.get("flops_per_second")),
         "decode": decode_results(lines, parts),
         **(

@@ -14,12 +14,15 @@
 #   bash benchmarks/tpu/v5e_session.sh scan      # the Gemma LoRA step with model.scan_layers
 #   bash benchmarks/tpu/v5e_session.sh rerun     # the Gemma LoRA step's first step cold (no cache), then again with another
 #                                                # learning rate and seed: the kept plan and executable, no trace or compile
+#   bash benchmarks/tpu/v5e_session.sh gemma4b   # Gemma 3 4B LoRA, bf16 base, at 8 x 1024 and 1 x 16384, with defaults
+#   bash benchmarks/tpu/v5e_session.sh long      # Gemma 3 1B LoRA at 1 x 32768, with defaults
+#   bash benchmarks/tpu/v5e_session.sh gemma12b  # Gemma 3 12B LoRA over an nf4 base (quantized as it loads) at 4 x 1024
 #   bash benchmarks/tpu/v5e_session.sh stages    # tpu_check.py: every stage of the offline pipeline on the chip (as
 #                                                # `make tpu-check`), called without Prefect: the machine has no socket
 #
 # A part's files come back from a lent machine only a few at a time, so the profile's traces travel as one archive.
 set -euo pipefail
-part=${1:?which part: peers, llama, decode, grpo, scan, rerun or stages}
+part=${1:?which part: peers, llama, decode, grpo, scan, rerun, gemma4b, long, gemma12b or stages}
 out=${OUT:-/tmp/v5e}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -52,10 +55,19 @@ rerun)
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 4 --out "$out/rerun-cold"
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 3 \
         --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/rerun-warm" ;;
+gemma4b)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-4b --cases 8x1024 \
+        --cases 1x16384 --minutes "${MINUTES:-8.5}" --out "$out/gemma3-4b" ;;
+long)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 1x32768 --minutes "${MINUTES:-6}" \
+        --out "$out/gemma3-1b-32k" ;;
+gemma12b)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-12b --cases 4x1024 \
+        --set model.base_quantization=nf4 --minutes "${MINUTES:-9}" --out "$out/gemma3-12b-nf4" ;;
 stages)
     PYTHONHASHSEED=0 python3 -m benchmarks.tpu.tpu_check --no-prefect --out "$out/tpu-check" ;;
 *)
-    echo "v5e_session.sh: no part $part (peers, llama, decode, grpo, scan, rerun or stages)" >&2
+    echo "v5e_session.sh: no part $part (peers, llama, decode, grpo, scan, rerun, gemma4b, long, gemma12b or stages)" >&2
     exit 2 ;;
 esac
 ls -la "$out"
