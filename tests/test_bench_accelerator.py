@@ -328,6 +328,10 @@ def test_shipped_shapes_are_the_published_models():
         "gemma-3-1b": 999_885_952,
         "gemma-3-4b": 3_880_099_328,  # the text decoder of Gemma 3 4B and 12B, as published without the vision tower
         "gemma-3-12b": 11_765_788_416,
+        # the text decoder of Gemma 3 27B as its published config builds it (the published 27.4B counts the vision
+        # tower too)
+        "gemma-3-27b": 27_009_002_240,
+        "llama-3.1-70b": 70_553_706_496,  # as published for Llama 3.1 70B
         "llama-3.2-1b": 1_235_814_400,
         "qwen2.5-0.5b": 494_032_768,
     }
