@@ -17,18 +17,26 @@
 #   bash benchmarks/tpu/v5e_session.sh gemma4b   # Gemma 3 4B LoRA, bf16 base, at 8 x 1024 and 1 x 16384, with defaults
 #   bash benchmarks/tpu/v5e_session.sh long      # Gemma 3 1B LoRA at 1 x 32768, with defaults
 #   bash benchmarks/tpu/v5e_session.sh gemma12b  # Gemma 3 12B LoRA over an nf4 base (quantized as it loads) at 4 x 1024
+#                                                # (these three: LoRA r=16 on every linear layer, as WIDE sets; WIDE= for the
+#                                                # recipe's r=8 on the attention projections; MINUTES=... for longer)
+#   bash benchmarks/tpu/v5e_session.sh real      # the Gemma 3 270M recipe (configs/gemma3-270m-offline-lora.yaml): a real
+#                                                # checkpoint trained on the chip, every stage, without Prefect. Its GGUF
+#                                                # file (238 MiB) travels in pieces: here, `python -m jaxtune.offline.checkpoints`
+#                                                # then `split -b 48M .jaxtune/models/gemma-3-270m-q4_k_m.gguf .carry/gemma-270m.`;
+#                                                # each piece carried by a call of its own on one warm machine
 #   bash benchmarks/tpu/v5e_session.sh stages    # tpu_check.py: every stage of the offline pipeline on the chip (as
 #                                                # `make tpu-check`), called without Prefect: the machine has no socket
 #
 # A part's files come back from a lent machine only a few at a time, so the profile's traces travel as one archive.
 set -euo pipefail
-part=${1:?which part: peers, llama, decode, grpo, scan, rerun, gemma4b, long, gemma12b or stages}
+part=${1:?which part: peers, llama, decode, grpo, scan, rerun, gemma4b, long, gemma12b, real or stages}
 out=${OUT:-/tmp/v5e}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 # shellcheck source=/dev/null
 source benchmarks/tpu/tpu_install.sh
 export PYTHONUNBUFFERED=1 JAXTUNE_COMPILE_CACHE=/tmp/xla-cache
+WIDE=${WIDE-"--set lora.r=16 --set lora.alpha=32 --set lora.target_modules=all-linear"}
 if [ "$part" = peers ] || [ "$part" = llama ]; then  # only these run Tunix's side
     [ -f /tmp/tunix-site/.done ] || { benchmarks/accelerator/tunix_wheels.sh install /tmp/tunix-site && touch /tmp/tunix-site/.done; }
     export TUNIX_SITE=/tmp/tunix-site
@@ -57,17 +65,26 @@ rerun)
         --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/rerun-warm" ;;
 gemma4b)
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-4b --cases 8x1024 \
-        --cases 1x16384 --minutes "${MINUTES:-8.5}" --out "$out/gemma3-4b" ;;
+        --cases 1x16384 $WIDE --minutes "${MINUTES:-8.5}" --out "$out/gemma3-4b" ;;
 long)
-    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 1x32768 --minutes "${MINUTES:-6}" \
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 1x32768 $WIDE --minutes "${MINUTES:-6}" \
         --out "$out/gemma3-1b-32k" ;;
 gemma12b)
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-12b --cases 4x1024 \
-        --set model.base_quantization=nf4 --minutes "${MINUTES:-9}" --out "$out/gemma3-12b-nf4" ;;
+        --set model.base_quantization=nf4 $WIDE --minutes "${MINUTES:-9}" --out "$out/gemma3-12b-nf4" ;;
+real)
+    gguf=.jaxtune/models/gemma-3-270m-q4_k_m.gguf
+    if [ ! -f "$gguf" ]; then
+        mkdir -p .jaxtune/models
+        cat .carry/gemma-270m.* > "$gguf"
+    fi
+    sha256sum "$gguf"
+    PYTHONHASHSEED=0 python3 -m benchmarks.tpu.tpu_check --no-prefect --parts pipeline \
+        --recipe configs/gemma3-270m-offline-lora.yaml --out "$out/real" ;;
 stages)
     PYTHONHASHSEED=0 python3 -m benchmarks.tpu.tpu_check --no-prefect --out "$out/tpu-check" ;;
 *)
-    echo "v5e_session.sh: no part $part (peers, llama, decode, grpo, scan, rerun, gemma4b, long, gemma12b or stages)" >&2
+    echo "v5e_session.sh: no part $part (peers, llama, decode, grpo, scan, rerun, gemma4b, long, gemma12b, real or stages)" >&2
     exit 2 ;;
 esac
 ls -la "$out"
