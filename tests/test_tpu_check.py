@@ -90,6 +90,20 @@ def test_the_stages_are_the_flows_own_list_in_its_order():
     )
 
 
+def test_a_recipes_check_runs_its_own_stages_and_export_and_asks_for_no_gguf_of_its_own(tmp_path):
+    """--recipe: the real Gemma 3 270M recipe's stages (its GGUF file imported, no tiny model built), with the
+    check's merged export and no GGUF added; the offline default keeps its GGUF where its family takes one."""
+    recipe = str(ROOT / "configs" / "gemma3-270m-offline-lora.yaml")
+    overrides, refused = tpu_check.check_overrides(tmp_path, 5, recipe)
+    assert overrides == [f"store.root={tmp_path}", "export.merge=true", "train.max_steps=5"] and refused is None
+    config = finetune.load_recipe(recipe, overrides)
+    assert not config.export.gguf and config.model.name != OFFLINE and config.train.max_steps == 5
+    stages = tpu_check.stage_names(config)
+    assert stages[0] == "import_gguf" and "build_model" not in stages and stages[-1] == "report"
+    offline, _ = tpu_check.check_overrides(tmp_path, None)
+    assert offline[:2] == overrides[:2] and len(offline) in (2, 3)
+
+
 def test_the_direct_run_calls_the_flows_steps_in_order_over_the_store_without_prefect(tmp_path, monkeypatch, caplog):
     """The flow's first three steps (shortened by patching the flow's own list, which the check must follow):
     the offline tokenizer, the tiny model and the tokenized data, built by the stages' own functions; tokenize

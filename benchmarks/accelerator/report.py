@@ -166,7 +166,7 @@ def build_report(
         "vocab_size": weights["vocab_size"],
         "settings": {
             **settings.__dict__,
-            "weights": f"random {settings.dtype}, seed {settings.seed}, _init_weights a decoder layer at a time (build_weights)",
+            "weights": (f"random {settings.dtype}, seed {settings.seed}, _init_weights layer by layer (build_weights)"),
         },
         "machine": {
             **machine_info(),

@@ -196,21 +196,24 @@ def gguf_refusal(tiny) -> str | None:
     return None
 
 
-def check_overrides(store: Path, max_steps: int | None) -> tuple[list[str], str | None]:
-    """The offline default's overrides for the check (a merged export, GGUF where the family allows it),
-    and why GGUF is left out (None when it is written)."""
+def check_overrides(store: Path, max_steps: int | None, recipe: str = OFFLINE) -> tuple[list[str], str | None]:
+    """The recipe's overrides for the check (a merged export; for the offline default, GGUF too where its
+    family allows it), and why GGUF is left out (None when it is written)."""
     overrides = [f"store.root={store}", "export.merge=true", *([f"train.max_steps={max_steps}"] if max_steps else [])]
+    if recipe != OFFLINE:
+        return overrides, None
     refusal = gguf_refusal(finetune.load_recipe(OFFLINE, overrides).model.tiny)
     if refusal is None:
         overrides.append(f"export.gguf=[{', '.join(GGUF_TYPES)}]")
     return overrides, refusal
 
 
-def run_pipeline(store: Path, max_steps: int | None, use_prefect: bool, route: str) -> dict:
-    overrides, gguf_refused = check_overrides(store, max_steps)
-    config = finetune.load_recipe(OFFLINE, overrides)
+def run_pipeline(store: Path, max_steps: int | None, use_prefect: bool, route: str, recipe: str = OFFLINE) -> dict:
+    overrides, gguf_refused = check_overrides(store, max_steps, recipe)
+    config = finetune.load_recipe(recipe, overrides)
     say(f"pipeline: {route}; stages {', '.join(stage_names(config))}; train.max_steps={config.train.max_steps}")
     result = {
+        "recipe": recipe,
         "route": "prefect" if use_prefect else "direct",
         "note": route,
         "overrides": overrides,
@@ -282,7 +285,7 @@ def verify_pipeline(config) -> dict:
         "exact_match": read("report", "report.json").get("exact_match"),
         "export": {"kind": exported["kind"], "merged": exported.get("merged") == "merged", "gguf": written},
     }
-    figures["train"]["attention"] = train_attention(summary, config.model.tiny.head_dim)
+    figures["train"]["attention"] = train_attention(summary, model_head_dim(config))
     problems = [
         what
         for what, bad in (
@@ -294,6 +297,18 @@ def verify_pipeline(config) -> dict:
         if bad
     ]
     return {"stages": stages, **figures, "pass": not problems, **({"error": "; ".join(problems)} if problems else {})}
+
+
+def model_head_dim(config) -> int:
+    """The head size of the recipe's model: the offline default's from its tiny settings, else from the
+    config.json of the model folder a GGUF checkpoint was imported into."""
+    if config.model.name == OFFLINE:
+        return config.model.tiny.head_dim
+    keys = finetune.planned_keys(config)
+    if "import_gguf" not in keys:
+        raise ValueError(f"{config.model.name}: the check reads the head size of an imported GGUF or tiny model only")
+    raw = json.loads((_store(config).folder("import_gguf", keys["import_gguf"]) / "config.json").read_text())
+    return raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
 
 
 def train_attention(summary: dict, head_dim: int) -> str:
@@ -432,8 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-prefect", action="store_true", help="call the stages directly even where Prefect could run"
     )
+    parser.add_argument("--max-steps", type=int, help="train.max_steps of the pipeline (default: the recipe's)")
     parser.add_argument(
-        "--max-steps", type=int, help="train.max_steps of the pipeline (default: the offline default's)"
+        "--recipe",
+        default=OFFLINE,
+        help="the pipeline's recipe: a YAML file such as configs/gemma3-270m-offline-lora.yaml (default: the "
+        "offline default)",
     )
     parser.add_argument("--store", type=Path, help="artifact store of the pipeline (default: a new temporary folder)")
     args = parser.parse_args(argv)
@@ -451,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         if "pipeline" in parts:
             use_prefect, route = prefect_route(args.no_prefect)
             store = (args.store or Path(temporary)).resolve()
-            results["parts"]["pipeline"] = guarded("pipeline", run_pipeline, store, args.max_steps, use_prefect, route)
+            results["parts"]["pipeline"] = guarded(
+                "pipeline", run_pipeline, store, args.max_steps, use_prefect, route, args.recipe
+            )
         if "families" in parts:
             chosen = [name for group in args.families or [] for name in group]
             results["parts"]["families"] = guarded("families", families.run, chosen, say)
