@@ -24,16 +24,17 @@ def feed_for(
     model: JaxModel,
     lengths: Sequence[int],
     cfg: TrainConfig,
-    max_length: int,
+    longest: int,
     packing: bool = True,
     pairs: bool = False,
 ) -> Feed:
     """Packed micro-batches when asked for and the model's attention can isolate rows (else padded
-    ones); `pairs`: of preference pairs (see `feed`)."""
+    ones); `pairs`: of preference pairs (see `feed`). `longest`: the longest of the rows (the tokenized
+    rows' `longest`, at most data.max_length), the most tokens a packed sequence holds."""
     return make_feed(
         lengths,
         cfg,
-        max_length,
+        longest,
         model.placement.batch_shards,
         packing and attention.supported(model.module),
         pairs,
@@ -54,7 +55,7 @@ def train(
     labels: Sequence[Sequence[int]],
     cfg: TrainConfig,
     pad_id: int,
-    max_length: int,
+    longest: int,
     on_log: Callable[[list[dict]], None] = lambda records: None,
     eval_data: tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]] | None = None,
     checkpoint_dir: Path | None = None,
@@ -65,18 +66,18 @@ def train(
     objective: Objective = SFT,
     reference: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> TrainResult:
-    """SFT or preference training on these rows through `loop.run`, resuming from the newest checkpoint
-    in `checkpoint_dir` if there is one. `feed`: the caller's `feed_for` of these rows, if it has one
-    (planning it is a pass over every row). `restart`: see `loop.run`. `objective`: a preference
-    objective trains on pairs of rows (2p chosen, 2p+1 rejected), with `reference` the reference
-    log-probability of every (train row, eval row) for DPO."""
+    """SFT or preference training on these rows (the longest of them `longest` tokens) through `loop.run`,
+    resuming from the newest checkpoint in `checkpoint_dir` if there is one. `feed`: the caller's `feed_for`
+    of these rows, if it has one (planning it is a pass over every row). `restart`: see `loop.run`.
+    `objective`: a preference objective trains on pairs of rows (2p chosen, 2p+1 rejected), with
+    `reference` the reference log-probability of every (train row, eval row) for DPO."""
     train_reference, eval_reference = reference if reference is not None else (None, None)
     source = FeedSource(
         model,
         input_ids,
         labels,
         pad_id,
-        max_length,
+        longest,
         packing,
         objective.pairs,
         train_reference,
@@ -99,20 +100,20 @@ class FeedSource:
         input_ids,
         labels,
         pad_id: int,
-        max_length: int,
+        longest: int,
         packing: bool,
         pairs: bool,
         reference: np.ndarray | None,
         feeds: dict[int, Feed],
     ):
         self.model, self.input_ids, self.labels, self.pad_id = model, input_ids, labels, pad_id
-        self.max_length, self.packing, self.pairs, self.reference = max_length, packing, pairs, reference
+        self.longest, self.packing, self.pairs, self.reference = longest, packing, pairs, reference
         self.feeds = feeds  # by batch size: the plan asks for others, each a pass over the rows
 
     def _feed(self, cfg: TrainConfig) -> Feed:
         if cfg.batch_size not in self.feeds:
             self.feeds[cfg.batch_size] = feed_for(
-                self.model, row_lengths(self.input_ids), cfg, self.max_length, self.packing, self.pairs
+                self.model, row_lengths(self.input_ids), cfg, self.longest, self.packing, self.pairs
             )
         return self.feeds[cfg.batch_size]
 
