@@ -85,3 +85,23 @@ def test_where_no_policy_fits_the_doctor_shows_the_split_auto_chose(planned, tin
     train = next(line for line in out.splitlines() if line.startswith("train step memory, peak"))
     assert "(bfloat16, adamw, remat none, 2 x 2 x 256)" in train and train.endswith("HBM  ok"), train
     assert diagnosis.ok
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_plan_is_of_the_program_the_run_compiles_with_or_without_scanned_layers(tiny_folder, monkeypatch, scan):
+    """model.scan_layers reaches the model the doctor plans (as `open_model` sets it on the model a run trains):
+    a scanned step is another program, with other memory."""
+    from jaxtune.checks.target_plan import plan_for_target
+    from jaxtune.config import config_from_dict
+
+    class Planned(Exception):
+        pass
+
+    def choose(model, *args, **kwargs):
+        raise Planned(model.scan_layers)
+
+    monkeypatch.setattr(fit, "choose", choose)
+    config = config_from_dict({}, [*SETTINGS, f"model.scan_layers={str(scan).lower()}"])
+    with pytest.raises(Planned) as planned:
+        plan_for_target(str(tiny_folder), config, "v5e-1", train_only=True)
+    assert planned.value.args == (scan,)
