@@ -62,7 +62,7 @@ def test_auto_on_a_compile_only_v5e_takes_the_first_policy_whose_plan_fits(plann
         limit=fitting_exactly(needs[(fitting, 4)]),
     )
     assert (chosen.remat, chosen.split, chosen.chosen_by) == (expected, 1, "auto")
-    assert [t["remat"] for t in chosen.tried] == list(fit.POLICIES[: fit.POLICIES.index(expected) + 1])
+    assert [t.remat for t in chosen.tried] == list(fit.POLICIES[: fit.POLICIES.index(expected) + 1])
     assert chosen.plan["platform"] == "tpu" and fit._needed(chosen.plan) == needs[(expected, 4)]
 
 

@@ -94,14 +94,12 @@ def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, spl
     # Every policy with less recomputation was tried first and did not fit; matmuls is not compiled
     # where none needs more than the budget by more than matmuls could save.
     earlier = fit.POLICIES[: fit.POLICIES.index(remat) + (1 if split > 1 else 0)]
-    assert [t["remat"] for t in chosen.tried if t["split"] == 1] == list(earlier if split > 1 else (*earlier, remat))[
-        :3
-    ]
-    skipped = [t["remat"] for t in chosen.tried if "skipped" in t]
+    assert [t.remat for t in chosen.tried if t.split == 1] == list(earlier if split > 1 else (*earlier, remat))[:3]
+    skipped = [t.remat for t in chosen.tried if t.skipped is not None]
     assert skipped == (
         ["matmuls"] if "matmuls" in earlier and found[("none", 4)] * fit.MATMULS_OF_NONE > chosen.budget else []
     )
-    assert all(t["needed"] > chosen.budget for t in chosen.tried[:-1] if "skipped" not in t)
+    assert all(t.needed > chosen.budget for t in chosen.tried[:-1] if t.skipped is None)
     run = chosen.train_config(CFG)
     assert (run.remat, run.batch_size, run.grad_accumulation) == (remat, 4 // split, split)
 
@@ -157,8 +155,8 @@ def test_matmuls_is_not_compiled_where_none_needs_far_more_than_there_is(needs, 
     limit = int(found[("none", 4)] * fit.MATMULS_OF_NONE * 0.99 / (1 - fit.HEADROOM))
     chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
     assert chosen.remat == "layer" and "matmuls" not in policies() and policies()[0] == "none"
-    assert [t["remat"] for t in chosen.tried][:3] == ["none", "matmuls", "layer"]
-    assert "not compiled" in chosen.tried[1]["skipped"]
+    assert [t.remat for t in chosen.tried][:3] == ["none", "matmuls", "layer"]
+    assert "not compiled" in chosen.tried[1].skipped
     assert "matmuls chunk" in chosen.describe(CFG) and "not compiled" in chosen.describe(CFG)
     # Where none needs less than the budget over 3/4, matmuls is compiled and tried as before.
     compiled.clear()
@@ -218,7 +216,7 @@ def test_a_fixed_policy_takes_a_grown_loss_chunk_where_it_fits_and_the_smallest_
 
     monkeypatch.setattr(memory, "memory_plan", refusing)
     tight = fit.choose(model, optimizer, run, shape, limit=4 * found[("none", 4)])
-    assert [t["chunk_tokens"] for t in tight.tried] == [roomy.chunk_tokens, 64] and "refused" in tight.tried[0]
+    assert [t.chunk_tokens for t in tight.tried] == [roomy.chunk_tokens, 64] and tight.tried[0].refused
     assert (tight.remat, tight.chunk_tokens, tight.chosen_by) == ("layer", 64, "fixed")
 
 

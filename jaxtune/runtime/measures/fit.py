@@ -75,6 +75,40 @@ class NothingFits(MemoryError):
         self.fit = fit
 
 
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way of running the batch that `choose` weighed, and what came of it: the bytes its plan needs
+    where it compiled, the compiler's words where it refused it, or why it was not compiled."""
+
+    remat: str
+    split: int  # each configured micro-batch run as this many
+    chunk_tokens: int
+    needed: int | None = None  # its plan's peak plus code
+    activations: int | None = None  # of which one micro-batch's activations
+    refused: str | None = None
+    skipped: str | None = None
+
+    def record(self) -> dict:
+        """The fields that hold something, as the summary and the logged plan keep them."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def least_needed(self) -> int:
+        """The bytes it needs, or where the compiler refused it, the least its refusal says it would
+        ("HLO temporaries (21.49G) exceeds ..."; 0 when it names no figure)."""
+        if self.needed is not None:
+            return self.needed
+        found = REFUSED_BYTES.search(self.refused or "")
+        return int(float(found[1]) * 2**30) if found else 0
+
+    def text(self) -> str:
+        what = (
+            f"remat {self.remat}" + (f" split {self.split}" if self.split > 1 else "") + f" chunk {self.chunk_tokens}"
+        )
+        if self.skipped is not None:
+            return f"{what} not compiled (none needs too much)"
+        return f"{what} needs {_gib(self.needed)}" if self.needed is not None else f"{what} refused"
+
+
 @dataclasses.dataclass
 class Fit:
     """The chosen way to run a config's steps, its plan, and every candidate compiled to find it."""
@@ -85,7 +119,12 @@ class Fit:
     plan: dict
     chosen_by: str  # "auto", "fixed" or "no device memory reported"
     budget: int | None  # bytes a plan may need (peak + code): the device's memory less HEADROOM
-    tried: list[dict] = dataclasses.field(default_factory=list)
+    tried: list[Candidate] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Fit":
+        """A `Fit` kept as `dataclasses.asdict` gives it (`executables.remember`)."""
+        return cls(**{**record, "tried": [Candidate(**entry) for entry in record["tried"]]})
 
     def train_config(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` as it runs: the chosen policy, `batch_size` and `grad_accumulation` split."""
@@ -105,7 +144,7 @@ class Fit:
             "chosen_by": self.chosen_by,
             "headroom": HEADROOM,
             "budget_bytes": self.budget,
-            "tried": self.tried,
+            "tried": [candidate.record() for candidate in self.tried],
         }
 
     def describe(self, cfg: TrainConfig) -> str:
@@ -115,7 +154,7 @@ class Fit:
         needed = _needed(self.plan)
         limit = f" of {_gib(self.budget)} ({HEADROOM:.0%} of the device kept free)" if self.budget else ""
         split = f", batch_size {cfg.batch_size} split into {self.split} micro-batches" if self.split > 1 else ""
-        tried = "; ".join(_tried_text(t) for t in self.tried[:-1])
+        tried = "; ".join(candidate.text() for candidate in self.tried[:-1])
         return (
             f"train.remat {cfg.remat}: {self.remat} ({self.chosen_by}), loss chunks of {self.chunk_tokens} tokens, "
             f"{run.grad_accumulation} x {run.batch_size} rows per step{split}; needs {_gib(needed)}{limit}"
@@ -164,7 +203,7 @@ def _recalled(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, obj
     record = executables.recall(kept)
     if record is None:
         return None, kept
-    found = Fit(**record)
+    found = Fit.from_record(record)
     executables.logger.info("%s (the plan chosen before, recalled with no compile)", found.describe(cfg))
     return found, kept
 
@@ -172,7 +211,7 @@ def _recalled(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, obj
 def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objective, limit: int | None) -> Fit:
     platform = model.placement.mesh.devices.flat[0].platform
     base = loss.chunk_tokens_on(platform, vocab_size(model))
-    tried: list[dict] = []
+    tried: list[Candidate] = []
 
     def plan(remat: str, split: int, chunk: int = base) -> dict | None:
         """The plan of one candidate, None when the compiler refuses it for want of memory."""
@@ -184,7 +223,7 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
             }
         )
         rows, length, segments = shape(run)
-        entry = {"remat": remat, "split": split, "chunk_tokens": chunk}
+        entry = Candidate(remat, split, chunk)
         try:
             found = memory.memory_plan(
                 model,
@@ -202,9 +241,11 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
             refused = compile_cache.refusal(error)
             if refused is None:
                 raise
-            tried.append({**entry, "refused": refused})
+            tried.append(dataclasses.replace(entry, refused=refused))
             return None
-        tried.append({**entry, "needed": _needed(found), "activations": found["activations_per_micro_batch"]})
+        tried.append(
+            dataclasses.replace(entry, needed=_needed(found), activations=found["activations_per_micro_batch"])
+        )
         return found
 
     budget = int(limit * (1 - HEADROOM)) if limit else None
@@ -224,7 +265,7 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
             chunk, found = base, plan(remat, 1)
         if found is None:
             raise NothingFits(
-                f"train.remat={remat} does not compile for the device: {tried[-1]['refused']}. {memory.knobs(cfg)}",
+                f"train.remat={remat} does not compile for the device: {tried[-1].refused}. {memory.knobs(cfg)}",
                 None,
             )
         chosen_by = "fixed" if cfg.remat != "auto" else "no device memory reported"
@@ -234,17 +275,17 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
     found, none_entry, none_need = None, None, 0
     for policy in POLICIES:
         if policy == "matmuls" and none_need * MATMULS_OF_NONE > budget:
-            tried.append({"remat": policy, "split": 1, "chunk_tokens": chunk, "skipped": _skipped(none_entry, budget)})
+            tried.append(Candidate(policy, 1, chunk, skipped=_skipped(none_entry, budget)))
             continue
         found = plan(policy, 1, chunk)
         if fits(found):
             return Fit(policy, chunk, 1, found, "auto", budget, tried)
-        if chunk > base and _least_needed(found, tried[-1]) - extra <= budget:  # the smallest chunk may fit
+        if chunk > base and tried[-1].least_needed() - extra <= budget:  # the smallest chunk may fit
             found = plan(policy, 1)
             if fits(found):
                 return Fit(policy, base, 1, found, "auto", budget, tried)
         if policy == "none":  # fewer rows at a time before any recomputation, where that would fit by estimate
-            none_entry, none_need = tried[-1], _least_needed(found, tried[-1])
+            none_entry, none_need = tried[-1], tried[-1].least_needed()
             split = _none_split(cfg, model, optimizer, found, none_need, budget)
             if split:
                 split_plan = plan("none", split)
@@ -311,12 +352,12 @@ def _least_split(state: int, activations: int, room: int) -> int | None:
     return math.ceil(activations / (room - state)) if room > state and activations else None
 
 
-def _nothing_fits(cfg: TrainConfig, shape: Shape, tried: list[dict], budget: int) -> str:
+def _nothing_fits(cfg: TrainConfig, shape: Shape, tried: list[Candidate], budget: int) -> str:
     """One line: what was tried, what it needed, and what would fit (a shorter length, a mesh)."""
     rows, length, _ = shape(cfg)
     last = tried[-1]
-    needed = f"needs {_gib(last['needed'])}" if "needed" in last else f"is refused by the compiler ({last['refused']})"
-    smallest = cfg.batch_size // last["split"]
+    needed = f"needs {_gib(last.needed)}" if last.needed is not None else f"is refused by the compiler ({last.refused})"
+    smallest = cfg.batch_size // last.split
     return (
         f"train.batch_size={cfg.batch_size} rows of {length} tokens do not fit the device: even remat layer "
         f"with {smallest} row{'s' * (smallest != 1)} per micro-batch {needed}, and {_gib(budget)} is free "
@@ -324,7 +365,7 @@ def _nothing_fits(cfg: TrainConfig, shape: Shape, tried: list[dict], budget: int
     )
 
 
-def _what_would_fit(last: dict, length: int, budget: int) -> str:
+def _what_would_fit(last: Candidate, length: int, budget: int) -> str:
     """A length and a number of fsdp devices that would fit by estimate, from the last plan that compiled:
     its activations shrink with the length (about linearly, with attention in tiles), its state
     (weights, gradients, optimizer state) with the devices it is split over."""
@@ -332,9 +373,9 @@ def _what_would_fit(last: dict, length: int, budget: int) -> str:
         "a shorter data.max_length, or more devices on mesh.fsdp "
         "(parameters, gradients and optimizer state split over them)"
     )
-    if "activations" not in last:
+    if last.activations is None:
         return general
-    activations, state = last["activations"], last["needed"] - last["activations"]
+    activations, state = last.activations, last.needed - last.activations
     found = []
     if state < budget and activations:
         shorter = int(length * (budget - state) / activations) // 128 * 128
@@ -361,17 +402,8 @@ def vocab_size(model) -> int:
     return int(head.weight.shape[0])
 
 
-def _least_needed(plan: dict | None, entry: dict) -> int:
-    """The bytes a candidate needs, or where the compiler refused it, the least its refusal says it
-    would ("HLO temporaries (21.49G) exceeds ..."; 0 when it names no figure)."""
-    if plan is not None:
-        return _needed(plan)
-    found = REFUSED_BYTES.search(entry.get("refused", ""))
-    return int(float(found[1]) * 2**30) if found else 0
-
-
-def _skipped(none: dict, budget: int) -> str:
-    need = f"needs {_gib(none['needed'])}" if "needed" in none else f"was refused ({none['refused'][:120]})"
+def _skipped(none: Candidate, budget: int) -> str:
+    need = f"needs {_gib(none.needed)}" if none.needed is not None else f"was refused ({none.refused[:120]})"
     return (
         f"not compiled: remat none {need}, more than {MATMULS_OF_NONE:g}x of which is past the "
         f"{_gib(budget)} budget, and matmuls saves less than that"
@@ -386,14 +418,3 @@ def _needed(plan: dict) -> int:
 def _gib(n: int | None) -> str:
     n = n or 0
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _tried_text(entry: dict) -> str:
-    what = (
-        f"remat {entry['remat']}"
-        + (f" split {entry['split']}" if entry["split"] > 1 else "")
-        + f" chunk {entry['chunk_tokens']}"
-    )
-    if "skipped" in entry:
-        return f"{what} not compiled (none needs too much)"
-    return f"{what} needs {_gib(entry['needed'])}" if "needed" in entry else f"{what} refused"
