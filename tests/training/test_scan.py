@@ -102,3 +102,29 @@ def test_decoding_a_scanned_model_gives_the_unrolled_tokens():
     programs.clear()
     model.scan_layers = True
     assert greedy_generate(model, prompts, 2, 6, eos_ids=(), pad_id=0) == unrolled
+
+
+@pytest.mark.parametrize("remat", ["layer", "matmuls"])
+def test_a_scanned_step_over_a_quantized_base_is_the_unrolled_one(remat):
+    """A quantized base's codes are integer buffers of each layer: inside a scan over layers they are values of
+    the scan's trace, which layer remat must take as inputs like the float weights (JAX's closure_convert hoists
+    floats only: the scanned step failed to lower, "No constant handler for type: DynamicJaxprTracer")."""
+    from jaxtune.runtime.modeling import quantize
+
+    module = rt_model.attach_lora(tiny_model("llama", layers=4), LoraConfig(r=4, target_modules="all-linear"))
+    assert quantize.quantize_base(module, "nf4")
+    model = rt_model.to_jax(module, make_placement(MeshConfig()))
+    cfg = TrainConfig(batch_size=2, max_steps=1, warmup_steps=0, optimizer="sgd", learning_rate=1.0, remat=remat)
+    optimizer = steps.make_optimizer(cfg)
+    ids = np.random.default_rng(0).integers(3, VOCAB, (1, 2, 48)).astype(np.int32)
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    losses = []
+    for scanned in (False, True):
+        programs.clear()
+        model.scan_layers = scanned
+        weights = {k: v.copy() for k, v in model.weights.items()}
+        step = steps.make_train_step(model, optimizer, steps.StepSpec(remat))
+        opt_state = steps.init_optimizer(model, optimizer, weights)
+        loss, _, _ = step(weights, model.buffers, opt_state, batch, ids, steps.step_key(0, 0), 1.0)
+        losses.append(float(loss))
+    assert abs(losses[1] - losses[0]) <= BOUND * abs(losses[0]), losses

@@ -63,14 +63,28 @@ _recomputed.defvjp(_recomputed_fwd, _recomputed_bwd)
 
 def tied_checkpoint(fn: Callable) -> Callable:
     """Like `jax.checkpoint(fn)` (only the inputs are saved for the backward pass), with the
-    recomputation tied to the cotangent. Closed-over float tracers (the layer's weights) become
-    explicit inputs so their gradients flow."""
+    recomputation tied to the cotangent. Every value `fn` closes over becomes an explicit input
+    (`_closure_converted`): the layer's weights, so their gradients flow, and its integer buffers too
+    (a quantized base's codes), which inside a scan over layers are values of the scan's trace."""
 
     def run(*args):
-        converted, consts = jax.closure_convert(fn, *args)
+        converted, consts = _closure_converted(fn, *args)
         return _recomputed(converted, tuple(consts), args)
 
     return run
+
+
+def _closure_converted(fn: Callable, *args) -> tuple[Callable, list]:
+    """(fn taking its closed-over values after its arguments, those values): as `jax.closure_convert`,
+    which hoists only floating-point values and leaves an integer one inside the function's trace."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_tree = jax.tree.structure(shape)
+
+    def converted(*args_then_consts):
+        given, consts = args_then_consts[: len(args)], args_then_consts[len(args) :]
+        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(given)))
+
+    return converted, list(closed.consts)
 
 
 def next_key() -> jax.Array:
