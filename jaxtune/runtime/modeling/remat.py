@@ -61,11 +61,15 @@ def _recomputed_bwd(fn, saved, cotangent):
 _recomputed.defvjp(_recomputed_fwd, _recomputed_bwd)
 
 
+def _hoisted(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact) or dtype in (jnp.uint8, jnp.int8)
+
+
 def tied_checkpoint(fn: Callable) -> Callable:
     """Like `jax.checkpoint(fn)` (only the inputs are saved for the backward pass), with the
-    recomputation tied to the cotangent. Every value `fn` closes over becomes an explicit input
-    (`_closure_converted`): the layer's weights, so their gradients flow, and its integer buffers too
-    (a quantized base's codes), which inside a scan over layers are values of the scan's trace."""
+    recomputation tied to the cotangent. Traced values `fn` closes over become explicit inputs
+    (`_closure_converted`): the layer's weights, so their gradients flow, and a quantized base's codes,
+    which inside a scan over layers are values of the scan's trace."""
 
     def run(*args):
         converted, consts = _closure_converted(fn, *args)
@@ -75,16 +79,23 @@ def tied_checkpoint(fn: Callable) -> Callable:
 
 
 def _closure_converted(fn: Callable, *args) -> tuple[Callable, list]:
-    """(fn taking its closed-over values after its arguments, those values): as `jax.closure_convert`,
-    which hoists only floating-point values and leaves an integer one inside the function's trace."""
+    """(fn taking traced values it closes over after its arguments, those values): as `jax.closure_convert`,
+    which hoists only floating-point ones, with a quantized base's 8-bit codes hoisted too. Inside a scan over
+    layers the codes are values of the scan's trace, out of reach of a function that keeps them closed over.
+    Other integer values (positions, masks made from them) stay as `jax.closure_convert` leaves them, so the
+    programs of a float base are the ones it gives."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_tree = jax.tree.structure(shape)
+    traced = [i for i, c in enumerate(closed.consts) if isinstance(c, jax.core.Tracer) and _hoisted(c.dtype)]
 
-    def converted(*args_then_consts):
-        given, consts = args_then_consts[: len(args)], args_then_consts[len(args) :]
+    def converted(*args_then_hoisted):
+        given, hoisted = args_then_hoisted[: len(args)], args_then_hoisted[len(args) :]
+        consts = list(closed.consts)
+        for i, value in zip(traced, hoisted):
+            consts[i] = value
         return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(given)))
 
-    return converted, list(closed.consts)
+    return converted, [closed.consts[i] for i in traced]
 
 
 def next_key() -> jax.Array:
