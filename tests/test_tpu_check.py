@@ -90,10 +90,16 @@ def test_the_stages_are_the_flows_own_list_in_its_order():
     )
 
 
-def test_a_recipes_check_runs_its_own_stages_and_export_and_asks_for_no_gguf_of_its_own(tmp_path):
+def test_a_recipes_check_runs_its_own_stages_and_export_and_asks_for_no_gguf_of_its_own(tmp_path, monkeypatch):
     """--recipe: the real Gemma 3 270M recipe's stages (its GGUF file imported, no tiny model built), with the
-    check's merged export and no GGUF added; the offline default keeps its GGUF where its family takes one."""
+    check's merged export and no GGUF added; the offline default keeps its GGUF where its family takes one.
+    A fresh clone has no .jaxtune/models, so a tiny GGUF file stands where the recipe names its checkpoint."""
+    from tests.models.test_model_errors import write_tiny_gguf
+
     recipe = str(ROOT / "configs" / "gemma3-270m-offline-lora.yaml")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".jaxtune" / "models").mkdir(parents=True)
+    write_tiny_gguf(tmp_path / ".jaxtune" / "models" / "gemma-3-270m-q4_k_m.gguf")
     overrides, refused = tpu_check.check_overrides(tmp_path, 5, recipe)
     assert overrides == [f"store.root={tmp_path}", "export.merge=true", "train.max_steps=5"] and refused is None
     config = finetune.load_recipe(recipe, overrides)

@@ -185,7 +185,7 @@ def build_report(
         "loaded": {
             line["method"]: {k: v for k, v in line.items() if k not in ("event", "method", "part")}
             for line in lines
-            if line.get("event") == "loaded"
+            if line.get("event") == "loaded" and line.get("part") == "jaxtune"
         },
         "train": train_results(settings, lines, parts, peak, matmul.get("flops_per_second")),
         "decode": decode_results(lines, parts),
