@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from pydantic import BaseModel
 
@@ -19,6 +21,7 @@ DOCS = ROOT / "docs"
 def _hook(name: str):
     spec = importlib.util.spec_from_file_location(f"docs_hooks_{name}", DOCS / "hooks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass in it looks its module up
     spec.loader.exec_module(module)
     return module
 
@@ -92,3 +95,47 @@ def test_config_reference_types_and_defaults():
     assert "| `train.max_steps` | int or `null`, > 0 | `100` |" in reference
     assert "| `lora.target_modules` | list of str or `all-linear` | `[q_proj, k_proj, v_proj, o_proj]` |" in reference
     assert "| `data.sources[].source` | str | required |" in reference
+
+
+def test_every_cited_figure_is_the_value_its_result_holds():
+    figures = _hook("figures")
+    cited = [path for path in figures.pages() if figures.FIGURE.search(path.read_text())]
+    assert cited, "the pages cite their measured figures"
+    assert [line for path in cited for line in figures.problems(path.read_text(), path.name)] == []
+
+
+def _page(text: str):
+    import types
+
+    return types.SimpleNamespace(file=types.SimpleNamespace(src_uri="performance.md")), text
+
+
+def test_a_figure_whose_result_or_key_is_gone_or_stale_fails_the_build(tmp_path):
+    """What `make docs` sees: the hook raises, naming the page's line and the figure, for a result removed,
+    a key missing, a value the text no longer shows and a result a newer one replaced."""
+    import json
+    import shutil
+
+    figures = _hook("figures")
+    figures.RESULTS = tmp_path
+    shutil.copy(ROOT / "benchmarks" / "results" / "latest.json", tmp_path)
+    page, text = _page("the ratio: <!--fig latest:ratios/mfu {:.2f}-->0.52<!--/fig-->, measured\n")
+    assert figures.on_page_markdown(text, page, None, None).startswith(
+        'the ratio: <span class="figure" title="latest.json, 2026-11-30, 2-core AMD EPYC CPU">0.52</span>, measured'
+    )
+    for broken, named in [
+        (text.replace("ratios/mfu", "ratios/mfu_gone"), "latest.json holds no ratios/mfu_gone"),
+        (text.replace(">0.52<", ">0.53<"), "latest:ratios/mfu is '0.52' in its result, the page says '0.53'"),
+    ]:
+        with pytest.raises(figures.FigureError, match=re.escape(f"performance.md:1: {named}")):
+            figures.on_page_markdown(broken, page, None, None)
+    assert figures.rewrite(text.replace(">0.52<", ">0.53<"), tmp_path) == text
+    record = json.loads((tmp_path / "latest.json").read_text())
+    figures._load.cache_clear()
+    (tmp_path / "latest.json").write_text(json.dumps({**record, "superseded_by": "newer"}))
+    with pytest.raises(figures.FigureError, match="latest.json is superseded by newer.json"):
+        figures.on_page_markdown(text, page, None, None)
+    figures._load.cache_clear()
+    (tmp_path / "latest.json").unlink()
+    with pytest.raises(figures.FigureError, match=re.escape("performance.md:1: no result")):
+        figures.on_page_markdown(text, page, None, None)
