@@ -10,7 +10,7 @@ from pathlib import Path
 from benchmarks.accelerator.grpo import grpo_results
 from benchmarks.accelerator.shared import Results, Settings, case_name, jaxtune_side
 from benchmarks.analysis import profile_breakdown
-from benchmarks.common.harness import fmt, machine_info
+from benchmarks.common.harness import fmt, machine_info, provenance
 
 SIDES = {
     "jaxtune-lora": "lora",
@@ -168,6 +168,7 @@ def build_report(
             **settings.__dict__,
             "weights": (f"random {settings.dtype}, seed {settings.seed}, _init_weights layer by layer (build_weights)"),
         },
+        "provenance": provenance(machine=False),
         "machine": {
             **machine_info(),
             "jax_device": device,

@@ -9,9 +9,11 @@ import gc
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,3 +235,31 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "versions": versions,
     }
+
+
+def commit() -> str:
+    """The commit this checkout is at, '+ changes' when its tracked files differ from it; outside a git
+    checkout (the copy a TPU machine runs), what JAXTUNE_COMMIT says, else that it is not known."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return os.environ.get("JAXTUNE_COMMIT") or "not known (no git checkout, JAXTUNE_COMMIT unset)"
+    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return head.stdout.strip() + (" + changes" if changed.stdout.strip() else "")
+
+
+def command() -> str:
+    """The command this process runs, as typed from the repository's root: `python -m benchmarks.x ...`."""
+    program = Path(sys.argv[0]).resolve()
+    if program.suffix == ".py" and program.is_relative_to(ROOT):
+        module = ".".join(program.relative_to(ROOT).with_suffix("").parts)
+        words = ["python", "-m", module.removesuffix(".__main__")]
+    else:
+        words = [Path(sys.argv[0]).name]
+    return shlex.join([*words, *sys.argv[1:]])
+
+
+def provenance(machine: bool = True) -> dict:
+    """Where a result comes from: its commit, its exact command and (unless the result keeps `machine_info`
+    beside it) its machine, which the docs name beside every figure they quote (docs/hooks/figures.py)."""
+    return {"commit": commit(), "command": command(), **({"machine": machine_info()} if machine else {})}

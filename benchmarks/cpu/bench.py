@@ -38,7 +38,7 @@ from typing import Callable
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from benchmarks.common.harness import RESULTS, Context, fmt, log, machine_info, say, show, skipped  # noqa: E402
+from benchmarks.common.harness import RESULTS, Context, fmt, log, machine_info, provenance, say, show, skipped  # noqa: E402
 from benchmarks.common.train_step import api_state  # noqa: E402
 from benchmarks.cpu.compare_compile import bench_warm_vs_cold_compile, child_compile  # noqa: E402
 from benchmarks.cpu.compare_decode import bench_decode_vs_recipe, bench_decode_vs_torch  # noqa: E402
@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": ctx.quick,
         "model": model_label(ctx),
         "comparisons_run": names,
+        "provenance": provenance(machine=False),
         "machine": machine_info(),
         "load_average": {"before": load_before, "after": os.getloadavg(), "after_each": loads},
         "api": api_state(),

@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.common.harness import provenance
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "tokenize_scale.json"
 IMPLEMENTATIONS = ("before", "now")
@@ -225,7 +227,13 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(
         json.dumps(
-            {"date": time.strftime("%Y-%m-%d"), "cpus": len(os.sched_getaffinity(0)), "results": results}, indent=2
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "cpus": len(os.sched_getaffinity(0)),
+                "provenance": provenance(),
+                "results": results,
+            },
+            indent=2,
         )
         + "\n"
     )

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common.harness import provenance
 from benchmarks.cpu.tokenize_scale import peak_rss_mb, status_mb, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,7 +169,9 @@ def main() -> None:
             for file in data.iterdir():
                 file.unlink()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "results": results}, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps({"date": time.strftime("%Y-%m-%d"), "provenance": provenance(), "results": results}, indent=2) + "\n"
+    )
     print(
         "| rows | Arrow file | steps | seconds | peak RSS before "
         "the data | peak RSS | at the end: anonymous, file-backed |\n"

@@ -40,6 +40,7 @@ import traceback
 from pathlib import Path
 from unittest import mock
 
+from benchmarks.common import harness
 from benchmarks.tpu import tpu_check_families as families
 from jaxtune.config import OFFLINE
 from jaxtune.flows import finetune
@@ -463,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(
             ["python", "-m", "benchmarks.tpu.tpu_check", *(argv if argv is not None else sys.argv[1:])]
         ),
+        "provenance": {"commit": harness.commit()},
         "parts": {},
     }
     # The store lives until the end: the pipeline keeps XLA's compile cache in it for the rest of the process.

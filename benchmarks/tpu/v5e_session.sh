@@ -28,6 +28,8 @@
 #                                                # `make tpu-check`), called without Prefect: the machine has no socket
 #
 # A part's files come back from a lent machine only a few at a time, so the profile's traces travel as one archive.
+# A lent machine's copy has no .git: set JAXTUNE_COMMIT to the commit it copies (git rev-parse --short=12 HEAD, here)
+# so that every result records it (benchmarks/common/harness.provenance).
 set -euo pipefail
 part=${1:?which part: peers, llama, decode, grpo, scan, rerun, gemma4b, long, gemma12b, real or stages}
 out=${OUT:-/tmp/v5e}
@@ -36,6 +38,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 # shellcheck source=/dev/null
 source benchmarks/tpu/tpu_install.sh
 export PYTHONUNBUFFERED=1 JAXTUNE_COMPILE_CACHE=/tmp/xla-cache
+[ -d .git ] || [ -n "${JAXTUNE_COMMIT:-}" ] || echo "v5e_session.sh: JAXTUNE_COMMIT unset: the results will not name their commit" >&2
 WIDE=${WIDE-"--set lora.r=16 --set lora.alpha=32 --set lora.target_modules=all-linear"}
 if [ "$part" = peers ] || [ "$part" = llama ]; then  # only these run Tunix's side
     [ -f /tmp/tunix-site/.done ] || { benchmarks/accelerator/tunix_wheels.sh install /tmp/tunix-site && touch /tmp/tunix-site/.done; }

@@ -1,0 +1,51 @@
+"""Where a result comes from (benchmarks/common/harness.provenance): the commit, the command as typed, the
+machine. A figure the docs quote names them (docs/hooks/figures.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from benchmarks.common import harness
+
+
+def test_the_commit_is_the_checkouts_and_says_when_files_differ_from_it(tmp_path, monkeypatch):
+    head = subprocess.check_output(["git", "-C", str(harness.ROOT), "rev-parse", "--short=12", "HEAD"], text=True)
+    changed = subprocess.check_output(["git", "-C", str(harness.ROOT), "status", "--porcelain", "-uno"], text=True)
+    assert harness.commit() == head.strip() + (" + changes" if changed.strip() else "")
+    monkeypatch.setattr(harness, "ROOT", tmp_path)  # a copy without .git, as a TPU machine runs
+    monkeypatch.delenv("JAXTUNE_COMMIT", raising=False)
+    assert harness.commit() == "not known (no git checkout, JAXTUNE_COMMIT unset)"
+    monkeypatch.setenv("JAXTUNE_COMMIT", "0c969e4")
+    assert harness.commit() == "0c969e4"
+
+
+def test_the_command_is_the_module_run_from_the_root_with_its_arguments_quoted(monkeypatch):
+    script = harness.ROOT / "benchmarks" / "accelerator" / "bench.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--cases", "8x1024", "--set", "lora.target_modules=[q, v]"])
+    assert (
+        harness.command() == "python -m benchmarks.accelerator.bench --cases 8x1024 --set 'lora.target_modules=[q, v]'"
+    )
+    made = harness.provenance()
+    assert made["machine"]["cores"] > 0 and "versions" in made["machine"]
+    assert "machine" not in harness.provenance(machine=False)
+
+
+def test_a_fresh_clones_outputs_are_read_into_the_figures_a_result_keeps():
+    from benchmarks.cpu import fresh_clone
+
+    run = "JAX_PLATFORMS=cpu .venv/bin/jaxtune run\nbuild_model   Completed\ntrain         Cached\n/tmp/x/report/ab12\n"
+    assert fresh_clone.stage_states(run) == {"build_model": "Completed", "train": "Cached"}
+    pytest_tail = (
+        "============ slowest 25 durations ============\n"
+        "485.56s call     tests/targets/test_recipes_fit.py::test_the_recipe_fits_its_chip[gemma3-1b-dolly-lora]\n"
+        "289.62s setup    tests/real/test_gemma3.py::TestGemma3::test_logits_match_pytorch\n"
+        "1298 passed, 1 skipped, 303 warnings in 3361.25s (0:56:01)\n"
+    )
+    summary = fresh_clone.SUMMARY.search(pytest_tail)
+    assert (summary["counts"], summary["seconds"]) == ("1298 passed, 1 skipped, 303 warnings", "3361.25")
+    slow = [(m["seconds"], m["when"], m["test"].split("::")[0]) for m in fresh_clone.SLOW.finditer(pytest_tail)]
+    assert slow == [
+        ("485.56", "call", "tests/targets/test_recipes_fit.py"),
+        ("289.62", "setup", "tests/real/test_gemma3.py"),
+    ]
