@@ -20,6 +20,7 @@ from prefect import get_run_logger, task
 
 from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import EvalConfig, MeshConfig, ModelConfig, PreferenceConfig, Section
+from jaxtune.records import EvalMetrics
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.trained import open_trained_model
 
@@ -82,7 +83,7 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
             metrics, answers = _reward_metrics(model, table, section, inputs)
             (folder / ANSWERS).write_text(json.dumps(answers, ensure_ascii=False))
             metrics["parity"] = logits_parity(model, table.input_ids[:PARITY_ROWS], pad_id)
-            (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+            EvalMetrics(**metrics).write(folder / "metrics.json")
             logger.info(
                 "%s: mean reward %.4f (%s) over %d prompts",
                 stage,
@@ -113,7 +114,7 @@ def _evaluate(stage: str, section: EvalSection, inputs: dict, store_root: str, m
             metrics = loss_summary(nll, count, table.column("category"))
             (folder / ROWS).write_text(json.dumps(row_losses(nll, count)))
         metrics["parity"] = logits_parity(model, table.input_ids[:PARITY_ROWS], pad_id)
-        (folder / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        EvalMetrics(**metrics).write(folder / "metrics.json")
         logger.info(
             "%s: loss %.4f perplexity %.2f over %d tokens",
             stage,

@@ -11,6 +11,7 @@ from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import GenerateConfig, MeshConfig, ModelConfig, Section
 from jaxtune.data.templates import stop_ids
 from jaxtune.data.tokenize import pad_id_of
+from jaxtune.records import ExactMatch, GenerateMetrics
 from jaxtune.tasks.sources import open_tokenizer
 from jaxtune.tasks.stage import build_artifact
 from jaxtune.tasks.trained import open_trained_model
@@ -71,14 +72,11 @@ def generate(
         ]
         with (folder / "generations.jsonl").open("w") as out:
             out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        metrics = {
-            "prompts": len(rows),
-            "exact_match": {
-                "before": sum(r["before_exact"] for r in rows) / len(rows),
-                "after": sum(r["after_exact"] for r in rows) / len(rows),
-            },
-        }
-        (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        get_run_logger().info("exact match before %(before).3f after %(after).3f", metrics["exact_match"])
+        exact = ExactMatch(
+            before=sum(r["before_exact"] for r in rows) / len(rows),
+            after=sum(r["after_exact"] for r in rows) / len(rows),
+        )
+        GenerateMetrics(prompts=len(rows), exact_match=exact).write(folder / "metrics.json")
+        get_run_logger().info("exact match before %.3f after %.3f", exact.before, exact.after)
 
     return build_artifact(store_root, STAGE, __name__, section, inputs, build)

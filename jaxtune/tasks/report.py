@@ -10,7 +10,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from jaxtune.artifacts import MANIFEST, ArtifactRef
-from jaxtune.records import TrainSummary
+from jaxtune.records import EvalMetrics, GenerateMetrics, TrainSummary
 from jaxtune.tasks import rl_report
 from jaxtune.tasks.hardest import HARDEST, hardest_examples, hardest_lines
 from jaxtune.tasks.stage import build_artifact
@@ -23,18 +23,17 @@ EXAMPLES = 6
 
 def summarize(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
     """The numbers a reader checks first, gathered from every upstream artifact (`count`: hardest examples)."""
-    baseline = inputs["baseline_eval"].read_json("metrics.json")
-    final = inputs["final_eval"].read_json("metrics.json")
+    baseline = EvalMetrics.read(inputs["baseline_eval"].file("metrics.json"))
+    final = EvalMetrics.read(inputs["final_eval"].file("metrics.json"))
     train = TrainSummary.read(inputs["train"].file("summary.json")).model_dump()
     export = inputs["export"].read_json("export.json")
     return {
-        "baseline": {"loss": baseline["loss"], "perplexity": baseline["perplexity"]},
-        "final": {"loss": final["loss"], "perplexity": final["perplexity"]},
+        "baseline": {"loss": baseline.loss, "perplexity": baseline.perplexity},
+        "final": {"loss": final.loss, "perplexity": final.perplexity},
         "per_category": {
-            c: {"baseline": baseline["per_category"][c]["loss"], "final": m["loss"]}
-            for c, m in final["per_category"].items()
+            c: {"baseline": baseline.per_category[c].loss, "final": m.loss} for c, m in final.per_category.items()
         },
-        "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
+        "exact_match": GenerateMetrics.read(inputs["generate"].file("metrics.json")).exact_match.model_dump(),
         "train": {
             k: train[k]
             for k in (
@@ -61,7 +60,7 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = HARDEST) -> dict:
             "gguf": [{**f, "path": str(inputs["export"].file(f"gguf/{f['file']}"))} for f in export.get("gguf", [])],
         },
         "data": inputs["tokenize"].read_json("stats.json"),
-        "parity": final["parity"],
+        "parity": final.parity.model_dump(),
         "trust_remote_code": ran_remote_code(inputs["train"]),
         **_preference(baseline, final, train),
         **({"quantized_base": _quantized_base(inputs["base"])} if inputs.get("base") is not None else {}),
@@ -106,23 +105,23 @@ PAIR_METRICS = (
 )
 
 
-def _preference(baseline: dict, final: dict, train: dict) -> dict:
+def _preference(baseline: EvalMetrics, final: EvalMetrics, train: dict) -> dict:
     """A preference run's pair metrics before and after, overall and per category (none for SFT)."""
-    if "preference" not in final:
+    if final.preference is None:
         return {}
-    before, after = baseline["preference"], final["preference"]
+    before, after = baseline.preference, final.preference
     return {
         "preference": {
             "objective": train["objective"],
-            "pairs": after["pairs"],
-            **{name: {"before": before[name], "after": after[name]} for name in PAIR_METRICS},
+            "pairs": after.pairs,
+            **{name: {"before": getattr(before, name), "after": getattr(after, name)} for name in PAIR_METRICS},
             "per_category": {
                 c: {
-                    "pairs": m["pairs"],
-                    "accuracy": {"before": before["per_category"][c]["accuracy"], "after": m["accuracy"]},
-                    "margin": {"before": before["per_category"][c]["margin"], "after": m["margin"]},
+                    "pairs": m.pairs,
+                    "accuracy": {"before": before.per_category[c].accuracy, "after": m.accuracy},
+                    "margin": {"before": before.per_category[c].margin, "after": m.margin},
                 }
-                for c, m in after["per_category"].items()
+                for c, m in after.per_category.items()
             },
         }
     }

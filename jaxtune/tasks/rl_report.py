@@ -7,20 +7,20 @@ scores, in eval.arrow's order."""
 from __future__ import annotations
 
 from jaxtune.artifacts import ArtifactRef
-from jaxtune.records import TrainSummary
+from jaxtune.records import EvalMetrics, GenerateMetrics, TrainSummary
 
 MOVED = 5  # prompts listed among those that gained most, and among those that lost most
 
 
 def is_rl(inputs: dict[str, ArtifactRef]) -> bool:
-    return "rewards" in inputs["final_eval"].read_json("metrics.json")
+    return EvalMetrics.read(inputs["final_eval"].file("metrics.json")).rewarded
 
 
 def summarize(inputs: dict[str, ArtifactRef], count: int = MOVED) -> dict:
     from jaxtune.data.token_table import TokenTable
 
-    baseline = inputs["baseline_eval"].read_json("metrics.json")
-    final = inputs["final_eval"].read_json("metrics.json")
+    baseline = EvalMetrics.read(inputs["baseline_eval"].file("metrics.json"))
+    final = EvalMetrics.read(inputs["final_eval"].file("metrics.json"))
     train = TrainSummary.read(inputs["train"].file("summary.json")).model_dump()
     export = inputs["export"].read_json("export.json")
     before, after = inputs["baseline_eval"].read_json("answers.json"), inputs["final_eval"].read_json("answers.json")
@@ -40,16 +40,14 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = MOVED) -> dict:
     ]
     return {
         "objective": "grpo",
-        "reward": {"before": baseline["reward"], "after": final["reward"]},
-        "rewards": {
-            name: {"before": baseline["rewards"][name], "after": value} for name, value in final["rewards"].items()
-        },
+        "reward": {"before": baseline.reward, "after": final.reward},
+        "rewards": {name: {"before": baseline.rewards[name], "after": value} for name, value in final.rewards.items()},
         "per_category": {
-            c: {"prompts": m["prompts"], "before": baseline["per_category"][c]["reward"], "after": m["reward"]}
-            for c, m in final["per_category"].items()
+            c: {"prompts": m.prompts, "before": baseline.per_category[c].reward, "after": m.reward}
+            for c, m in final.per_category.items()
         },
-        "prompts": final["prompts"],
-        "exact_match": inputs["generate"].read_json("metrics.json")["exact_match"],
+        "prompts": final.prompts,
+        "exact_match": GenerateMetrics.read(inputs["generate"].file("metrics.json")).exact_match.model_dump(),
         "gained_most": rows[::-1][:count],
         "lost_most": rows[:count],
         "train": {
@@ -71,7 +69,7 @@ def summarize(inputs: dict[str, ArtifactRef], count: int = MOVED) -> dict:
         },
         "export": {"kind": export["kind"], "path": str(inputs["export"].file(export["subfolder"]))},
         "data": inputs["tokenize"].read_json("stats.json"),
-        "parity": final["parity"],
+        "parity": final.parity.model_dump(),
     }
 
 

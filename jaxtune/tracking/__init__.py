@@ -6,5 +6,5 @@ Nothing here changes what a stage computes or its key: the stages and the flow h
 writers what they already have (log records, summaries, artifact folders), and `tracking.*`
 settings are in no config section a key hashes.
 
-May import: jaxtune.config, jaxtune.errors, jaxtune.artifacts, jaxtune.host
+May import: jaxtune.config, jaxtune.errors, jaxtune.records, jaxtune.artifacts, jaxtune.host
 """

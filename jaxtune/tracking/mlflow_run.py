@@ -21,6 +21,7 @@ from jaxtune.artifacts import ArtifactRef
 from jaxtune.config import JaxtuneConfig, without_credentials
 from jaxtune.errors import first_line
 from jaxtune.host.environment import temporary_environment
+from jaxtune.records import EvalMetrics, GenerateMetrics, TrainSummary
 
 KEY_TAG = "jaxtune.run_key"
 CHECK_SECONDS = 3.0  # the reachability check before anything is logged
@@ -186,7 +187,7 @@ def run_metrics(done: Mapping[str, ArtifactRef]) -> list:
                 for field, value in record.items()
                 if field.startswith("reward/")
             ]
-        summary = done["train"].read_json("summary.json")
+        summary = TrainSummary.read(done["train"].file("summary.json")).model_dump(exclude_none=True)
         metrics += [
             Metric(f"train_{k}", float(v), now, summary["steps"])
             for k, v in summary.items()
@@ -194,19 +195,19 @@ def run_metrics(done: Mapping[str, ArtifactRef]) -> list:
         ]
     for stage in ("baseline_eval", "final_eval"):
         if stage in done:
-            figures = done[stage].read_json("metrics.json")  # a GRPO eval has rewards, no loss
+            figures = EvalMetrics.read(done[stage].file("metrics.json"))  # a GRPO eval has rewards, no loss
             metrics += [
-                Metric(f"{stage}_{k}", float(figures[k]), now, 0)
+                Metric(f"{stage}_{k}", float(getattr(figures, k)), now, 0)
                 for k in ("loss", "perplexity", "reward")
-                if k in figures
+                if getattr(figures, k) is not None
             ]
             metrics += [
                 Metric(_metric_name(f"{stage}_reward/{name}"), float(value), now, 0)
-                for name, value in figures.get("rewards", {}).items()
+                for name, value in (figures.rewards or {}).items()
             ]
     if "generate" in done:
-        exact = done["generate"].read_json("metrics.json")["exact_match"]
-        metrics += [Metric(f"exact_match_{when}", float(exact[when]), now, 0) for when in ("before", "after")]
+        exact = GenerateMetrics.read(done["generate"].file("metrics.json")).exact_match
+        metrics += [Metric(f"exact_match_{when}", float(getattr(exact, when)), now, 0) for when in ("before", "after")]
     return metrics
 
 

@@ -89,13 +89,29 @@ def test_mlflow_gets_every_step_figure_and_the_evals_rewards(tmp_path):
     folders = {name: tmp_path / name for name in ("train", "baseline_eval", "final_eval")}
     for folder in folders.values():
         folder.mkdir()
-    evals = {"reward": 0.25, "rewards": {"exact_answer": 0.25, "format:.*####.*": 0.5}, "prompts": 8}
+    parity = {
+        "dtype": "float32",
+        "rows": 2,
+        "tokens": 9,
+        "max_abs_diff": 0.0,
+        "max_abs_logit": 1.0,
+        "top1_agreement": 1.0,
+    }
+    evals = {  # a GRPO eval's metrics.json, as records.EvalMetrics holds it
+        "reward": 0.25,
+        "rewards": {"exact_answer": 0.25, "format:.*####.*": 0.5},
+        "prompts": 8,
+        "per_category": {"sum": {"reward": 0.25, "prompts": 8}},
+        "parity": parity,
+    }
     done = {
         "train": _Ref(
             folders["train"],
             {
                 "log.jsonl": "\n".join(json.dumps(r) for r in RECORDS),
-                "summary.json": json.dumps({"steps": 3, "objective": "grpo"}),
+                "summary.json": json.dumps(
+                    {"steps": 3, "objective": "grpo", "seconds": 4.5, "trainable_parameters": 96}
+                ),
             },
         ),
         "baseline_eval": _Ref(folders["baseline_eval"], {"metrics.json": json.dumps(evals)}),
@@ -106,5 +122,6 @@ def test_mlflow_gets_every_step_figure_and_the_evals_rewards(tmp_path):
     assert metrics[("reward/exact_answer", 1)] == pytest.approx(0.1)
     assert metrics[("reward/format_._____._", 1)] == 0.5  # a spec's characters MLflow refuses become '_'
     assert metrics[("baseline_eval_reward", 0)] == 0.25 and metrics[("final_eval_reward", 0)] == 0.75
+    assert metrics[("train_seconds", 3)] == 4.5
     assert metrics[("final_eval_reward/format_._____._", 0)] == 0.5
     assert not any(key.endswith("_loss") for key, _ in metrics if key.startswith(("baseline", "final")))

@@ -176,7 +176,9 @@ def _artifacts(root, train_summary: dict) -> dict:
     loss = {
         "loss": 2.0,
         "perplexity": 7.4,
-        "per_category": {"qa": {"loss": 2.0}},
+        "tokens": 20,
+        "rows": 2,
+        "per_category": {"qa": {"loss": 2.0, "perplexity": 7.4, "tokens": 20, "rows": 2}},
         "parity": {
             "rows": 2,
             "tokens": 20,
@@ -192,7 +194,7 @@ def _artifacts(root, train_summary: dict) -> dict:
         "final_eval": {"metrics.json": loss},
         "train": {"summary.json": train_summary, MANIFEST: {}},
         "export": {"export.json": {"kind": "peft_adapter", "subfolder": "adapter"}},
-        "generate": {"metrics.json": {"exact_match": {"before": 0.0, "after": 0.5}}},
+        "generate": {"metrics.json": {"prompts": 2, "exact_match": {"before": 0.0, "after": 0.5}}},
     }
     refs = {}
     for stage, contents in files.items():
