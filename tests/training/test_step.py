@@ -203,6 +203,10 @@ def test_equal_specs_share_a_train_step_and_an_optimizer_of_its_own_is_held_by_t
     assert steps.shared_train_step(model, optimizer, steps.StepSpec("layer", chunk_tokens=64)) is not program
     assert steps.shared_train_step(model, optimizer) is not program
     assert kept_key(program) == (steps.optimizer_settings(optimizer), spec) and program.settings is not None
+    assert (
+        steps.optimizer_settings(optimizer) == ("adamw", 0.01, 1.0) and steps.make_optimizer(TrainConfig()) is optimizer
+    )
+    assert steps.make_optimizer(TrainConfig(learning_rate=0.5, seed=3)) is optimizer  # the rate is not compiled in
 
     # An optimizer `make_optimizer` did not make is keyed by itself, not its id: the key keeps it alive,
     # so no later optimizer can take its id and be served its program.

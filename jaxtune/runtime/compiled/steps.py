@@ -80,17 +80,22 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return _optimizer(cfg.optimizer, cfg.weight_decay, cfg.max_grad_norm)
 
 
-_SETTINGS: dict[int, tuple] = {}  # id of each optimizer `_optimizer` made (and keeps): its settings
+_MADE: dict[tuple, optax.GradientTransformation] = {}  # every optimizer `make_optimizer` made, by its settings
 
 
 def optimizer_settings(optimizer: optax.GradientTransformation) -> tuple | None:
     """(rule, weight decay, clipping norm) of an optimizer `make_optimizer` made: all its update compiles
-    in besides the rate; None for any other optimizer."""
-    return _SETTINGS.get(id(optimizer))
+    in besides the rate; None for any other optimizer. `_MADE` holds each optimizer it made, so no other
+    object can be taken for one."""
+    return next((settings for settings, made in _MADE.items() if made is optimizer), None)
 
 
-@functools.cache
 def _optimizer(name: str, weight_decay: float, max_grad_norm: float) -> optax.GradientTransformation:
+    """The optimizer of these settings, made once."""
+    settings = (name, weight_decay, max_grad_norm)
+    if settings in _MADE:
+        return _MADE[settings]
+
     def chain(learning_rate):
         if name == "adafactor":
             # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting.
@@ -106,9 +111,8 @@ def _optimizer(name: str, weight_decay: float, max_grad_norm: float) -> optax.Gr
     # A strongly typed float32: a weak-typed Python float here would make the state the step
     # returns (strong float32) differ in type from the one it was first called with: a recompile.
     # Its value is a placeholder: every step writes its own rate (`with_learning_rate`).
-    optimizer = optax.inject_hyperparams(chain)(learning_rate=jnp.asarray(0.0, jnp.float32))
-    _SETTINGS[id(optimizer)] = (name, weight_decay, max_grad_norm)
-    return optimizer
+    _MADE[settings] = optax.inject_hyperparams(chain)(learning_rate=jnp.asarray(0.0, jnp.float32))
+    return _MADE[settings]
 
 
 def with_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
