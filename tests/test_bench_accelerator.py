@@ -89,6 +89,14 @@ def test_every_part_runs_and_measures_every_case(tiny):
         PARTS, "done"
     )
     assert len(report["train"]) == len(report["settings"]["cases"])
+    made = report["provenance"]  # what the docs name beside a figure they quote from it
+    assert made["command"].startswith("python -m benchmarks.accelerator.bench --tiny --profile --out ")
+    assert (
+        made["commit"].split()[0]
+        == subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"], text=True).strip()
+    )
+    # jaxtune's own load lines, one a method: the torch and Tunix sides log theirs too, without one
+    assert set(report["loaded"]) == {"lora", "full"} and all(v["seconds"] > 0 for v in report["loaded"].values())
     for case, result in report["train"].items():
         for side in SIDES:
             figures = result["sides"][side]
