@@ -160,8 +160,8 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
 
     def plan() -> dict:
         return {
-            "plan_peak_bytes": chosen.plan["peak"],
-            "plan_code_bytes": chosen.plan["code"],
+            "plan_peak_bytes": chosen.plan.peak,
+            "plan_code_bytes": chosen.plan.code,
             "remat": chosen.remat,
             "loss_chunk_tokens": chosen.chunk_tokens,
             "split": split,
@@ -173,7 +173,7 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
         folder = Path(settings.profile) / f"{side}-{case_name(rows, length)}"
         found = profile_steps(step, first, folder, compiled.as_text())
         log(f"{side} {case_name(rows, length)}: profiled {PROFILE_STEPS} steps into {folder}")
-        return {**found, "program_flops": chosen.plan["cost"].get("flops")}
+        return {**found, "program_flops": chosen.plan.cost.get("flops")}
 
     return step, plan, profile if settings.profile else None
 

@@ -77,7 +77,7 @@ def main() -> None:
                     model, steps.make_optimizer(config.train), config.train, args.length, limit=target.chip.hbm
                 )
             found = (
-                f"peak {plan['peak'] / 2**30:.2f} GiB + code {plan['code'] / 2**20:.1f} MiB of "
+                f"peak {plan.peak / 2**30:.2f} GiB + code {plan.code / 2**20:.1f} MiB of "
                 f"{target.chip.hbm / 2**30:.2f} GiB"
             )
         except Exception as e:

@@ -9,11 +9,15 @@ in the dtype and batch shape the config trains with.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxtune.config import JaxtuneConfig
 from jaxtune.errors import DoctorError
+
+if TYPE_CHECKING:  # the runtime is imported where a check runs, not with the CLI
+    from jaxtune.runtime.measures.memory import MemoryPlan
 
 LOGITS_TOLERANCE = 1e-4  # max |Δ logits|, times max(1, max |logits|)
 LOSS_TOLERANCE = 1e-3  # relative
@@ -212,7 +216,7 @@ def fit_row(chosen, train) -> Row:
     return Row("train step runs as", chosen.describe(train))
 
 
-def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str, chosen=None) -> list[Row]:
+def _memory_rows(plan: MemoryPlan, config: JaxtuneConfig, dtype: str, chosen=None) -> list[Row]:
     """The mesh the plan is for, its peak against the device's memory (FAIL when over), its parts,
     and when it does not fit, a mesh of the same devices that would (or that none would) and the settings to change."""
     from jaxtune.runtime.measures import memory
@@ -222,26 +226,26 @@ def _memory_rows(plan: dict, config: JaxtuneConfig, dtype: str, chosen=None) -> 
         f"{dtype}, {train.optimizer}, remat {train.remat}, "
         f"{train.grad_accumulation} x {train.batch_size} x {train_length(config)}"
     )
-    limit = size_text(plan["device_limit"]) if plan["device_limit"] else "not reported"
-    fits = None if not plan["device_limit"] else plan["peak"] <= plan["device_limit"]
+    limit = size_text(plan.device_limit) if plan.device_limit else "not reported"
+    fits = None if not plan.device_limit else plan.peak <= plan.device_limit
     rows = [
-        Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
+        Row("mesh", memory.mesh_text(plan.mesh, plan.devices)),
         *([fit_row(chosen, config.train)] if chosen else []),
-        Row(MEMORY_CHECK, f"{size_text(plan['peak'])} ({shape})", limit, fits),
+        Row(MEMORY_CHECK, f"{size_text(plan.peak)} ({shape})", limit, fits),
         *part_rows(plan),
     ]
-    if plan.get("platform") == "cpu":
+    if plan.platform == "cpu":
         rows.append(Row("  planned by", CPU_PLAN))
     if fits is False:
         rows.append(Row("  to fit", memory.advice(plan, train)))
     return rows
 
 
-def part_rows(plan: dict) -> list[Row]:
+def part_rows(plan: MemoryPlan) -> list[Row]:
     """The memory plan's parts, one row each, indented under its peak; the frozen base's linear
     layers under the parameters."""
     rows = [
-        Row(f"  {label}", size_text(plan[key]))
+        Row(f"  {label}", size_text(getattr(plan, key)))
         for label, key in (
             ("parameters", "parameters"),
             ("gradients", "gradients"),
@@ -249,8 +253,8 @@ def part_rows(plan: dict) -> list[Row]:
             ("activations per micro-batch", "activations_per_micro_batch"),
         )
     ]
-    if plan.get("base", {}).get("held"):
-        rows.insert(1, Row("    of which frozen base layers", base_text(plan["base"])))
+    if plan.base.get("held"):
+        rows.insert(1, Row("    of which frozen base layers", base_text(plan.base)))
     return rows
 
 

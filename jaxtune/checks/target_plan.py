@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jaxtune.checks.doctor import (
     DECODE_CHECK,
@@ -34,6 +35,10 @@ from jaxtune.checks.doctor import (
 )
 from jaxtune.config import JaxtuneConfig
 from jaxtune.errors import DoctorError
+
+if TYPE_CHECKING:  # the runtime is imported where a plan compiles, not with the CLI
+    from jaxtune.runtime.measures.fit import Fit
+    from jaxtune.runtime.measures.memory import MemoryPlan
 
 MAX_SLICES_TRIED = 3  # each is a compile of the whole step: minutes for a real model
 
@@ -60,7 +65,7 @@ def plan_for_target(
         f"{target.describe(len(devices))}, compiled here without them",
         plan_only=True,
     )
-    plan, refused = _compile(module, config, target, devices, config.mesh)
+    chosen, refused = _compile(module, config, target, devices, config.mesh)
     if refused:
         shape = (
             f"{dtype}, {train.optimizer}, remat {train.remat}, "
@@ -71,10 +76,10 @@ def plan_for_target(
             Row(MEMORY_CHECK, f"does not compile ({shape}): {refused['message']}", size_text(target.chip.hbm), False),
         ]
     else:
-        run = plan["fit"].train_config(train)
+        run = chosen.train_config(train)
         shape = f"{dtype}, {run.optimizer}, remat {run.remat}, {run.grad_accumulation} x {run.batch_size} x {length}"
-        diagnosis.rows += [fit_row(plan["fit"], train)]
-        diagnosis.rows += _rows(plan, target, shape, tokens=train.grad_accumulation * train.batch_size * length)
+        diagnosis.rows += [fit_row(chosen, train)]
+        diagnosis.rows += _rows(chosen.plan, target, shape, tokens=train.grad_accumulation * train.batch_size * length)
         diagnosis.rows += [] if train_only else _other_steps(module, config, target, devices)
     if diagnosis.ok:
         return diagnosis
@@ -83,8 +88,8 @@ def plan_for_target(
     return diagnosis
 
 
-def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tuple[dict | None, dict | None]:
-    """(the memory plan of the step on `devices` with `mesh`, its `fit.Fit` under "fit", None), or
+def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tuple[Fit | None, dict | None]:
+    """(`fit.Fit` of the step on `devices` with `mesh`, its memory plan under `.plan`, None), or
     (None, {"mesh", "message"}) when XLA:TPU refuses it for want of memory (with train.remat auto:
     every way `fit.choose` tries)."""
     from jaxtune.runtime.compiled import steps
@@ -111,7 +116,7 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
         if e.fit is None:
             return None, {"mesh": memory.mesh_text(placement.sizes, placement.mesh.size), "message": str(e)}
         chosen = e.fit  # the most economical way, which compiled: its figures, marked as not fitting
-    return {**chosen.plan, "fit": chosen}, None
+    return chosen, None
 
 
 def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int) -> str | None:
@@ -127,31 +132,31 @@ def _smallest_fitting_slice(module, config: JaxtuneConfig, target, devices: int)
         found = targets.devices(candidate)
         axis = "fsdp" if config.train.batch_size % len(found) == 0 else "tensor"
         mesh = MeshConfig(data=1, **{axis: len(found)})
-        plan, refused = _compile(module, config, candidate, found, mesh)
-        if plan and plan["peak"] + plan["code"] <= candidate.chip.hbm:
+        chosen, refused = _compile(module, config, candidate, found, mesh)
+        if chosen and chosen.plan.needed <= candidate.chip.hbm:
             return (
-                f"{candidate.name} fits: {size_text(plan['peak'] + plan['code'])} of {size_text(candidate.chip.hbm)} "
-                f"per device with {memory.mesh_setting(plan['mesh'])} (compiled)"
+                f"{candidate.name} fits: {size_text(chosen.plan.needed)} of {size_text(candidate.chip.hbm)} "
+                f"per device with {memory.mesh_setting(chosen.plan.mesh)} (compiled)"
             )
     return None
 
 
-def _rows(plan: dict, target, shape: str, tokens: int) -> list[Row]:
+def _rows(plan: MemoryPlan, target, shape: str, tokens: int) -> list[Row]:
     from jaxtune.runtime.measures import memory
 
     # The program itself lies in HBM beside its buffers: hundreds of MiB for a 1B model's step.
-    needed = plan["peak"] + plan["code"]
+    needed = plan.needed
     fits = needed <= target.chip.hbm
     rows = [
-        Row("mesh", memory.mesh_text(plan["mesh"], plan["devices"])),
+        Row("mesh", memory.mesh_text(plan.mesh, plan.devices)),
         Row(MEMORY_CHECK, f"{size_text(needed)} with its code ({shape})", f"{size_text(target.chip.hbm)} HBM", fits),
         *part_rows(plan),
-        Row("  generated code", size_text(plan["code"])),
+        Row("  generated code", size_text(plan.code)),
     ]
-    cost = plan["cost"]
+    cost = plan.cost
     if cost.get("flops"):
         seconds = max(cost["flops"] / target.chip.peak_flops, cost["bytes_accessed"] / target.chip.hbm_bandwidth)
-        per_chip = tokens / plan["devices"] * target.chip.devices_per_chip / seconds
+        per_chip = tokens / plan.devices * target.chip.devices_per_chip / seconds
         rows += [
             Row(
                 "compiler's count per device", f"{cost['flops']:.3g} flops, {cost['bytes_accessed']:.3g} bytes accessed"

@@ -233,7 +233,7 @@ def run(method: str, sizes: tuple[int, int, int], out: Path, counter: CompileCou
         "summary_mesh": result.summary.mesh,
         "batch_shape": result.summary.batch_shape,
         "batches": batches,
-        "memory": plan,
+        "memory": plan.record() if plan else None,
         "xla_memory": xla,
     }
 

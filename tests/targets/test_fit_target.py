@@ -39,7 +39,7 @@ def planned(tiny_folder):
     needs = {}
     for policy, rows in [*((p, 4) for p in fit.POLICIES), ("layer", 2)]:
         run = config.train.model_copy(update={"remat": policy, "batch_size": rows, "grad_accumulation": 4 // rows})
-        needs[(policy, rows)] = fit._needed(memory.memory_plan(model, optimizer, run, LENGTH))
+        needs[(policy, rows)] = memory.memory_plan(model, optimizer, run, LENGTH).needed
     print({f"{p} x{r}": f"{n / 2**20:.2f} MiB" for (p, r), n in needs.items()})
     return config, model, needs
 
@@ -63,7 +63,7 @@ def test_auto_on_a_compile_only_v5e_takes_the_first_policy_whose_plan_fits(plann
     )
     assert (chosen.remat, chosen.split, chosen.chosen_by) == (expected, 1, "auto")
     assert [t.remat for t in chosen.tried] == list(fit.POLICIES[: fit.POLICIES.index(expected) + 1])
-    assert chosen.plan["platform"] == "tpu" and fit._needed(chosen.plan) == needs[(expected, 4)]
+    assert chosen.plan.platform == "tpu" and chosen.plan.needed == needs[(expected, 4)]
 
 
 def test_where_no_policy_fits_the_doctor_shows_the_split_auto_chose(planned, tiny_folder, monkeypatch):

@@ -55,7 +55,7 @@ def needs():
     found = {}
     for remat, rows in (("none", 4), ("matmuls", 4), ("layer", 4), ("layer", 2), ("layer", 1), ("none", 2)):
         run = CFG.model_copy(update={"remat": remat, "batch_size": rows, "grad_accumulation": 4 // rows})
-        found[(remat, rows)] = fit._needed(memory.memory_plan(model, optimizer, run, LENGTH, rows=rows))
+        found[(remat, rows)] = memory.memory_plan(model, optimizer, run, LENGTH, rows=rows).needed
     print({f"{r} x{n}": f"{b / 2**20:.2f} MiB" for (r, n), b in found.items()})
     return model, found
 
@@ -90,7 +90,7 @@ def test_auto_takes_the_least_recomputation_that_fits(needs, between, remat, spl
     limit = device_between(found[low], found[high] if high else 2 * found[low])
     chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
     assert (chosen.remat, chosen.split, chosen.chosen_by) == (remat, split, "auto")
-    assert fit._needed(chosen.plan) == found[(remat, 4 // split)] <= chosen.budget < limit
+    assert chosen.plan.needed == found[(remat, 4 // split)] <= chosen.budget < limit
     # Every policy with less recomputation was tried first and did not fit; matmuls is not compiled
     # where none needs more than the budget by more than matmuls could save.
     earlier = fit.POLICIES[: fit.POLICIES.index(remat) + (1 if split > 1 else 0)]
@@ -125,7 +125,7 @@ def test_where_none_does_not_fit_it_runs_on_fewer_rows_before_any_recomputation(
     limit = device_between(found[("none", 2)], found[("matmuls", 4)])
     assert found[("none", 2)] < limit * (1 - fit.HEADROOM) < found[("matmuls", 4)] < found[("none", 4)]
     chosen = fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
-    assert (chosen.remat, chosen.split, fit._needed(chosen.plan)) == ("none", 2, found[("none", 2)])
+    assert (chosen.remat, chosen.split, chosen.plan.needed) == ("none", 2, found[("none", 2)])
     assert compiled == [("none", 4), ("none", 2)]
     run = chosen.train_config(CFG)
     assert (run.remat, run.batch_size, run.grad_accumulation) == ("none", 2, 2)
@@ -173,13 +173,13 @@ def test_nothing_fits_says_so_in_one_line_with_what_would(needs):
         fit.choose(model, steps.make_optimizer(CFG), CFG, shape, limit=limit)
     message = str(refused.value)
     assert "\n" not in message and "with 1 row per micro-batch" in message
-    assert refused.value.fit.split == 4 and fit._needed(refused.value.fit.plan) == found[("layer", 1)]
+    assert refused.value.fit.split == 4 and refused.value.fit.plan.needed == found[("layer", 1)]
     # The length it names does fit: one row of it, compiled, within the budget.
     shorter = int(re.search(r"Try data\.max_length=(\d+) \(about", message)[1])
     assert 128 <= shorter < LENGTH
     run = CFG.model_copy(update={"remat": "layer", "batch_size": 1, "grad_accumulation": 4})
     plan = memory.memory_plan(model, steps.make_optimizer(CFG), run, shorter, rows=1)
-    assert fit._needed(plan) <= limit * (1 - fit.HEADROOM)
+    assert plan.needed <= limit * (1 - fit.HEADROOM)
 
 
 def test_a_fixed_policy_is_obeyed_and_refused_before_the_first_step(needs, monkeypatch):
@@ -229,7 +229,7 @@ def test_without_a_reported_memory_auto_is_matmuls_and_compiles_once(needs):
         "no device memory reported",
         None,
     )
-    assert len(chosen.tried) == 1 and fit._needed(chosen.plan) == found[("matmuls", 4)]
+    assert len(chosen.tried) == 1 and chosen.plan.needed == found[("matmuls", 4)]
 
 
 def test_the_loss_chunk_grows_into_what_memory_is_left():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -249,12 +250,12 @@ def test_memory_plan_counts_each_part_and_refuses_what_cannot_fit():
     cfg = TrainConfig(method="lora", batch_size=4, grad_accumulation=2, remat="matmuls")
     plan = memory.memory_plan(model, steps.make_optimizer(cfg), cfg, 64)
     trainable = sum(v.size * 4 for v in model.weights.values())
-    assert plan["gradients"] == trainable and plan["optimizer_state"] >= 2 * trainable  # AdamW: two moments
-    assert plan["activations_per_micro_batch"] > 0 and plan["peak"] > plan["parameters"]
+    assert plan.gradients == trainable and plan.optimizer_state >= 2 * trainable  # AdamW: two moments
+    assert plan.activations_per_micro_batch > 0 and plan.peak > plan.parameters
     memory.check_fits(plan, cfg)  # the CPU reports no limit: nothing to refuse
     full = TrainConfig(method="full", optimizer="adamw", batch_size=4, remat="matmuls")
     with pytest.raises(MemoryError) as refused:
-        memory.check_fits({**plan, "device_limit": plan["peak"] // 2}, full)
+        memory.check_fits(dataclasses.replace(plan, device_limit=plan.peak // 2), full)
     message = str(refused.value)
     for knob in ("train.method=lora", "train.optimizer=adafactor", "train.remat=layer", "train.grad_accumulation"):
         assert knob in message

@@ -4,6 +4,7 @@ report. Every plan here is synthetic: nothing is compiled."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -26,21 +27,21 @@ def plan(
     limit: float | None,
     rows: int = 1,
     peak: float | None = None,
-) -> dict:
+) -> memory.MemoryPlan:
     """A plan as `memory_plan` returns it, in GiB; its peak as XLA counts one with donated state:
     parameters, optimizer state, two gradients' worth (accumulator and micro-batch) and activations."""
     peak = parameters + optimizer_state + 2 * gradients + activations if peak is None else peak
-    return {
-        "parameters": int(parameters * GiB),
-        "gradients": int(gradients * GiB),
-        "optimizer_state": int(optimizer_state * GiB),
-        "activations_per_micro_batch": int(activations * GiB),
-        "peak": int(peak * GiB),
-        "device_limit": None if limit is None else int(limit * GiB),
-        "mesh": mesh,
-        "devices": mesh["data"] * mesh["fsdp"] * mesh["tensor"],
-        "shape": {"micro_batches": 1, "rows_per_device": rows, "length": 512},
-    }
+    return memory.MemoryPlan(
+        parameters=int(parameters * GiB),
+        gradients=int(gradients * GiB),
+        optimizer_state=int(optimizer_state * GiB),
+        activations_per_micro_batch=int(activations * GiB),
+        peak=int(peak * GiB),
+        device_limit=None if limit is None else int(limit * GiB),
+        mesh=mesh,
+        devices=mesh["data"] * mesh["fsdp"] * mesh["tensor"],
+        shape={"micro_batches": 1, "rows_per_device": rows, "length": 512},
+    )
 
 
 # Data parallel over 8 devices: 14 GiB of state (6 + 4 + 2 x 2) and 3 GiB of activations, 17 GiB in all.
@@ -51,7 +52,7 @@ FULL = TrainConfig(
 
 
 def test_the_estimate_splits_state_over_fsdp_x_tensor_and_activations_over_the_batch_shards():
-    assert memory.estimate_peak(DATA8, DATA8["mesh"]) == DATA8["peak"]  # the plan's own mesh: its own peak
+    assert memory.estimate_peak(DATA8, DATA8.mesh) == DATA8.peak  # the plan's own mesh: its own peak
     assert memory.estimate_peak(DATA8, {"data": 4, "fsdp": 2, "tensor": 1}) == 10 * GiB  # 14 / 2 + 3 x 8 / 8
     assert memory.estimate_peak(DATA8, {"data": 4, "fsdp": 1, "tensor": 2}) == 13 * GiB  # 14 / 2 + 3 x 8 / 4
     assert memory.estimate_peak(DATA8, {"data": 1, "fsdp": 8, "tensor": 1}) == int(4.75 * GiB)  # 14 / 8 + 3
@@ -67,9 +68,11 @@ def test_the_suggestion_is_the_fitting_mesh_with_the_largest_data_axis_then_the_
     # (4, 2, 1) at 10 GiB and (4, 1, 2) at 13 GiB both fit 16 GiB; data=8 is the plan's own mesh.
     assert memory.suggest_mesh(DATA8, FULL) == {"mesh": {"data": 4, "fsdp": 2, "tensor": 1}, "peak": 10 * GiB}
     # At 9 GiB no data=4 mesh fits; of data=2: (2, 4, 1) 6.5 GiB fits, (2, 2, 2) 9.5 GiB does not.
-    tight = {**DATA8, "device_limit": 9 * GiB}
+    tight = dataclasses.replace(DATA8, device_limit=9 * GiB)
     assert memory.suggest_mesh(tight, FULL) == {"mesh": {"data": 2, "fsdp": 4, "tensor": 1}, "peak": int(6.5 * GiB)}
-    assert memory.suggest_mesh({**DATA8, "device_limit": None}, FULL) is None  # no limit known: nothing to fit
+    assert (
+        memory.suggest_mesh(dataclasses.replace(DATA8, device_limit=None), FULL) is None
+    )  # no limit known: nothing to fit
 
 
 def test_only_meshes_whose_batch_shards_divide_the_batch_are_suggested():
@@ -104,7 +107,7 @@ def test_a_plan_that_does_not_fit_is_refused_naming_its_mesh_and_one_that_would_
     ) in message
     for knob in ("train.optimizer=adafactor", "train.remat=layer", "batch_size=4, grad_accumulation=2"):
         assert knob in message
-    memory.check_fits({**DATA8, "device_limit": 17 * GiB}, FULL)  # exactly the peak: fits
+    memory.check_fits(dataclasses.replace(DATA8, device_limit=17 * GiB), FULL)  # exactly the peak: fits
 
 
 def test_when_no_mesh_of_the_devices_fits_the_refusal_says_so_and_keeps_the_settings_to_change():
@@ -144,10 +147,10 @@ def test_the_doctor_shows_the_mesh_and_when_the_plan_does_not_fit_a_mesh_that_wo
     from jaxtune.config import load_config
 
     config = load_config(None, ["train.method=full", "train.batch_size=8"])
-    rows = _memory_rows({**DATA8, "device_limit": None}, config, "bfloat16")
+    rows = _memory_rows(dataclasses.replace(DATA8, device_limit=None), config, "bfloat16")
     assert (rows[0].check, rows[0].value, rows[0].ok) == ("mesh", "data=8, fsdp=1, tensor=1 on 8 devices", None)
     assert rows[1].ok is None and rows[1].limit == "not reported" and len(rows) == 6  # the CPU: nothing to check
-    labelled = _memory_rows({**DATA8, "device_limit": None, "platform": "cpu"}, config, "bfloat16")
+    labelled = _memory_rows(dataclasses.replace(DATA8, device_limit=None, platform="cpu"), config, "bfloat16")
     assert (labelled[-1].check, labelled[-1].value) == (
         "  planned by",
         (

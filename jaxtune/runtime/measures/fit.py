@@ -116,7 +116,7 @@ class Fit:
     remat: str
     chunk_tokens: int
     split: int  # each configured micro-batch runs as this many
-    plan: dict
+    plan: memory.MemoryPlan
     chosen_by: str  # "auto", "fixed" or "no device memory reported"
     budget: int | None  # bytes a plan may need (peak + code): the device's memory less HEADROOM
     tried: list[Candidate] = dataclasses.field(default_factory=list)
@@ -124,7 +124,13 @@ class Fit:
     @classmethod
     def from_record(cls, record: dict) -> "Fit":
         """A `Fit` kept as `dataclasses.asdict` gives it (`executables.remember`)."""
-        return cls(**{**record, "tried": [Candidate(**entry) for entry in record["tried"]]})
+        return cls(
+            **{
+                **record,
+                "plan": memory.MemoryPlan.from_record(record["plan"]),
+                "tried": [Candidate(**entry) for entry in record["tried"]],
+            }
+        )
 
     def train_config(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` as it runs: the chosen policy, `batch_size` and `grad_accumulation` split."""
@@ -151,7 +157,7 @@ class Fit:
         """'remat auto: none, loss chunks of 1024 tokens, 1 x 8
         rows per step (needs 9.81 GiB of 15.28 GiB; tried ...)'."""
         run = self.train_config(cfg)
-        needed = _needed(self.plan)
+        needed = self.plan.needed
         limit = f" of {_gib(self.budget)} ({HEADROOM:.0%} of the device kept free)" if self.budget else ""
         split = f", batch_size {cfg.batch_size} split into {self.split} micro-batches" if self.split > 1 else ""
         tried = "; ".join(candidate.text() for candidate in self.tried[:-1])
@@ -213,7 +219,7 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
     base = loss.chunk_tokens_on(platform, vocab_size(model))
     tried: list[Candidate] = []
 
-    def plan(remat: str, split: int, chunk: int = base) -> dict | None:
+    def plan(remat: str, split: int, chunk: int = base) -> memory.MemoryPlan | None:
         """The plan of one candidate, None when the compiler refuses it for want of memory."""
         run = cfg.model_copy(
             update={
@@ -243,13 +249,11 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
                 raise
             tried.append(dataclasses.replace(entry, refused=refused))
             return None
-        tried.append(
-            dataclasses.replace(entry, needed=_needed(found), activations=found["activations_per_micro_batch"])
-        )
+        tried.append(dataclasses.replace(entry, needed=found.needed, activations=found.activations_per_micro_batch))
         return found
 
     budget = int(limit * (1 - HEADROOM)) if limit else None
-    fits = lambda found: found is not None and _needed(found) <= budget  # noqa: E731
+    fits = lambda found: found is not None and found.needed <= budget  # noqa: E731
     rows, length, _ = shape(cfg)
     chunk = (
         loss.grown_chunk_tokens(base, vocab_size(model), budget // CHUNK_SHARE, (rows or cfg.batch_size) * length)
@@ -300,7 +304,9 @@ def _choose(model, optimizer, cfg: TrainConfig, shape: Shape, fused: bool, objec
     return Fit("layer", base, split, found, "auto", budget, tried)
 
 
-def _none_split(cfg: TrainConfig, model, optimizer, found: dict | None, need: int, budget: int) -> int | None:
+def _none_split(
+    cfg: TrainConfig, model, optimizer, found: memory.MemoryPlan | None, need: int, budget: int
+) -> int | None:
     """The fewest micro-batches (at most `MAX_NONE_SPLIT`) per configured one at which `none` would fit by
     estimate (`_least_split`), from its unsplit plan or, where the compiler refused it, its refusal."""
     if not need:
@@ -318,7 +324,9 @@ def _none_split(cfg: TrainConfig, model, optimizer, found: dict | None, need: in
     return next((s for s in _splits(cfg, model) if least and least <= s <= MAX_NONE_SPLIT), None)
 
 
-def _split(cfg: TrainConfig, model, layer_plan: dict | None, budget: int, plan, fits) -> tuple[int, dict | None]:
+def _split(
+    cfg: TrainConfig, model, layer_plan: memory.MemoryPlan | None, budget: int, plan, fits
+) -> tuple[int, memory.MemoryPlan | None]:
     """(split, plan): the fewest micro-batches per configured one (a divisor of `batch_size` leaving
     each device a row) whose `layer` plan fits, starting from the split the unsplit plan's
     activations suggest; (the last split tried, its plan or None where refused) when none does."""
@@ -340,10 +348,10 @@ def _splits(cfg: TrainConfig, model) -> list[int]:
     return [s for s in range(2, cfg.batch_size + 1) if cfg.batch_size % s == 0 and cfg.batch_size // s >= shards]
 
 
-def _state_and_activations(plan: dict) -> tuple[int, int]:
+def _state_and_activations(plan: memory.MemoryPlan) -> tuple[int, int]:
     """A plan's bytes that stay with fewer rows (weights, optimizer state) and those that shrink with them."""
-    activations = plan["activations_per_micro_batch"]
-    return _needed(plan) - activations, activations
+    activations = plan.activations_per_micro_batch
+    return plan.needed - activations, activations
 
 
 def _least_split(state: int, activations: int, room: int) -> int | None:
@@ -408,11 +416,6 @@ def _skipped(none: Candidate, budget: int) -> str:
         f"not compiled: remat none {need}, more than {MATMULS_OF_NONE:g}x of which is past the "
         f"{_gib(budget)} budget, and matmuls saves less than that"
     )
-
-
-def _needed(plan: dict) -> int:
-    """Bytes a step needs on a device: its peak, and its code, which lies in the same memory."""
-    return plan["peak"] + plan.get("code", 0)
 
 
 def _gib(n: int | None) -> str:

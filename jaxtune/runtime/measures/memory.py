@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -22,6 +23,39 @@ def device_bytes(tree) -> int:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device of one compiled train step, by part, for the mesh it was compiled on (`memory_plan`)."""
+
+    parameters: int  # weights and buffers as placed, the frozen base's included
+    gradients: int
+    optimizer_state: int
+    # XLA's temporaries less the gradient accumulator and one micro-batch's gradients
+    activations_per_micro_batch: int
+    peak: int  # XLA's peak of the whole step
+    code: int = 0  # the program, which lies in the same memory
+    device_limit: int | None = None  # the device's memory, where known
+    mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(MESH_AXES, 1))
+    devices: int = 1
+    shape: dict[str, int] = dataclasses.field(default_factory=dict)  # micro_batches, rows_per_device, length
+    cost: dict[str, float] = dataclasses.field(default_factory=dict)  # the compiler's flops and bytes_accessed
+    base: dict = dataclasses.field(default_factory=dict)  # the frozen base's linear layers (`base_bytes`)
+    platform: str | None = None  # whose compiler made the plan: cpu, tpu, gpu
+
+    @property
+    def needed(self) -> int:
+        """Bytes the step needs on a device: its peak, and its code."""
+        return self.peak + self.code
+
+    def record(self) -> dict:
+        """As the train artifact's memory.json and the logged plan keep it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict) -> MemoryPlan:
+        return cls(**record)
+
+
 def memory_plan(
     model,
     optimizer,
@@ -33,7 +67,7 @@ def memory_plan(
     objective=None,
     segments: int = 0,
     chunk_tokens: int | None = None,
-) -> dict:
+) -> MemoryPlan:
     """Bytes per device for parameters, gradients, optimizer state and one micro-batch's
     activations at `rows` (default `train.batch_size`) sequences of `length`, XLA's peak for the
     whole step, and the device's memory: `limit`, else what JAX reports (accelerators do, the CPU
@@ -53,26 +87,25 @@ def memory_plan(
     xla = steps.train_step_memory(model, optimizer, cfg.grad_accumulation, rows, length, spec, segments=segments)
     gradients = device_bytes(model.weights)
     opt_state = steps.optimizer_state_shapes(optimizer, model.weights, model.placement.replicated)
-    return {
-        "parameters": device_bytes(model.weights) + device_bytes(model.buffers),
-        "gradients": gradients,
-        "optimizer_state": device_bytes(opt_state),
-        # XLA's temporaries hold the gradient accumulator and one micro-batch's gradients besides activations.
-        "activations_per_micro_batch": max(xla["temp_bytes"] - 2 * gradients, 0),
-        "peak": xla["peak_bytes"],
-        "code": xla["code_bytes"],
-        "cost": {key: xla[key] for key in ("flops", "bytes_accessed") if key in xla},
-        "device_limit": limit or device_limit(),
-        "base": base_bytes(model),
-        "mesh": model.placement.sizes,
-        "devices": model.placement.mesh.size,
-        "platform": model.placement.mesh.devices.flat[0].platform,  # whose compiler made the plan: cpu, tpu, gpu
-        "shape": {
+    return MemoryPlan(
+        parameters=device_bytes(model.weights) + device_bytes(model.buffers),
+        gradients=gradients,
+        optimizer_state=device_bytes(opt_state),
+        activations_per_micro_batch=max(xla["temp_bytes"] - 2 * gradients, 0),
+        peak=xla["peak_bytes"],
+        code=xla["code_bytes"],
+        cost={key: xla[key] for key in ("flops", "bytes_accessed") if key in xla},
+        device_limit=limit or device_limit(),
+        base=base_bytes(model),
+        mesh=model.placement.sizes,
+        devices=model.placement.mesh.size,
+        platform=model.placement.mesh.devices.flat[0].platform,
+        shape={
             "micro_batches": cfg.grad_accumulation,
             "rows_per_device": rows // model.placement.batch_shards,
             "length": length,
         },
-    }
+    )
 
 
 def base_bytes(model) -> dict:
@@ -114,31 +147,30 @@ def mesh_text(sizes: dict[str, int], devices: int) -> str:
     return ", ".join(f"{axis}={size}" for axis, size in sizes.items()) + f" on {devices} device{'s' * (devices != 1)}"
 
 
-def _plan_mesh(plan: dict) -> tuple[dict[str, int], int]:
-    """The plan's mesh sizes and device count (one device, unsharded, for a plan that does not say)."""
-    sizes = plan.get("mesh") or dict.fromkeys(MESH_AXES, 1)
-    return sizes, plan.get("devices") or math.prod(sizes.values())
+def _plan_mesh(plan: MemoryPlan) -> tuple[dict[str, int], int]:
+    """The plan's mesh sizes and device count."""
+    return plan.mesh, plan.devices or math.prod(plan.mesh.values())
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def describe(plan: dict) -> str:
-    limit = _mib(plan["device_limit"]) if plan["device_limit"] else "not reported by this device"
-    shape = plan["shape"]
+def describe(plan: MemoryPlan) -> str:
+    limit = _mib(plan.device_limit) if plan.device_limit else "not reported by this device"
+    shape = plan.shape
     return (
-        f"memory plan per device on mesh {mesh_text(*_plan_mesh(plan))}: parameters {_mib(plan['parameters'])}, "
-        f"gradients {_mib(plan['gradients'])}, optimizer state {_mib(plan['optimizer_state'])}, activations "
-        f"{_mib(plan['activations_per_micro_batch'])} per micro-batch of {shape['rows_per_device']} x "
-        f"{shape['length']}; XLA peak {_mib(plan['peak'])}; device memory {limit}"
+        f"memory plan per device on mesh {mesh_text(*_plan_mesh(plan))}: parameters {_mib(plan.parameters)}, "
+        f"gradients {_mib(plan.gradients)}, optimizer state {_mib(plan.optimizer_state)}, activations "
+        f"{_mib(plan.activations_per_micro_batch)} per micro-batch of {shape['rows_per_device']} x "
+        f"{shape['length']}; XLA peak {_mib(plan.peak)}; device memory {limit}"
     )
 
 
-def estimate_peak(plan: dict, sizes: dict[str, int]) -> int:
+def estimate_peak(plan: MemoryPlan, sizes: dict[str, int]) -> int:
     """Bytes per device the plan's step would peak at on a mesh of `sizes` (same device count), by scaling its parts.
 
-    The plan was compiled for the mesh in `plan["mesh"]`. Its peak is split in two:
+    The plan was compiled for the mesh in `plan.mesh`. Its peak is split in two:
 
     - activations (`activations_per_micro_batch`): proportional to the rows each device holds,
       so they scale with 1 / (data x fsdp). Tensor parallelism splits some of them too (heads,
@@ -153,14 +185,14 @@ def estimate_peak(plan: dict, sizes: dict[str, int]) -> int:
     (data=2, fsdp=4, tensor=1) is estimated at state / 4 + activations (8 / 8 = same rows per device).
     """
     now, _ = _plan_mesh(plan)
-    activations = min(plan["activations_per_micro_batch"], plan["peak"])
-    state = plan["peak"] - activations
+    activations = min(plan.activations_per_micro_batch, plan.peak)
+    state = plan.peak - activations
     state_ratio = (now["fsdp"] * now["tensor"]) / (sizes["fsdp"] * sizes["tensor"])
     rows_ratio = (now["data"] * now["fsdp"]) / (sizes["data"] * sizes["fsdp"])
     return int(state * state_ratio + activations * rows_ratio)
 
 
-def mesh_candidates(plan: dict, cfg: TrainConfig, devices: int | None = None) -> list[dict]:
+def mesh_candidates(plan: MemoryPlan, cfg: TrainConfig, devices: int | None = None) -> list[dict]:
     """Every mesh (data, fsdp, tensor) of `devices` (default: the plan's) other than the plan's own
     whose data x fsdp divides train.batch_size, each as {"mesh": sizes, "peak": estimate_peak},
     preferred first: the largest data axis (least communication), then the smallest tensor axis."""
@@ -176,10 +208,10 @@ def mesh_candidates(plan: dict, cfg: TrainConfig, devices: int | None = None) ->
     return sorted(found, key=lambda c: (-c["mesh"]["data"], c["mesh"]["tensor"]))
 
 
-def suggest_mesh(plan: dict, cfg: TrainConfig, devices: int | None = None) -> dict | None:
+def suggest_mesh(plan: MemoryPlan, cfg: TrainConfig, devices: int | None = None) -> dict | None:
     """The preferred mesh of `mesh_candidates` whose estimated peak fits the plan's device limit,
     as {"mesh": {"data", "fsdp", "tensor"}, "peak": bytes}; None when none does (or no limit is known)."""
-    limit = plan["device_limit"]
+    limit = plan.device_limit
     if not limit:
         return None
     return next((c for c in mesh_candidates(plan, cfg, devices) if c["peak"] <= limit), None)
@@ -212,7 +244,7 @@ def knobs(cfg: TrainConfig) -> str:
     return "; ".join(found) or "a shorter data.max_length or a device with more memory"
 
 
-def advice(plan: dict, cfg: TrainConfig) -> str:
+def advice(plan: MemoryPlan, cfg: TrainConfig) -> str:
     """What to change when the plan does not fit: a mesh of the same devices that fits by
     `estimate_peak`, or that none does; then the train settings that shrink the plan."""
     now, devices = _plan_mesh(plan)
@@ -235,13 +267,13 @@ def advice(plan: dict, cfg: TrainConfig) -> str:
     return f"No mesh of {devices} device{'s' * (devices != 1)} fits by estimate{closest}. Try: {knobs(cfg)}"
 
 
-def check_fits(plan: dict, cfg: TrainConfig) -> None:
+def check_fits(plan: MemoryPlan, cfg: TrainConfig) -> None:
     """Raise MemoryError, naming the mesh the plan was made for, a mesh of the same devices that
     would fit (`suggest_mesh`) and the settings that would shrink the plan, when the peak exceeds the device."""
-    limit = plan["device_limit"]
-    if not limit or plan["peak"] <= limit:
+    limit = plan.device_limit
+    if not limit or plan.peak <= limit:
         return
     raise MemoryError(
-        f"training needs {plan['peak'] / 2**30:.2f} GiB per device on mesh {mesh_text(*_plan_mesh(plan))} "
+        f"training needs {plan.peak / 2**30:.2f} GiB per device on mesh {mesh_text(*_plan_mesh(plan))} "
         f"but the device has {limit / 2**30:.2f} GiB. {describe(plan)}. {advice(plan, cfg)}"
     )

@@ -94,11 +94,12 @@ def run(
     interruptions = _interruptions(checkpoint_dir, restart) if checkpoint_dir else []
     fused = attention.supported(model.module)
     optimizer = steps.make_optimizer(cfg)
+    # `asked` is train as configured; from here on `cfg` is train as it runs (auto's policy and split)
     asked, plan, chosen, chunk = cfg, {}, None, None
     if check_memory:
         chosen = fit.choose(model, optimizer, cfg, source.shape, fused=fused, objective=objective)
-        plan = {**chosen.plan, "fit": chosen.record()}
-        cfg, chunk = chosen.train_config(cfg), chosen.chunk_tokens
+        plan = {**chosen.plan.record(), "fit": chosen.record()}  # as memory.json and the log keep it
+        cfg, chunk = chosen.train_config(asked), chosen.chunk_tokens
     elif cfg.remat == "auto":
         cfg = cfg.model_copy(update={"remat": fit.fixed(cfg.remat)})
     spec = steps.StepSpec(cfg.remat, fused=fused, objective=objective, chunk_tokens=chunk)
@@ -109,11 +110,11 @@ def run(
                 {
                     "memory_plan": plan,
                     "total_steps": total,
-                    "message": f"{chosen.describe(asked)}; {memory.describe(plan)}",
+                    "message": f"{chosen.describe(asked)}; {memory.describe(chosen.plan)}",
                 }
             ]
         )
-        memory.check_fits(plan, asked)
+        memory.check_fits(chosen.plan, asked)
     schedule = steps.learning_rate_schedule(cfg, total)
     step_fn = steps.make_train_step(model, optimizer, spec)
     evaluate = evaluator(cfg) if evaluator is not None and cfg.eval_every else None
