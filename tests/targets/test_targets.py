@@ -150,6 +150,50 @@ def _argument_bytes(folder, method: str, mesh: list[str], target: str = "v5e:2x2
 DATA4, FSDP4 = ["mesh.data=4"], ["mesh.data=1", "mesh.fsdp=4"]
 
 
+KERNEL = """
+import jax
+from jax.experimental import pallas as pl
+
+
+def _double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+
+def double(x):
+    return pl.pallas_call(_double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+"""
+
+
+def test_a_programs_key_is_the_same_wherever_its_kernels_source_is_installed(tmp_path):
+    """A Pallas kernel's Mosaic bytecode names the file that traced it (splash attention's, under the
+    environment's site-packages): the same program from two installs lowers to other text, yet takes the
+    same key, so the plans a checkout records hold in a fresh clone, in CI and on a TPU machine."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxtune.runtime.devices import compile_cache
+
+    devices = targets.devices(targets.resolve("v5e-1"))
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=SingleDeviceSharding(devices[0]))
+    texts, keys = [], []
+    for install in ("one/site-packages", "another/lib/site-packages"):
+        source = tmp_path / install / "kernel.py"
+        source.parent.mkdir(parents=True)
+        source.write_text(KERNEL)
+        spec = importlib.util.spec_from_file_location(f"kernel_{len(keys)}", source)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        lowered = jax.jit(module.double).lower(x)
+        texts.append(lowered.as_text())
+        keys.append(compile_cache.program_key(lowered, devices))
+    assert texts[0] != texts[1] and keys[0] == keys[1]
+    doubled = jax.jit(lambda v: module.double(v) * 2).lower(x)  # another program: another key
+    assert compile_cache.program_key(doubled, devices) != keys[0]
+
+
 def test_a_plan_for_compile_only_devices_is_remembered_and_read_back_without_a_compile(
     aligned_folder, tmp_path, monkeypatch
 ):

@@ -19,6 +19,7 @@ the compiler's version and its flags.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -78,13 +79,42 @@ def _refusals() -> Path | None:
     return Path(folder) / REFUSALS_FILE if folder else None
 
 
+# A Pallas kernel for the TPU travels in its custom call as Mosaic bytecode, base64 in the backend config,
+# and that bytecode's locations name the Python file that traced it: a path under wherever jax is installed.
+_KERNEL_BODY = re.compile(r"(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)")
+
+
+def _without_locations(body: re.Match) -> str:
+    """A kernel's bytecode as the digest of its text without locations (Mosaic's dialect read as JAX reads it
+    to upgrade a kernel); the bytecode itself where it does not read (a jaxlib without Mosaic)."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.lib.mlir import ir
+        from jax._src.tpu_custom_call import tpu
+
+        context = mlir.make_ir_context()
+        tpu.register_dialect(context)
+        with context, ir.Location.unknown():
+            context.allow_unregistered_dialects = True
+            text = ir.Module.parse(base64.b64decode(body[2])).operation.get_asm(enable_debug_info=False)
+    except Exception:
+        return body[0]
+    return body[1] + hashlib.sha256(text.encode("utf-8")).hexdigest() + body[3]
+
+
+def program_text(lowered) -> str:
+    """The lowered program as the key hashes it: the same wherever the code is installed (a checkout's
+    .venv, CI's, a TPU machine's), so that plans.json's records hold in a fresh clone too."""
+    return _KERNEL_BODY.sub(_without_locations, lowered.as_text())
+
+
 def program_key(lowered, devices) -> str:
-    """What identifies a compile's outcome: the lowered program, the devices it is for (kind and count), and
-    the versions compiling it (jax, and the backend's own: libtpu's, the CUDA plugin's)."""
+    """What identifies a compile's outcome: the lowered program (`program_text`), the devices it is for (kind
+    and count), and the versions compiling it (jax, and the backend's own: libtpu's, the CUDA plugin's)."""
     devices = list(devices)
     client = getattr(devices[0], "client", None)
     parts = [
-        lowered.as_text(),
+        program_text(lowered),
         jax.__version__,
         devices[0].platform,
         getattr(client, "platform_version", ""),
