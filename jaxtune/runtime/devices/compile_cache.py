@@ -20,6 +20,7 @@ the compiler's version and its flags.
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import json
 import os
@@ -179,13 +180,16 @@ def _read(path: Path | None) -> dict:
 
 
 def _record(path: Path, key: str, value) -> None:
-    """`value` under `key` in the file at `path`, the records other processes wrote since kept."""
-    found = _read(path)
-    found[key] = value
+    """`value` under `key` in the file at `path`, the records other processes wrote since kept: read and
+    written again under an exclusive lock beside it, so that two processes recording at once both land."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
-    temporary.replace(path)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = _read(path)
+        found[key] = value
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+        temporary.replace(path)
 
 
 PLANS_FILE = "plans.json"
