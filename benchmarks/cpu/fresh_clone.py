@@ -7,7 +7,8 @@
 Clones this checkout's HEAD into a temporary folder and runs the target there, the install included
 (uv's cache as this machine has it), timing it from outside. `demo` then runs the same command again
 (every stage `Cached`) and keeps the report's figures (`report.json`: losses before and after, exact
-match, the train summary); with `--recipe`, the timed command is `jaxtune run RECIPE` after `make install`.
+match, the train summary); with `--recipe`, the timed command is `jaxtune run RECIPE` after `make install`
+and `python -m jaxtune.offline.checkpoints` (the GGUF files the offline real-model recipes name).
 `test` keeps pytest's count and its slowest steps. The result names its commit, command and machine
 (`harness.provenance`): the docs quote the demo's and the suite's figures from it.
 """
@@ -48,8 +49,9 @@ def stage_states(output: str) -> dict[str, str]:
 
 
 def demo(clone: Path, env: dict, recipe: str | None) -> dict:
-    if recipe:
+    if recipe:  # the checkpoints an offline recipe names are placed first (python -m jaxtune.offline.checkpoints)
         timed(["make", "install"], clone, env)
+        timed([".venv/bin/python", "-m", "jaxtune.offline.checkpoints"], clone, env)
         command = [".venv/bin/jaxtune", "run", recipe]
     else:
         command = ["make", "demo"]
