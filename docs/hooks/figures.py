@@ -60,13 +60,17 @@ class Cited:
 
     def render(self, results: Path | None = None) -> str:
         value = self.value(results)
-        unit, _, form = self.form.partition(" ") if self.form.split(" ")[0] in UNITS else ("", "", self.form)
-        if unit:
+        unit, _, form = self.form.partition(" ")
+        if unit in UNITS:
             value = value * UNITS[unit]
+        else:
+            form = self.form
         try:
             return (form or "{}").format(value)
         except (ValueError, TypeError) as error:
-            raise FigureError(f"{self.result}:{self.path}: {value!r} does not take the format {form!r}: {error}")
+            raise FigureError(
+                f"{self.result}:{self.path}: {value!r} does not take the format {form!r}: {error}"
+            ) from None
 
 
 @cache
