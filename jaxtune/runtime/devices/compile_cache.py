@@ -82,7 +82,9 @@ def _refusals() -> Path | None:
 
 # A Pallas kernel for the TPU travels in its custom call as Mosaic bytecode, base64 in the backend config,
 # and that bytecode's locations name the Python file that traced it: a path under wherever jax is installed.
+# jax 0.10 keeps them in the body; jax 0.12 moves them to a "debug_locations" field of their own.
 _KERNEL_BODY = re.compile(r"(\\22body\\22: \\22)([A-Za-z0-9+/=]+)(\\22)")
+_KERNEL_LOCATIONS = re.compile(r", \\22debug_locations\\22: \\22[A-Za-z0-9+/=]*\\22")
 
 
 def _without_locations(body: re.Match) -> str:
@@ -106,7 +108,7 @@ def _without_locations(body: re.Match) -> str:
 def program_text(lowered) -> str:
     """The lowered program as the key hashes it: the same wherever the code is installed (a checkout's
     .venv, CI's, a TPU machine's), so that plans.json's records hold in a fresh clone too."""
-    return _KERNEL_BODY.sub(_without_locations, lowered.as_text())
+    return _KERNEL_BODY.sub(_without_locations, _KERNEL_LOCATIONS.sub("", lowered.as_text()))
 
 
 def program_key(lowered, devices) -> str:
