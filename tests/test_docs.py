@@ -139,3 +139,16 @@ def test_a_figure_whose_result_or_key_is_gone_or_stale_fails_the_build(tmp_path)
     (tmp_path / "latest.json").unlink()
     with pytest.raises(figures.FigureError, match=re.escape("performance.md:1: no result")):
         figures.on_page_markdown(text, page, None, None)
+
+
+def test_a_figure_reads_the_gib_a_compilers_refusal_names_and_fails_on_words_that_name_none(tmp_path):
+    import json
+
+    figures = _hook("figures")
+    figures.RESULTS = tmp_path
+    words = "the total memory required for HLO temporaries (24.91G) exceeds available HBM (15.75G)."
+    (tmp_path / "plan.json").write_text(json.dumps({"tried": [{"refused": words}, {"refused": "some other error"}]}))
+    page, text = _page("<!--fig plan:tried/0/refused refused {:.1f} GiB-->24.9 GiB<!--/fig-->")
+    assert figures.problems(text, "p.md") == []
+    with pytest.raises(figures.FigureError, match="names no GiB that exceed"):
+        figures.on_page_markdown(text.replace("tried/0", "tried/1"), page, None, None)

@@ -6,7 +6,8 @@ A page writes each measured figure between two comments that name where it comes
 
 `accelerator-v5e-peers-gemma3` is `benchmarks/results/accelerator-v5e-peers-gemma3.json`; the path walks
 its keys (a list by index); the last part is the Python format of the value, after an optional unit
-that scales it first (`gib`: bytes as GiB, `ms`: seconds as milliseconds, `min`: seconds as minutes).
+that converts it first (`gib`: bytes as GiB, `ms`: seconds as milliseconds, `min`: seconds as minutes,
+`refused`: the GiB of temporaries that XLA:TPU's refusal names, "... temporaries (24.91G) exceeds ...").
 GitHub shows the text between the comments. The site's build renders every figure again from its
 result and fails (`make docs` is strict) when the result or a key is missing, when the text differs
 from what the result holds, or when the result says a newer one replaced it (`superseded_by`): a page
@@ -30,7 +31,17 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = ("README.md", "benchmarks/README.md", "docs/*.md")
 FIGURE = re.compile(r"<!--fig (?P<result>[\w.-]+):(?P<path>[^\s>]+?)(?: (?P<form>[^>]*?))?-->(?P<text>.*?)<!--/fig-->")
-UNITS = {"gib": 1 / 2**30, "ms": 1e3, "min": 1 / 60}
+REFUSED = re.compile(r"\(([\d.]+)G\) exceeds")
+
+
+def _refused_gib(words: str) -> float:
+    found = REFUSED.search(words)
+    if not found:
+        raise FigureError(f"{words!r} names no GiB that exceed the device's memory")
+    return float(found[1])
+
+
+UNITS = {"gib": lambda n: n / 2**30, "ms": lambda s: s * 1e3, "min": lambda s: s / 60, "refused": _refused_gib}
 
 
 class FigureError(ValueError):
@@ -62,7 +73,7 @@ class Cited:
         value = self.value(results)
         unit, _, form = self.form.partition(" ")
         if unit in UNITS:
-            value = value * UNITS[unit]
+            value = UNITS[unit](value)
         else:
             form = self.form
         try:
