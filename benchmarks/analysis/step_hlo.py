@@ -5,6 +5,7 @@ bytes they move, the flops of their matmuls, and a roofline estimate of each gro
     JAX_PLATFORMS=cpu python -m benchmarks.analysis.step_hlo                  # Gemma 3 1B LoRA recipe, h200, 8 x 512
     JAX_PLATFORMS=cpu python -m benchmarks.analysis.step_hlo --rows 8 --length 2048 --attention xla
     JAX_PLATFORMS=cpu python -m benchmarks.analysis.step_hlo --recipe configs/gemma3-1b-dolly-full.yaml
+    JAX_PLATFORMS=cpu python -m benchmarks.analysis.step_hlo --out benchmarks/results/step-hlo-h200.json
 
 The step is the recipe's (method, optimizer, remat), on a meta model of its checkpoint
 (tests/targets/recipes.py: nothing is downloaded), compiled by the target's compiler for a
@@ -24,6 +25,8 @@ pick cuBLAS: kernel counts and bytes carry over, matmul speeds do not.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
 import math
 import os
 import re
@@ -309,6 +312,11 @@ def breakdown(found: list[dict], peak_flops: float, bandwidth: float) -> list[di
     return sorted(({"group": name, **figures} for name, figures in groups.items()), key=lambda g: -g["seconds"])
 
 
+def slug(group: str) -> str:
+    """A group's key in a result, as a page's figure path can name it: 'matmul: LoRA (rank 8)' -> 'matmul-lora'."""
+    return re.sub(r"[^a-z]+", "-", group.split(" (")[0].lower()).strip("-")
+
+
 def table(groups: list[dict]) -> str:
     total = sum(g["seconds"] for g in groups)
     lines = ["| group | kernels | GB moved | TFLOP | estimate, ms | share |", "|---|---|---|---|---|---|"]
@@ -371,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", help="xla, gpu-flash or splash (default: the target's own)")
     parser.add_argument("--hlo", type=Path, help="also write the optimized HLO here")
     parser.add_argument("--scan-layers", action="store_true", help="the decoder layers as one scan (model.scan_layers)")
+    parser.add_argument("--out", type=Path, help="also keep the groups as a result (JSON), for the docs to cite")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     compiled, target, rank, vocabulary = compile_step(
@@ -387,6 +396,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     groups = breakdown(kernels(text, rank, vocabulary), target.chip.peak_flops, target.chip.hbm_bandwidth)
     print(table(groups))
+    if args.out:
+        from benchmarks.common.harness import provenance
+
+        result = {
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "provenance": provenance(),
+            "recipe": args.recipe,
+            "target": args.target,
+            "shape": [args.rows, args.length],
+            "attention": args.attention or "default",
+            "scan_layers": args.scan_layers,
+            "temp_bytes": memory.temp_size_in_bytes,
+            "groups": {slug(g["group"]): g for g in groups},
+            "all": {key: sum(g[key] for g in groups) for key in ("kernels", "bytes", "flops", "seconds")},
+        }
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
