@@ -85,6 +85,15 @@ class ServeError(ValueError):
     """prefect.yaml is missing or names no deployment of the finetune flow that was asked for."""
 
 
+class PlanDoesNotFit(MemoryError):
+    """No way of running the configured step fits the devices (their compiler refused every one)."""
+
+
+# Failures that the same command meets again: `jaxtune run` exits 2 for them, and a Ray job
+# (`jaxtune launch --ray`) does not restart itself after one.
+REPEATS = (ConfigError, PlanDoesNotFit)
+
+
 class LaunchError(ValueError):
     """The launch arguments cannot describe a job (exit status 2)."""
 

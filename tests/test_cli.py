@@ -103,3 +103,25 @@ def test_serve_builds_the_plan_deployments_with_the_plan_flow_and_the_hub_recipe
     assert [s.schedule.cron for s in planned.schedules] == ["0 4 * * 6"] and not planned.triggers
     run = deployments["gemma3-1b-dolly-lora"]
     assert run.flow_name == "finetune" and not run.schedules  # queued by its plan, once the plan fits
+
+
+def test_a_step_that_fits_no_device_exits_2_as_a_failure_that_repeats(monkeypatch, capsys):
+    """What `jaxtune launch --ray` reads to leave a job unrestarted: status 2 for a plan refused, as for a config."""
+    from jaxtune.checks import preflight
+    from jaxtune.cli import main as cli
+    from jaxtune.errors import PlanDoesNotFit
+    from jaxtune.flows import finetune as flow
+    from jaxtune.host import temporary_server
+    from jaxtune.runtime.measures.fit import NothingFits
+
+    assert issubclass(NothingFits, PlanDoesNotFit)
+
+    def refused(**kwargs):
+        raise NothingFits("train.remat=auto: no way of running 8 x 1024 fits v5e's 15.75 GiB", None)
+
+    monkeypatch.setattr(preflight, "check", lambda config: None)
+    monkeypatch.setattr(temporary_server, "start_guarded", lambda: None)
+    monkeypatch.setattr(cli, "_console_without_tracebacks", lambda: None)
+    monkeypatch.setattr(flow, "finetune", refused)
+    assert main(["run"]) == 2
+    assert "no way of running 8 x 1024 fits" in capsys.readouterr().err

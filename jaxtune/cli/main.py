@@ -112,7 +112,27 @@ def _parser() -> argparse.ArgumentParser:
         "JAX_NUM_PROCESSES and JAX_PROCESS_ID set; each output line is prefixed [i]; when a process fails the "
         "others are stopped and its exit status is launch's. The artifact store must be a folder every host sees.",
     )
-    launch.add_argument("--processes", type=int, required=True, metavar="N", help="processes in the job")
+    launch.add_argument("--processes", type=int, metavar="N", help="processes in the job (with --tpu: its hosts')")
+    launch.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the job on this Ray cluster ('auto': the one this host belongs to), its processes reserved as "
+        "one gang on distinct nodes and restarted together after a failure (the ray extra)",
+    )
+    launch.add_argument(
+        "--tpu",
+        nargs=2,
+        metavar=("VERSION", "TOPOLOGY"),
+        help="with --ray: one process on each host of a TPU slice, e.g. --tpu v5e 4x4 (a v5e-16: 4 hosts)",
+    )
+    launch.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --ray: start the whole job again up to K times after a failure that may not repeat "
+        "(a process killed, a node lost); the train stage resumes from its last checkpoint",
+    )
     launch.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
@@ -216,7 +236,7 @@ def _run(args, config) -> int:
     """`jaxtune run` once its config is loaded (and its job joined)."""
     from jaxtune.checks import preflight
     from jaxtune.config import OFFLINE
-    from jaxtune.errors import ConfigError, TrainingStopped, chain
+    from jaxtune.errors import REPEATS, ConfigError, TrainingStopped, chain
 
     try:
         preflight.check(config)
@@ -256,7 +276,7 @@ def _run(args, config) -> int:
         print(
             f"jaxtune: {f'{stage}: ' if stage else ''}{_one_line(error)} (--debug shows the traceback)", file=sys.stderr
         )
-        return 2 if isinstance(error, ConfigError) else 1
+        return 2 if any(isinstance(e, REPEATS) for e in chain(error)) else 1
     # The temporary Prefect server logs its shutdown at exit; keep the report path the last line.
     logging.getLogger("prefect").setLevel(logging.WARNING)
     width = max(len(stage) for stage in result["stages"])
@@ -361,7 +381,24 @@ def _launch(args) -> int:
     arguments = args.arguments[1:] if args.arguments[:1] == ["--"] else args.arguments
     if arguments and arguments[0] != "launch":
         _parser().parse_args(arguments)  # a mistake in the command exits 2 here, not once in every process
-    return launch.main(args.processes, arguments, args.coordinator, args.host_command, args.cpu_devices)
+    if args.ray is None:
+        for flag, given in (("--tpu", args.tpu), ("--restarts", args.restarts)):
+            if given:
+                print(f"jaxtune launch: {flag} needs --ray", file=sys.stderr)
+                return 2
+        if args.processes is None:
+            print("jaxtune launch: --processes is needed (or --ray with --tpu)", file=sys.stderr)
+            return 2
+        return launch.main(args.processes, arguments, args.coordinator, args.host_command, args.cpu_devices)
+    from jaxtune.errors import LaunchError
+    from jaxtune.host import ray_job
+
+    try:
+        gang = ray_job.gang(args.processes, tuple(args.tpu) if args.tpu else None)
+        return ray_job.run(arguments, gang, args.ray, args.cpu_devices, args.restarts)
+    except LaunchError as error:
+        print(f"jaxtune launch: {error}", file=sys.stderr)
+        return 2
 
 
 def _serve(args) -> int:

@@ -36,8 +36,13 @@ def _flows() -> dict[str, Any]:
     """The flows a deployment's entrypoint may name."""
     from jaxtune.flows.finetune import finetune
     from jaxtune.flows.plan import plan
+    from jaxtune.flows.ray_job import ray_job
 
-    return {"jaxtune/flows/finetune.py:finetune": finetune, "jaxtune/flows/plan.py:plan": plan}
+    return {
+        "jaxtune/flows/finetune.py:finetune": finetune,
+        "jaxtune/flows/plan.py:plan": plan,
+        "jaxtune/flows/ray_job.py:ray_job": ray_job,
+    }
 
 
 def runner_deployments(declared: list[dict[str, Any]]) -> list:

@@ -41,6 +41,7 @@ import re
 from collections.abc import Callable
 
 from jaxtune.config import REMAT_POLICIES, TrainConfig
+from jaxtune.errors import PlanDoesNotFit
 from jaxtune.runtime.devices import compile_cache, executables
 from jaxtune.runtime.measures import memory
 from jaxtune.runtime.modeling import loss
@@ -66,7 +67,7 @@ REFUSED_BYTES = re.compile(r"\(([\d.]+)G\) exceeds")  # libtpu's "... temporarie
 Shape = Callable[[TrainConfig], tuple[int, int, int]]
 
 
-class NothingFits(MemoryError):
+class NothingFits(PlanDoesNotFit):
     """No way of running the batch fits (auto), or the fixed policy is refused; `fit` is the most
     economical candidate that compiled (None when the compiler refused every one)."""
 
