@@ -53,6 +53,9 @@ NOT_RETRIED = 2  # `jaxtune run`'s status for a failure that repeats: the config
 READY_SECONDS = 300.0  # how long the cluster may take to find room for the whole gang
 
 
+RAY_TPU_NAMES = {"v5e": "v5litepod"}  # Ray's name of a TPU version, where it is not the one Cloud TPU users say
+
+
 @dataclass(frozen=True)
 class Gang:
     """Where the job's processes go: `count` of them, each on its own node with `bundle`'s resources,
@@ -71,14 +74,14 @@ def gang(count: int | None, tpu: tuple[str, str] | None = None, cpus: float = 1)
         return Gang(count, {"CPU": cpus})
     from ray.util.tpu import get_tpu_worker_resources
 
-    version, topology = tpu
+    version, topology = RAY_TPU_NAMES.get(tpu[0].lower(), tpu[0].lower()), tpu[1]
     try:
-        hosts, bundle = get_tpu_worker_resources(topology, f"TPU-{version.upper()}")
+        hosts, bundle = get_tpu_worker_resources(topology, version)
     except (ValueError, KeyError) as error:
-        raise LaunchError(f"--tpu {version} {topology}: {error}") from None
+        raise LaunchError(f"--tpu {' '.join(tpu)}: {error}") from None
     if count is not None and count != hosts:
-        raise LaunchError(f"--tpu {version} {topology} has {hosts} hosts, one process each, not --processes {count}")
-    return Gang(hosts, bundle, tpu)
+        raise LaunchError(f"--tpu {' '.join(tpu)} has {hosts} hosts, one process each, not --processes {count}")
+    return Gang(hosts, bundle, (version, topology))
 
 
 class JobProcess:

@@ -173,7 +173,7 @@ def uninterrupted(cluster, tmp_path_factory) -> Path:
         0: f"[0] {train}",
         1: f"[1] {train}",
     }, lines[-20:]
-    assert any(line.startswith("jaxtune launch: 2 processes on Ray, coordinator 127.0.0.1:") for line in lines)
+    assert any(line.startswith("jaxtune launch: 2 processes on Ray, coordinator ") for line in lines)
     assert _jaxtune_processes() == []
     return train
 
@@ -230,3 +230,25 @@ def test_a_bad_configuration_fails_once_with_its_line_and_is_not_restarted(clust
         -3000:
     ]
     assert _jaxtune_processes() == []
+
+
+def test_a_tpu_slice_is_one_process_on_each_of_its_hosts_with_the_hosts_chips():
+    from jaxtune.errors import LaunchError
+    from jaxtune.host.ray_job import Gang, gang
+
+    assert gang(None, ("v5e", "4x4")) == Gang(4, {"CPU": 1, "TPU": 4}, ("v5litepod", "4x4"))  # a v5e-16
+    assert gang(2, ("v5p", "2x2x2")) == Gang(2, {"CPU": 1, "TPU": 4}, ("v5p", "2x2x2"))
+    assert gang(2) == Gang(2, {"CPU": 1})
+    with pytest.raises(LaunchError, match=r"--tpu v5e 4x4 has 4 hosts, one process each, not --processes 3"):
+        gang(3, ("v5e", "4x4"))
+    with pytest.raises(LaunchError, match=r"--tpu v9 4x4: Invalid accelerator_type"):
+        gang(None, ("v9", "4x4"))
+
+
+def test_ray_options_without_ray_are_refused_before_anything_starts(capsys):
+    from jaxtune.cli.main import main
+
+    assert main(["launch", "--processes", "2", "--restarts", "1", "--", "run"]) == 2
+    assert "jaxtune launch: --restarts needs --ray" in capsys.readouterr().err
+    assert main(["launch", "--", "run"]) == 2
+    assert "--processes is needed" in capsys.readouterr().err
