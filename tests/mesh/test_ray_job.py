@@ -30,7 +30,7 @@ pytest.importorskip("ray")
 from safetensors.numpy import load_file  # noqa: E402
 
 from tests.flows.shapes import TOY_MODEL  # noqa: E402
-from tests.mesh.test_multihost_flow import losses  # noqa: E402
+from tests.mesh.test_multihost_flow import losses, prefect_runs  # noqa: E402
 
 pytestmark = [pytest.mark.mesh, pytest.mark.ray]
 
@@ -142,29 +142,44 @@ def newest_logged(store: Path) -> int:
 
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, tmp_path_factory) -> Path:
-    """The job on Ray, run through by the ray-job flow (prefect.yaml's ray-offline deployment runs it): its
-    train artifact. Every line of both processes is in the flow run's logs, marked with its index."""
+    """The job on Ray, run through as prefect.yaml's ray-offline deployment (`jaxtune serve --only
+    ray-offline`, then a run of it): its train artifact. Every line of both processes is in the
+    deployment run's logs, marked with its index."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
-
-    from jaxtune.flows.ray_job import ray_job
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL
 
     store = tmp_path_factory.mktemp("uninterrupted")
-    started = time.monotonic()
-    state = ray_job(
-        overrides=[*SETTINGS, f"store.root={store}"],
-        processes=2,
-        cpu_devices=4,
-        restarts=0,
-        address=cluster,
-        until="train",
-        return_state=True,
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    served = subprocess.Popen(
+        [sys.executable, "-m", "jaxtune.cli", "serve", "--only", "ray-offline"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
-    print(f"the Ray job: {time.monotonic() - started:.1f} s")
-    assert state.is_completed(), state.message
+    try:
+        started = time.monotonic()
+        parameters = {"overrides": [*SETTINGS, f"store.root={store}"], "cpu_devices": 4, "restarts": 0}
+        parameters |= {"address": cluster, "until": "train"}
+        while True:  # until serve has registered the deployment
+            try:
+                run = run_deployment("ray-job/ray-offline", parameters=parameters, timeout=900)
+                break
+            except Exception as error:  # not yet there
+                assert served.poll() is None and time.monotonic() - started < 120, (error, served.stderr.read())
+                time.sleep(1)
+        print(f"the Ray job as a deployment run: {time.monotonic() - started:.1f} s")
+    finally:
+        os.killpg(served.pid, signal.SIGTERM)
+        served.wait(timeout=60)
+    assert run.state.is_completed(), run.state.message
     [train] = (store / "train").iterdir()
-    of_run, logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])), []
+    of_run, logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), []
     with get_client(sync_client=True) as client:
         while page := client.read_logs(of_run, limit=200, offset=len(logs), sort=LogSort.TIMESTAMP_ASC):
             logs += page
@@ -174,6 +189,12 @@ def uninterrupted(cluster, tmp_path_factory) -> Path:
         1: f"[1] {train}",
     }, lines[-20:]
     assert any(line.startswith("jaxtune launch: 2 processes on Ray, coordinator ") for line in lines)
+    # Each process's own finetune flow run; the stages and artifacts are process 0's, as in any job.
+    runs, tasks, artifacts = prefect_runs(store)  # the ray-job run names the store too
+    assert sorted(r.name.split(" · ")[0] for r in runs) == ["offline", "offline", "ray"]
+    assert {r.state_name for r in runs} == {"Completed"}
+    [writer] = {t.flow_run_id for t in tasks}
+    assert artifacts and {a.flow_run_id for a in artifacts} == {writer}
     assert _jaxtune_processes() == []
     return train
 
