@@ -20,6 +20,10 @@ status; with `--host-command` terminating means ending the local command (e.g. t
 whether that ends the remote process is the command's affair (ssh's does with a terminal, -t),
 and a remote process left waiting for a dead job ends once JAX's heartbeats time out.
 
+On a Ray cluster (`--ray`), `jaxtune.host.ray_job` reserves the hosts, starts each process through a
+Ray actor and restarts the job after a failure; the gang loop that watches and stops the processes
+(`watch`, `stop`) is this module's, for both.
+
 Composing the processes' commands (`plan`) imports neither JAX nor Prefect.
 """
 
@@ -33,9 +37,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from jaxtune.errors import LaunchError
 
@@ -162,6 +166,80 @@ class _Prefixer(threading.Thread):
         self.source.close()
 
 
+class Member(Protocol):
+    """One process of a job as the gang loop (`watch`, `stop`) sees it: started here (`Local`) or by a
+    Ray actor on another node (`ray_job`)."""
+
+    index: int
+
+    def poll(self) -> int | None:
+        """Its exit status as a shell reports it (128 + N for signal N), or None while it runs."""
+
+    def terminate(self) -> None:
+        """SIGTERM to it and what it started, without waiting."""
+
+    def kill(self) -> None:
+        """SIGKILL to it and what it started, even where it exited (its children may not have), and wait."""
+
+
+@dataclass
+class Local:
+    """A process of the job started here, in a session of its own: ending it ends what it started
+    (Prefect's temporary server, a compiler)."""
+
+    index: int
+    child: subprocess.Popen
+
+    def poll(self) -> int | None:
+        code = self.child.poll()
+        return None if code is None else exit_status(code)
+
+    def terminate(self) -> None:
+        _signal_group(self.child, signal.SIGTERM)
+
+    def kill(self) -> None:
+        _signal_group(self.child, signal.SIGKILL)
+        self.child.wait()
+
+
+def watch(
+    members: Sequence[Member], say: Callable[[str], None], poll_seconds: float, terminated: Sequence[int] = ()
+) -> int:
+    """Wait for the gang: 0 when every member exits 0, else the first non-zero status, said with the
+    members still running (which `stop` then ends); 128 + SIGTERM once `terminated` holds a signal."""
+    done: set[int] = set()
+    while True:
+        if terminated:
+            return 128 + signal.SIGTERM
+        for member in members:
+            if member.index in done:
+                continue
+            status = member.poll()
+            if status == 0:
+                done.add(member.index)
+            elif status is not None:
+                others = [str(m.index) for m in members if m is not member and m.index not in done and m.poll() is None]
+                stopping = f"; stopping process{'es' * (len(others) > 1)} {', '.join(others)}" if others else ""
+                say(f"jaxtune launch: process {member.index} exited with status {status}{stopping}")
+                return status
+        if len(done) == len(members):
+            return 0
+        time.sleep(poll_seconds)
+
+
+def stop(members: Sequence[Member], grace: float = GRACE_SECONDS) -> None:
+    """SIGTERM every running member, then SIGKILL every one (what a member started outlives it when
+    it is killed, by us or by JAX's fatal-error handler) once all exited or `grace` s passed."""
+    alive = [m for m in members if m.poll() is None]
+    for member in alive:
+        member.terminate()
+    deadline = time.monotonic() + grace
+    while any(m.poll() is None for m in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for member in members:
+        member.kill()
+
+
 def run(
     processes: Sequence[Process],
     stdout: BinaryIO | None = None,
@@ -173,76 +251,49 @@ def run(
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr.buffer
     lock = threading.Lock()
-    children: list[subprocess.Popen] = []
+    members: list[Local] = []
     relays: list[_Prefixer] = []
+
+    def say(line: str) -> None:
+        with lock:
+            stderr.write(f"{line}\n".encode())
+            stderr.flush()
+
     # SIGTERM to the launcher (`kill`, a scheduler, a spot VM's notice) is passed on as Ctrl-C is:
     # the processes get it and their grace, rather than being left running without it.
-    # The handler only notes the signal, and the poll below acts on it: an exception raised from a
+    # The handler only notes the signal, and the gang loop acts on it: an exception raised from a
     # handler could land anywhere, between starting a child and starting its relays. (A list, not an
     # Event: setting an Event from a handler can deadlock on the lock the interrupted code holds.)
     terminated: list[int] = []
     previous = _take(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     try:
         for process in processes:
-            # A session of its own: terminating a process also ends what it started (Prefect's
-            # temporary server, a compiler), and a Ctrl-C here is handled here, once.
             child = subprocess.Popen(
                 process.argv,
                 env=process.env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                start_new_session=True,
+                start_new_session=True,  # a Ctrl-C here is handled here, once
             )
-            children.append(child)
+            members.append(Local(process.index, child))
             prefix = f"[{process.index}] ".encode()
             relays += [_Prefixer(child.stdout, stdout, prefix, lock), _Prefixer(child.stderr, stderr, prefix, lock)]
             relays[-2].start()
             relays[-1].start()
-        status = _wait(children, processes, stderr, lock, poll_seconds, terminated)
+        status = watch(members, say, poll_seconds, terminated)
     except KeyboardInterrupt:
         status = 130
     except BaseException:
-        _terminate(children)
+        stop(members)
         raise
     finally:
         _take(signal.SIGTERM, previous)  # a second SIGTERM ends the launcher; the processes have theirs
-    _terminate(children)
+    stop(members)
     for relay in relays:
         if relay.ident is not None:  # a Ctrl-C can land between creating a relay and starting it
             relay.join(timeout=5)
     return status
-
-
-def _wait(
-    children: list[subprocess.Popen],
-    processes: Sequence[Process],
-    stderr: BinaryIO,
-    lock: threading.Lock,
-    poll_seconds: float,
-    terminated: list[int],
-) -> int:
-    while True:
-        if terminated:
-            return 128 + signal.SIGTERM
-        running = False
-        for child, process in zip(children, processes):
-            code = child.poll()
-            if code is None:
-                running = True
-            elif code != 0:
-                status = exit_status(code)
-                others = [str(p.index) for c, p in zip(children, processes) if c is not child and c.poll() is None]
-                with lock:
-                    stopping = f"; stopping process{'es' * (len(others) > 1)} {', '.join(others)}" if others else ""
-                    stderr.write(
-                        f"jaxtune launch: process {process.index} exited with status {status}{stopping}\n".encode()
-                    )
-                    stderr.flush()
-                return status
-        if not running:
-            return 0
-        time.sleep(poll_seconds)
 
 
 def _take(signum: int, handler):
@@ -257,24 +308,6 @@ def _signal_group(child: subprocess.Popen, sig: int) -> None:
         os.killpg(child.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _terminate(children: Sequence[subprocess.Popen], grace: float = GRACE_SECONDS) -> None:
-    """SIGTERM every running child's process group, then SIGKILL what is left after `grace` s."""
-    alive = [c for c in children if c.poll() is None]
-    for child in alive:
-        _signal_group(child, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for child in alive:
-        try:
-            child.wait(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            pass
-    for child in children:
-        # Every group, of the children that exited too: what a child started (Prefect's temporary
-        # server) outlives it when it is killed, by us or by JAX's fatal-error handler.
-        _signal_group(child, signal.SIGKILL)
-        child.wait()
 
 
 def main(

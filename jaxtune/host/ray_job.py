@@ -24,6 +24,8 @@ A failure is the gang's: when any process exits non-zero or its actor is lost (a
 gone), the others are stopped (SIGTERM, then SIGKILL after `GRACE_SECONDS`: without their peer they
 can finish no step), the actors and the placement group are removed, and the whole
 job starts again, up to `restarts` times, where the train stage resumes from its last checkpoint.
+Watching and stopping the gang is `launch.watch` and `launch.stop`, as for a job on one host: here
+each member is a `_Remote`, asked over Ray, there a local child.
 A process that exits with status 2 (a configuration error, or a step that fits no device: the same
 command fails the same way) is not restarted. Nothing is left running: every child is ended with its
 actor.
@@ -125,25 +127,55 @@ class JobProcess:
 
     def read(self) -> tuple[list[str], int | None]:
         """The lines since the last read, and the child's exit status (None while it runs)."""
-        code = self.child.poll() if self.child else None
+        if self.child is None:  # never started (the job stopped while starting): nothing to wait for
+            return [], 0
+        code = self.child.poll()
         if code is not None:
             time.sleep(0.05)  # the relay's last lines
         with self.lock:
             lines, self.lines = self.lines, []
         return lines, None if code is None else launch.exit_status(code)
 
-    def stop(self, grace: float) -> int | None:
-        """SIGTERM the child's process group, SIGKILL it after `grace` s; its exit status."""
-        if self.child is None:
-            return None
-        if self.child.poll() is None:
+    def terminate(self) -> None:
+        if self.child is not None:
             _signal_group(self.child.pid, signal.SIGTERM)
-            try:
-                self.child.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self.child.pid, signal.SIGKILL)
-        return launch.exit_status(self.child.wait())
+
+    def kill(self) -> None:
+        if self.child is not None:
+            _signal_group(self.child.pid, signal.SIGKILL)
+            self.child.wait()
+
+
+class _Remote:
+    """A process of the job as the gang loop sees it (`launch.Member`): its actor, asked over Ray; its
+    lines go to `sink` as each poll brings them. A lost actor is a process killed (status 137)."""
+
+    def __init__(self, ray, index: int, actor, sink: Callable[[str], None]):
+        self.ray, self.index, self.actor, self.sink = ray, index, actor, sink
+        self.status: int | None = None
+
+    def poll(self) -> int | None:
+        if self.status is not None:
+            return self.status
+        try:
+            lines, status = self.ray.get(self.actor.read.remote())
+        except self.ray.exceptions.RayActorError as error:
+            self.sink(f"jaxtune launch: process {self.index} was lost with its Ray actor ({_first_line(error)})")
+            lines, status = [], 128 + signal.SIGKILL
+        for line in lines:
+            self.sink(f"[{self.index}] {line}")
+        self.status = status
+        return status
+
+    def terminate(self) -> None:
+        self.actor.terminate.remote()
+
+    def kill(self) -> None:
+        try:
+            self.ray.get(self.actor.kill.remote(), timeout=60)
+        except Exception:  # the actor is gone, and its child with it (_dies_with_parent)
+            pass
+        self.ray.kill(self.actor)
 
 
 def _dies_with_parent() -> Callable[[], None] | None:
@@ -214,7 +246,7 @@ def _attempt(ray, arguments, gang: Gang, cpu_devices, sink, grace: float, poll_s
     else:
         group = placement_group([dict(gang.bundle)] * gang.count, strategy="STRICT_SPREAD")
         release = lambda: remove_placement_group(group)  # noqa: E731
-    actors = []
+    actors, members = [], []
     try:
         try:
             ray.get(group.ready(), timeout=READY_SECONDS)
@@ -235,53 +267,11 @@ def _attempt(ray, arguments, gang: Gang, cpu_devices, sink, grace: float, poll_s
         coordinator = ray.get(actors[0].address.remote())
         ray.get([a.start.remote(arguments, i, gang.count, coordinator, cpu_devices) for i, a in enumerate(actors)])
         sink(f"jaxtune launch: {gang.count} processes on Ray, coordinator {coordinator}")
-        return _watch(ray, actors, sink, poll_seconds)
+        members = [_Remote(ray, i, actor, sink) for i, actor in enumerate(actors)]
+        return launch.watch(members, sink, poll_seconds)
     finally:
-        _end(ray, actors, grace)
+        launch.stop(members or [_Remote(ray, i, actor, sink) for i, actor in enumerate(actors)], grace)
         release()
-
-
-def _watch(ray, actors: list, sink, poll_seconds: float) -> int:
-    """Relay the processes' lines until all exit 0 (0) or one fails (its status; 137 for a lost actor)."""
-    done: set[int] = set()
-    while True:
-        for index, actor in enumerate(actors):
-            if index in done:
-                continue
-            try:
-                lines, status = ray.get(actor.read.remote())
-            except ray.exceptions.RayActorError as error:
-                sink(f"jaxtune launch: process {index} was lost with its Ray actor ({_first_line(error)})")
-                return 128 + signal.SIGKILL
-            for line in lines:
-                sink(f"[{index}] {line}")
-            if status == 0:
-                done.add(index)
-            elif status is not None:
-                others = [str(i) for i in range(len(actors)) if i != index and i not in done]
-                stopping = f"; stopping process{'es' * (len(others) > 1)} {', '.join(others)}" if others else ""
-                sink(f"jaxtune launch: process {index} exited with status {status}{stopping}")
-                return status
-        if len(done) == len(actors):
-            return 0
-        time.sleep(poll_seconds)
-
-
-def _end(ray, actors: list, grace: float) -> None:
-    """Stop every actor's child (SIGTERM, then SIGKILL after `grace`), then the actors themselves."""
-    stopping = []
-    for actor in actors:
-        try:
-            stopping.append(actor.stop.remote(grace))
-        except Exception:  # an actor already lost
-            pass
-    for ref in stopping:
-        try:
-            ray.get(ref, timeout=grace + 30)
-        except Exception:
-            pass
-    for actor in actors:
-        ray.kill(actor)
 
 
 def _first_line(error: BaseException) -> str:
