@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     compiled, target, rank, vocabulary = compile_step(
         ROOT / args.recipe, args.target, args.rows, args.length, args.attention, args.scan_layers
     )
+    compile_seconds = time.perf_counter() - started
     text = compiled.as_text()
     if args.hlo:
         args.hlo.write_text(text)
@@ -392,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{args.recipe} on {args.target}, {args.rows} x {args.length}, attention {args.attention or 'default'}"
         f"{', layers scanned' if args.scan_layers else ''}: "
-        f"compiled in {time.perf_counter() - started:.0f} s; temporaries {memory.temp_size_in_bytes / 2**30:.2f} GiB"
+        f"compiled in {compile_seconds:.0f} s; temporaries {memory.temp_size_in_bytes / 2**30:.2f} GiB"
     )
     groups = breakdown(kernels(text, rank, vocabulary), target.chip.peak_flops, target.chip.hbm_bandwidth)
     print(table(groups))
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
             "attention": args.attention or "default",
             "scan_layers": args.scan_layers,
             "temp_bytes": memory.temp_size_in_bytes,
+            "seconds_to_compile": compile_seconds,
             "groups": {slug(g["group"]): g for g in groups},
             "all": {key: sum(g[key] for g in groups) for key in ("kernels", "bytes", "flops", "seconds")},
         }

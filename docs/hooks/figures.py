@@ -41,7 +41,13 @@ def _refused_gib(words: str) -> float:
     return float(found[1])
 
 
-UNITS = {"gib": lambda n: n / 2**30, "gb": lambda n: n / 1e9, "ms": lambda s: s * 1e3, "min": lambda s: s / 60, "refused": _refused_gib}
+UNITS = {
+    "gib": lambda n: n / 2**30,
+    "gb": lambda n: n / 1e9,
+    "ms": lambda s: s * 1e3,
+    "min": lambda s: s / 60,
+    "refused": _refused_gib,
+}
 
 
 class FigureError(ValueError):
