@@ -6,8 +6,9 @@ A page writes each measured figure between two comments that name where it comes
 
 `accelerator-v5e-peers-gemma3` is `benchmarks/results/accelerator-v5e-peers-gemma3.json`; the path walks
 its keys (a list by index); the last part is the Python format of the value, after an optional unit
-that converts it first (`gib`: bytes as GiB, `gb`: bytes as GB, `ms`: seconds as milliseconds, `min`: seconds as minutes,
-`refused`: the GiB of temporaries that XLA:TPU's refusal names, "... temporaries (24.91G) exceeds ...").
+that converts it first (`gib`: bytes as GiB, `gb`: bytes as GB, `ms`: seconds as milliseconds,
+`min`: seconds as minutes, `refused`: the GiB of temporaries that XLA:TPU's refusal names,
+"... temporaries (24.91G) exceeds ...").
 GitHub shows the text between the comments. The site's build renders every figure again from its
 result and fails (`make docs` is strict) when the result or a key is missing, when the text differs
 from what the result holds, or when the result says a newer one replaced it (`superseded_by`): a page
