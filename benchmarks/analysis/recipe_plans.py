@@ -2,18 +2,22 @@
 docs/planning.md's table of recipes and chips.
 
     JAX_PLATFORMS=cpu python -m benchmarks.analysis.recipe_plans [--targets v5e-1,h100] [--recipes gemma3-1b-dolly-lora]
+    JAX_PLATFORMS=cpu python -m benchmarks.analysis.recipe_plans --out benchmarks/results/recipe-plans.json
 
 Each row is `jaxtune doctor CHECKPOINT --config RECIPE --target TARGET`'s train step (the plan's
 largest), on a meta model of the recipe's checkpoint (tests/targets/recipes.py: nothing is
 downloaded), with the recipe's mesh as configured. A step that does not fit is followed, as the
 doctor does, by the smallest larger slice of that chip that does. Prints one markdown row per
-plan as it is compiled (each takes 20 s to 4 minutes on 2 cores). Not part of `make bench`;
+plan as it is compiled (each takes 20 s to 4 minutes on 2 cores); `--out` keeps every row's cells and
+compile time as a result, rewritten after each row, so a run cut short keeps what it planned. Not part of `make bench`;
 needs the tpu-plan and gpu-plan extras (`make test` installs both).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
 import os
 import sys
 import tempfile
@@ -25,7 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("v5e-1", "v5e-8", "v6e-1", "v5p-8", "h100", "h200")
 
 
-def row(recipe: Path, target: str, models: Path) -> str:
+CELLS = ("recipe", "target", "mesh", "peak", "fits", "roofline")
+
+
+def row(recipe: Path, target: str, models: Path) -> tuple[tuple[str, ...], float]:
+    """The markdown cells of `recipe`'s plan on `target`, and the seconds it took."""
     from jaxtune.checks.doctor import MEMORY_CHECK
     from jaxtune.checks.target_plan import plan_for_target
     from jaxtune.config import load_config
@@ -54,15 +62,22 @@ def row(recipe: Path, target: str, models: Path) -> str:
         fits,
         roofline,
     )
-    print(f"  {recipe.stem} on {target}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    return "| " + " | ".join(cells) + " |"
+    seconds = time.perf_counter() - started
+    print(f"  {recipe.stem} on {target}: {seconds:.0f} s", file=sys.stderr, flush=True)
+    return cells, seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--recipes", default="", help="recipe names (configs/NAME.yaml), comma-separated; default all")
+    parser.add_argument("--out", type=Path, help="also keep the rows as a result (JSON), for the docs to cite")
     args = parser.parse_args()
+    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "rows": {}}
+    if args.out:
+        from benchmarks.common.harness import provenance
+
+        result["provenance"] = provenance()
     recipes = (
         [ROOT / "configs" / f"{name}.yaml" for name in args.recipes.split(",")]
         if args.recipes
@@ -76,7 +91,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as models:
         for recipe in recipes:
             for target in args.targets.split(","):
-                print(row(recipe, target, Path(models)), flush=True)
+                cells, seconds = row(recipe, target, Path(models))
+                print("| " + " | ".join(cells) + " |", flush=True)
+                if args.out:
+                    result["rows"].setdefault(recipe.stem, {})[target] = {**dict(zip(CELLS, cells)), "seconds": seconds}
+                    args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

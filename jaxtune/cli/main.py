@@ -2,7 +2,7 @@
 `jaxtune serve [--only DEPLOYMENT]...`,
 `jaxtune doctor MODEL [--config CONFIG] [--set section.key=value]...`,
 `jaxtune chat SOURCE [sampling flags]`, `jaxtune generate SOURCE PROMPT... [--prompts-file FILE]` and
-`jaxtune launch --processes N [--coordinator HOST:PORT] [--host-command TEMPLATE] [--cpu-devices K] -- COMMAND...`."""
+`jaxtune launch --processes N [--ray ADDRESS [--tpu VERSION TOPOLOGY] [--restarts K]] [--cpu-devices K] -- CMD...`."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
         help="run a jaxtune command as a job of several JAX processes (multi-host), e.g. "
         "jaxtune launch --processes 2 --cpu-devices 4 -- run",
         description="Start the jaxtune command after -- once per process, with JAX_COORDINATOR_ADDRESS, "
-        "JAX_NUM_PROCESSES and JAX_PROCESS_ID set; each output line is prefixed [i]; when a process fails the "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID set: on this host, or with --ray one per node of a Ray cluster "
+        "(one per host of a TPU slice with --tpu). Each output line is prefixed [i]; when a process fails the "
         "others are stopped and its exit status is launch's. The artifact store must be a folder every host sees.",
     )
     launch.add_argument("--processes", type=int, metavar="N", help="processes in the job (with --tpu: its hosts')")
@@ -136,15 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
-        help="address of process 0's coordinator (default: 127.0.0.1 on a free port when local; "
-        "with --host-command, found by JAX on a Cloud TPU pod, SLURM, Open MPI or Kubernetes)",
-    )
-    launch.add_argument(
-        "--host-command",
-        metavar="TEMPLATE",
-        help="start each process through this shell command instead of locally; {process_id} is the "
-        "process's index, {command} the shell-quoted jaxtune command with its environment, e.g. "
-        "'gcloud compute tpus tpu-vm ssh my-pod --zone Z --worker={process_id} --command {command}'",
+        help="address of process 0's coordinator, without --ray (default: 127.0.0.1 on a free port)",
     )
     launch.add_argument(
         "--cpu-devices",
@@ -389,7 +382,7 @@ def _launch(args) -> int:
         if args.processes is None:
             print("jaxtune launch: --processes is needed (or --ray with --tpu)", file=sys.stderr)
             return 2
-        return launch.main(args.processes, arguments, args.coordinator, args.host_command, args.cpu_devices)
+        return launch.main(args.processes, arguments, args.coordinator, args.cpu_devices)
     from jaxtune.errors import LaunchError
     from jaxtune.host import ray_job
 

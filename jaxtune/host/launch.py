@@ -1,28 +1,16 @@
-"""`jaxtune launch`: one jaxtune command as a job of N processes (JAX multi-process / multi-host).
+"""`jaxtune launch`: one jaxtune command as a job of N processes on this host (JAX multi-process).
 
     jaxtune launch --processes 2 --cpu-devices 4 -- run --set mesh.fsdp=4
-    jaxtune launch --processes 4 --host-command 'gcloud compute tpus tpu-vm ssh my-pod --zone Z \\
-        --worker={process_id} --command {command}' -- run configs/my-recipe.yaml
 
 Every process runs the same jaxtune command with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
 JAX_PROCESS_ID set, which `jaxtune.host.processes.settings` reads (so the flow joins the job through
-`jax.distributed.initialize`). Locally (the default) they are child processes of this one; with
-`--host-command` each is started by a shell command built from a template holding
-`{process_id}` and `{command}`, the latter the shell-quoted jaxtune command with its environment
-(`env VAR=value ... jaxtune ...`), run on the far side by a shell in its home folder: the
-`jaxtune` there must be on PATH, and relative paths in the command are relative to that folder.
-Only the job's variables travel with the command: what else a remote process needs (the store
-folder, which every host must see at the same path; PREFECT_API_URL; HF_TOKEN) is its host's.
+`jax.distributed.initialize`). They are child processes of this one; each output line comes out
+prefixed `[i] ` (stdout on stdout, stderr on stderr). When a process exits with a non-zero status,
+the others are terminated and `launch` exits with that status.
 
-Each process's output lines come out prefixed `[i] ` (stdout on stdout, stderr on stderr). When
-a process exits with a non-zero status, the others are terminated and `launch` exits with that
-status; with `--host-command` terminating means ending the local command (e.g. the ssh client):
-whether that ends the remote process is the command's affair (ssh's does with a terminal, -t),
-and a remote process left waiting for a dead job ends once JAX's heartbeats time out.
-
-On a Ray cluster (`--ray`), `jaxtune.host.ray_job` reserves the hosts, starts each process through a
-Ray actor and restarts the job after a failure; the gang loop that watches and stops the processes
-(`watch`, `stop`) is this module's, for both.
+A job of several hosts runs on Ray (`--ray`): `jaxtune.host.ray_job` reserves the hosts, starts each
+process through a Ray actor and restarts the job after a failure. The gang loop that watches and
+stops the processes (`watch`, `stop`) is this module's, for both.
 
 Composing the processes' commands (`plan`) imports neither JAX nor Prefect.
 """
@@ -86,17 +74,12 @@ def plan(
     count: int,
     arguments: Sequence[str],
     coordinator: str | None = None,
-    host_command: str | None = None,
     cpu_devices: int | None = None,
     base_env: Mapping[str, str] | None = None,
     python: str = sys.executable,
 ) -> list[Process]:
-    """The `count` processes that run `jaxtune <arguments>` as one job.
-
-    Locally the coordinator defaults to 127.0.0.1 on a free port. Through `host_command` it has
-    no default: without `coordinator`, JAX_COORDINATOR_ADDRESS is left unset and JAX finds process
-    0's address itself where it can (a Cloud TPU pod, SLURM, Open MPI, Kubernetes).
-    """
+    """The `count` processes that run `jaxtune <arguments>` as one job on this host; the coordinator
+    defaults to 127.0.0.1 on a free port."""
     base_env = dict(os.environ if base_env is None else base_env)
     if count < 1:
         raise LaunchError(f"--processes must be 1 or more, not {count}")
@@ -106,37 +89,20 @@ def plan(
         raise LaunchError("no jaxtune command to launch: give one after --, e.g. jaxtune launch --processes 2 -- run")
     if arguments[0] == "launch":
         raise LaunchError("jaxtune launch cannot launch itself")
-    if host_command is not None:
-        for name in ("{process_id}", "{command}"):
-            if name not in host_command:
-                raise LaunchError(f"--host-command must contain {name} (it is {host_command!r})")
-    elif coordinator is None:
-        coordinator = f"127.0.0.1:{free_port()}"
-    if coordinator is not None and not _host_port(coordinator):
+    coordinator = coordinator or f"127.0.0.1:{free_port()}"
+    if not _host_port(coordinator):
         raise LaunchError(f"--coordinator must be HOST:PORT, not {coordinator!r}")
     processes = []
     for index in range(count):
         variables = job_env(index, count, coordinator, cpu_devices, base_env)
-        if host_command is None:
-            # PYTHONHASHSEED=0 as `jaxtune` itself sets it (see jaxtune.cli.main.entry), without its re-exec.
-            env = {**base_env, **variables, "PYTHONHASHSEED": "0"}
-            argv = [python, "-m", "jaxtune.cli", *arguments]
-            shown = (
-                " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
-                + " "
-                + shlex.join(["jaxtune", *arguments])
-            )
-        else:
-            remote = shlex.join(["env", *(f"{k}={v}" for k, v in variables.items()), "jaxtune", *arguments])
-            shown = _fill(host_command, index, remote)
-            argv, env = ["/bin/sh", "-c", shown], base_env
+        # PYTHONHASHSEED=0 as `jaxtune` itself sets it (see jaxtune.cli.main.entry), without its re-exec.
+        env = {**base_env, **variables, "PYTHONHASHSEED": "0"}
+        argv = [python, "-m", "jaxtune.cli", *arguments]
+        shown = (
+            " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items()) + " " + shlex.join(["jaxtune", *arguments])
+        )
         processes.append(Process(index=index, argv=argv, env=env, shown=shown))
     return processes
-
-
-def _fill(template: str, index: int, command: str) -> str:
-    """`template` with {process_id} and {command} (shell-quoted) filled in; other braces stay as they are."""
-    return template.replace("{process_id}", str(index)).replace("{command}", shlex.quote(command))
 
 
 def _host_port(value: str) -> bool:
@@ -310,12 +276,10 @@ def _signal_group(child: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def main(
-    count: int, arguments: Sequence[str], coordinator: str | None, host_command: str | None, cpu_devices: int | None
-) -> int:
+def main(count: int, arguments: Sequence[str], coordinator: str | None, cpu_devices: int | None) -> int:
     """`jaxtune launch`: the job's exit status, or 2 for launch arguments that describe none."""
     try:
-        processes = plan(count, arguments, coordinator, host_command, cpu_devices)
+        processes = plan(count, arguments, coordinator, cpu_devices)
     except LaunchError as error:
         print(f"jaxtune launch: {error}", file=sys.stderr)
         return 2
