@@ -9,7 +9,8 @@ largest), on a meta model of the recipe's checkpoint (tests/targets/recipes.py: 
 downloaded), with the recipe's mesh as configured. A step that does not fit is followed, as the
 doctor does, by the smallest larger slice of that chip that does. Prints one markdown row per
 plan as it is compiled (each takes 20 s to 4 minutes on 2 cores); `--out` keeps every row's cells and
-compile time as a result, rewritten after each row, so a run cut short keeps what it planned. Not part of `make bench`;
+compile time as a result, rewritten after each row, so a run cut short keeps what it planned, and
+adds to the rows already there. Not part of `make bench`;
 needs the tpu-plan and gpu-plan extras (`make test` installs both).
 """
 
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also keep the rows as a result (JSON), for the docs to cite")
     args = parser.parse_args()
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "rows": {}}
+    if args.out and args.out.is_file():  # rows of an earlier run (other recipes or targets) are kept
+        result["rows"] = json.loads(args.out.read_text())["rows"]
     if args.out:
         from benchmarks.common.harness import provenance
 
