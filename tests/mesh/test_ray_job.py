@@ -30,6 +30,7 @@ pytest.importorskip("ray")
 from safetensors.numpy import load_file  # noqa: E402
 
 from tests.flows.shapes import TOY_MODEL  # noqa: E402
+from tests.flows.test_train_resume import newest_logged  # noqa: E402
 from tests.mesh.test_multihost_flow import losses, prefect_runs  # noqa: E402
 
 pytestmark = [pytest.mark.mesh, pytest.mark.ray]
@@ -129,15 +130,6 @@ def finished(job: subprocess.Popen, timeout: float = 900) -> str:
     out = job.communicate(timeout=timeout)[0]
     print(out[-4000:])
     return out
-
-
-def newest_logged(store: Path) -> int:
-    """The last step the running train stage has logged (process 0 writes the log)."""
-    steps = [0]
-    for log in store.glob("train/.tmp-*/log.jsonl"):
-        lines = log.read_text().splitlines()
-        steps += [json.loads(line)["step"] for line in lines[-1:] if line.endswith("}")]
-    return max(steps)
 
 
 @pytest.fixture(scope="module")
