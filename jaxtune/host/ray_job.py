@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from jaxtune.errors import LaunchError
 from jaxtune.host import launch
 
-# After one process failed, the others cannot finish a step (each waits on its peer in a collective)
-# nor so a checkpoint: they get a short grace to end their flow runs, then are killed.
+# After one process failed, the others can finish no step (each waits on its peer in a collective),
+# and so save no checkpoint: they get a short grace to end their flow runs, then are killed.
 GRACE_SECONDS = 10.0
 NOT_RETRIED = 2  # `jaxtune run`'s status for a failure that repeats: the config, or a step that fits no device
 READY_SECONDS = 300.0  # how long the cluster may take to find room for the whole gang
