@@ -41,7 +41,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -91,7 +90,8 @@ class JobProcess:
     keeps its output lines until the driver reads them."""
 
     def __init__(self) -> None:
-        self.child: subprocess.Popen | None = None
+        self.child: launch.Local | None = None
+        self.relay: threading.Thread | None = None
         self.lines: list[str] = []
         self.lock = threading.Lock()
 
@@ -107,7 +107,7 @@ class JobProcess:
     def start(self, arguments: Sequence[str], index: int, count: int, coordinator: str, cpu_devices: int | None):
         variables = launch.job_env(index, count, coordinator, cpu_devices, os.environ)
         env = {**os.environ, **variables, "PYTHONHASHSEED": "0"}
-        self.child = subprocess.Popen(
+        child = subprocess.Popen(
             [sys.executable, "-m", "jaxtune.cli", *arguments],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -117,11 +117,13 @@ class JobProcess:
             preexec_fn=_dies_with_parent(),
             text=True,
         )
-        threading.Thread(target=self._relay, daemon=True).start()
-        return self.child.pid
+        self.child = launch.Local(index, child)
+        self.relay = threading.Thread(target=self._relay, args=(child.stdout,), daemon=True)
+        self.relay.start()
+        return child.pid
 
-    def _relay(self) -> None:
-        for line in self.child.stdout:
+    def _relay(self, stream) -> None:
+        for line in stream:
             with self.lock:
                 self.lines.append(line.rstrip("\n"))
 
@@ -129,21 +131,20 @@ class JobProcess:
         """The lines since the last read, and the child's exit status (None while it runs)."""
         if self.child is None:  # never started (the job stopped while starting): nothing to wait for
             return [], 0
-        code = self.child.poll()
-        if code is not None:
-            time.sleep(0.05)  # the relay's last lines
+        status = self.child.poll()
+        if status is not None:
+            self.relay.join(timeout=5)  # its last lines
         with self.lock:
             lines, self.lines = self.lines, []
-        return lines, None if code is None else launch.exit_status(code)
+        return lines, status
 
     def terminate(self) -> None:
         if self.child is not None:
-            _signal_group(self.child.pid, signal.SIGTERM)
+            self.child.terminate()
 
     def kill(self) -> None:
         if self.child is not None:
-            _signal_group(self.child.pid, signal.SIGKILL)
-            self.child.wait()
+            self.child.kill()
 
 
 class _Remote:
@@ -187,13 +188,6 @@ def _dies_with_parent() -> Callable[[], None] | None:
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
     return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _printer(line: str) -> None:
@@ -246,7 +240,7 @@ def _attempt(ray, arguments, gang: Gang, cpu_devices, sink, grace: float, poll_s
     else:
         group = placement_group([dict(gang.bundle)] * gang.count, strategy="STRICT_SPREAD")
         release = lambda: remove_placement_group(group)  # noqa: E731
-    actors, members = [], []
+    members: list[_Remote] = []
     try:
         try:
             ray.get(group.ready(), timeout=READY_SECONDS)
@@ -259,18 +253,16 @@ def _attempt(ray, arguments, gang: Gang, cpu_devices, sink, grace: float, poll_s
         resources = {k: v for k, v in gang.bundle.items() if k != "CPU"}
         for index in range(gang.count):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
-            actors.append(
-                actor.options(
-                    num_cpus=gang.bundle.get("CPU", 0), resources=resources, scheduling_strategy=strategy
-                ).remote()
+            options = actor.options(
+                num_cpus=gang.bundle.get("CPU", 0), resources=resources, scheduling_strategy=strategy
             )
-        coordinator = ray.get(actors[0].address.remote())
-        ray.get([a.start.remote(arguments, i, gang.count, coordinator, cpu_devices) for i, a in enumerate(actors)])
+            members.append(_Remote(ray, index, options.remote(), sink))
+        coordinator = ray.get(members[0].actor.address.remote())
+        ray.get([m.actor.start.remote(arguments, m.index, gang.count, coordinator, cpu_devices) for m in members])
         sink(f"jaxtune launch: {gang.count} processes on Ray, coordinator {coordinator}")
-        members = [_Remote(ray, i, actor, sink) for i, actor in enumerate(actors)]
         return launch.watch(members, sink, poll_seconds)
     finally:
-        launch.stop(members or [_Remote(ray, i, actor, sink) for i, actor in enumerate(actors)], grace)
+        launch.stop(members, grace)
         release()
 
 
