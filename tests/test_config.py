@@ -146,6 +146,7 @@ def test_every_recipe_has_a_deployment_that_names_its_file():
 
     from jaxtune.flows.finetune import finetune, load_recipe
     from jaxtune.flows.plan import plan
+    from jaxtune.flows.ray_job import ray_job
 
     root = Path(__file__).parents[1]
     deployments = {d["name"]: d for d in yaml.safe_load(DEPLOYMENTS.read_text())["deployments"]}
@@ -158,12 +159,13 @@ def test_every_recipe_has_a_deployment_that_names_its_file():
     local = (".gguf", ".yaml")  # a pip-installed checkpoint, an earlier run's recipe
     hub = {p.stem for p in recipes if (name := load_config(p).model.name) != "offline" and not name.endswith(local)}
     assert hub == {"gemma3-1b-dolly-lora", "gemma3-1b-dolly-full-adafactor", "llama3.2-1b-dolly-lora"}
-    assert set(deployments) == {p.stem for p in recipes} | {"offline-nightly"} | {f"{stem}-plan" for stem in hub}
+    named = {p.stem for p in recipes} | {"offline-nightly", "ray-offline"} | {f"{stem}-plan" for stem in hub}
+    assert set(deployments) == named
     for name, deployment in deployments.items():  # what the flow accepts, as the UI's form will send it
-        flow = plan if name.endswith("-plan") else finetune
+        flow = plan if name.endswith("-plan") else ray_job if name == "ray-offline" else finetune
         validated = flow.validate_parameters(deployment["parameters"])
         assert {name: validated[name] for name in deployment["parameters"]} == deployment["parameters"]
-        assert deployment["entrypoint"] == f"jaxtune/flows/{flow.name}.py:{flow.name}"
+        assert deployment["entrypoint"] == f"jaxtune/flows/{flow.fn.__module__.rsplit('.', 1)[1]}.py:{flow.fn.__name__}"
     for stem in hub:  # written for accelerators: the schedule runs the plan, which queues the run if it fits
         assert deployments[f"{stem}-plan"]["parameters"] == {
             "recipe": f"configs/{stem}.yaml",

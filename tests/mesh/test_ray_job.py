@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,8 +79,16 @@ def _ray_processes() -> list[str]:
     return found
 
 
+def started(command: list[str], env: dict[str, str]) -> None:
+    """`ray start ...` run to its end; a failure shows what Ray printed."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (
+        f"{' '.join(command[1:])}: status {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+    )
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, prefect_server):
+def cluster(prefect_server):
     """A Ray head and a second node on this machine, one CPU each, started as a user starts them; its
     address. Both nodes' workers get this session's Prefect server and the repository on their path."""
     from prefect.settings import PREFECT_API_URL
@@ -87,7 +96,9 @@ def cluster(tmp_path_factory, prefect_server):
     from jaxtune.host.launch import free_port
 
     ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-    folder = tmp_path_factory.mktemp("ray")
+    # Ray's sockets live under its temp folder, and a socket's path holds 107 bytes at most: pytest's
+    # folders under xdist (/tmp/pytest-of-USER/pytest-N/popen-gwK/...) leave the second node's too few.
+    folder = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {
         **os.environ,
@@ -99,13 +110,13 @@ def cluster(tmp_path_factory, prefect_server):
     common = ["--num-cpus=1", "--disable-usage-stats"]
     head = [ray, "start", "--head", f"--port={address.rsplit(':', 1)[1]}", "--node-ip-address=127.0.0.1"]
     head += ["--include-dashboard=false", f"--temp-dir={folder}", *common]
-    subprocess.run(head, env=env, check=True, capture_output=True, timeout=120)
     try:
-        node = [ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", *common]
-        subprocess.run(node, env=env, check=True, capture_output=True, timeout=120)
+        started(head, env)
+        started([ray, "start", f"--address={address}", "--node-ip-address=127.0.0.1", *common], env)
         yield address
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(folder, ignore_errors=True)
     deadline = time.monotonic() + 30
     while _ray_processes() and time.monotonic() < deadline:
         time.sleep(0.5)
