@@ -10,14 +10,16 @@ from benchmarks.common import harness
 
 
 def test_the_commit_is_the_checkouts_and_says_when_files_differ_from_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXTUNE_COMMIT", raising=False)
     head = subprocess.check_output(["git", "-C", str(harness.ROOT), "rev-parse", "--short=12", "HEAD"], text=True)
     changed = subprocess.check_output(["git", "-C", str(harness.ROOT), "status", "--porcelain", "-uno"], text=True)
     assert harness.commit() == head.strip() + (" + changes" if changed.strip() else "")
-    monkeypatch.setattr(harness, "ROOT", tmp_path)  # a copy without .git, as a TPU machine runs
-    monkeypatch.delenv("JAXTUNE_COMMIT", raising=False)
-    assert harness.commit() == "not known (no git checkout, JAXTUNE_COMMIT unset)"
-    monkeypatch.setenv("JAXTUNE_COMMIT", "0c969e4")
+    monkeypatch.setenv("JAXTUNE_COMMIT", "0c969e4")  # named by whoever made the copy: it wins over a checkout's HEAD
     assert harness.commit() == "0c969e4"
+    monkeypatch.setattr(harness, "ROOT", tmp_path)  # a copy without .git, as a TPU machine runs
+    assert harness.commit() == "0c969e4"
+    monkeypatch.delenv("JAXTUNE_COMMIT")
+    assert harness.commit() == "not known (no git checkout, JAXTUNE_COMMIT unset)"
 
 
 def test_the_command_is_the_module_run_from_the_root_with_its_arguments_quoted(monkeypatch):

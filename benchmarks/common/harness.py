@@ -238,12 +238,15 @@ def machine_info() -> dict:
 
 
 def commit() -> str:
-    """The commit this checkout is at, '+ changes' when its tracked files differ from it; outside a git
-    checkout (the copy a TPU machine runs), what JAXTUNE_COMMIT says, else that it is not known."""
+    """What JAXTUNE_COMMIT says, where it is set (the copy a TPU machine runs, named by whoever copied
+    it: that copy may sit in a stale checkout of its own, whose HEAD is not what runs); else the commit
+    this checkout is at, '+ changes' when its tracked files differ from it; else that it is not known."""
+    if named := os.environ.get("JAXTUNE_COMMIT"):
+        return named
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
     if head.returncode != 0:
-        return os.environ.get("JAXTUNE_COMMIT") or "not known (no git checkout, JAXTUNE_COMMIT unset)"
+        return "not known (no git checkout, JAXTUNE_COMMIT unset)"
     changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
     return head.stdout.strip() + (" + changes" if changed.stdout.strip() else "")
 
