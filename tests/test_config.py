@@ -165,7 +165,7 @@ def test_every_recipe_has_a_deployment_that_names_its_file():
         flow = plan if name.endswith("-plan") else ray_job if name == "ray-offline" else finetune
         validated = flow.validate_parameters(deployment["parameters"])
         assert {name: validated[name] for name in deployment["parameters"]} == deployment["parameters"]
-        assert deployment["entrypoint"] == f"jaxtune/flows/{flow.fn.__module__.rsplit('.', 1)[1]}.py:{flow.fn.__name__}"
+        assert deployment["entrypoint"] == f"{flow.fn.__module__.replace('.', '/')}.py:{flow.fn.__name__}"
     for stem in hub:  # written for accelerators: the schedule runs the plan, which queues the run if it fits
         assert deployments[f"{stem}-plan"]["parameters"] == {
             "recipe": f"configs/{stem}.yaml",
