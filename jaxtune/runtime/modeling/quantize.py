@@ -21,6 +21,8 @@ dequantized base is ever held. Per weight, the base then takes 1 + 2/64 bytes (i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -72,6 +74,95 @@ def quantize(weight: torch.Tensor, scheme: str, block: int = BLOCK) -> dict[str,
         return {"codes": codes, "scales": scales}
     nibbles = (codes + 8).to(torch.uint8).reshape(out_features, in_features // 2, 2)
     return {"codes": nibbles[..., 0] | (nibbles[..., 1] << 4), "scales": scales}
+
+
+def quantize_fast(weight: torch.Tensor, scheme: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
+    """`quantize(weight, scheme, block)`, bit for bit, as one XLA program on the host's CPU (compiled
+    once per weight shape): its element-wise steps fused into a pass or two over the weight, where
+    PyTorch makes a float32 temporary of the whole weight at each (nf4's `bucketize` alone took 60%).
+    On the host whatever the default device: a TPU's float32 division is not correctly rounded, and
+    the codes must be those `quantize` gives. XLA's CPU code reads and writes subnormal floats as
+    zeros, so a weight with a block whose largest magnitude is that small, or not finite (a scale
+    that `quantize` makes subnormal, infinite or NaN), goes to `quantize`, as does a weight of
+    another dtype than bfloat16, float16 or float32."""
+    import numpy as np
+
+    if weight.dtype not in _HOST_DTYPES:
+        return quantize(weight, scheme, block)
+    out_features, in_features = weight.shape
+    if in_features % block:
+        raise ValueError(f"a weight of {in_features} inputs does not split into blocks of {block}")
+    value = weight.detach().contiguous()
+    host = value.view(torch.int16).numpy().view(_bfloat16()) if value.dtype == torch.bfloat16 else value.numpy()
+    codes, scales, rare = _host_program(scheme, block)(host)
+    if rare:
+        return quantize(weight, scheme, block)
+    fields = {
+        "codes": torch.from_numpy(np.array(codes)),
+        "scales": torch.from_numpy(np.array(scales).view(np.int16)).view(SCALE_DTYPE),
+    }
+    return {**fields, "levels": torch.tensor(NF4_LEVELS)} if scheme == "nf4" else fields
+
+
+_HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _bfloat16():
+    import jax.numpy as jnp
+
+    return jnp.bfloat16  # numpy's bfloat16 (ml_dtypes')
+
+
+@functools.cache
+def _host_program(scheme: str, block: int):
+    """`quantize`'s steps in jnp, jitted, its input put on the host's CPU device: codes, scales
+    (bfloat16) and whether a block is too small or not finite for it, of a weight as numpy gives it.
+    A value whose magnitude is below the float32 normal range (2**-126) divided by a scale of at
+    least 2**-120 stays below 2**-6, so reading it as zero changes no code: it lies inside the
+    interval of zero's code (nf4's nearest midpoints are -0.0455 and 0.0398; int8's and int4's 0.5)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    top = SCHEMES[scheme]
+    midpoints = ((torch.tensor(NF4_LEVELS)[1:] + torch.tensor(NF4_LEVELS)[:-1]) / 2).numpy()  # quantize's float32
+
+    @jax.jit
+    def program(weight):
+        out_features, in_features = weight.shape
+        blocks = weight.astype(jnp.float32).reshape(out_features, in_features // block, block)
+        # Each block's largest magnitude from the floats' bits (a float's order is its bits'), exact
+        # where the CPU's float arithmetic would flush a subnormal to zero.
+        largest = jnp.max(jax.lax.bitcast_convert_type(blocks, jnp.int32) & 0x7FFFFFFF, axis=-1)
+        rare = jnp.any((largest >= _bits(np.inf)) | ((largest > 0) & (largest < _bits(top * 2.0**-120))))
+        largest = jax.lax.bitcast_convert_type(largest, jnp.float32)
+        scales = (largest / np.float32(top)).astype(jnp.bfloat16)
+        divisor = scales.astype(jnp.float32)[..., None]
+        positive = divisor > 0
+        # A division by a broadcast XLA would make a multiplication by the reciprocal (not always the
+        # same float): the divisors, materialised behind a barrier, keep it a division.
+        divisor = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.where(positive, divisor, 1.0), blocks.shape))
+        normalized = jnp.where(positive, blocks / divisor, 0.0)
+        if scheme == "nf4":  # bucketize's index: how many midpoints lie below the value
+            nibbles = jnp.searchsorted(midpoints, jnp.clip(normalized, -1, 1), side="left", method="compare_all")
+            nibbles = nibbles.astype(jnp.uint8)
+        else:  # jnp.round, as torch.round, rounds halves to even
+            codes = jnp.clip(jnp.round(normalized), -top, top).astype(jnp.int8)
+            if scheme == "int8":
+                return codes.reshape(out_features, in_features), scales, rare
+            nibbles = (codes + 8).astype(jnp.uint8)
+        nibbles = nibbles.reshape(out_features, in_features // 2, 2)
+        return nibbles[..., 0] | (nibbles[..., 1] << 4), scales, rare
+
+    cpu = jax.devices("cpu")[0]
+    return lambda weight: program(jax.device_put(weight, cpu))
+
+
+def _bits(value: float) -> int:
+    """A positive float32's bits as an int32."""
+    import numpy as np
+
+    return int(np.float32(value).view(np.int32))
 
 
 # GGUF's own blocks of 32 values (ggml's layouts), kept as the file holds them, each block's bytes
