@@ -20,7 +20,6 @@ from jaxtune.runtime.modeling.quantize import (
     SCHEMES,
     held_quantized,
     load_base,
-    quantize,
     quantize_base,
 )
 from jaxtune.runtime.modeling.streaming import is_placeholder, load_model
@@ -81,37 +80,45 @@ def load_quantized(
     """`load_torch_model`'s model read a decoder layer at a time (`streaming`), each linear layer
     that a quantized base holds quantized (`held_quantized`) quantized as `scheme` as soon as its
     weight arrives, its float weight then dropped: host memory holds the quantized base, never the
-    float one. Returns the model (those layers' weights placeholders) and, as `load_base` takes
+    float one. The layers are quantized on threads of their own while the next are read
+    (`Quantizing`). Returns the model (those layers' weights placeholders) and, as `load_base` takes
     them, their tensors ('<layer>.codes', '<layer>.scales', ...) and each layer's scheme. Layers
     whose names end with one of `whole` are loaded as they are (LoRA trains copies of them)."""
-    stored: dict[str, torch.Tensor] = {}
+    import logging
+    import time
+
+    from jaxtune.runtime.modeling.quantize import Quantizing
+
     schemes: dict[str, str] = {}
+    started = time.perf_counter()
+    with Quantizing(scheme) as quantizing:
 
-    def take(layer: str, linear: torch.nn.Linear) -> bool:
-        if not held_quantized(layer, linear) or layer.endswith(whole):
-            return False
-        stored.update(
-            {f"{layer}.{field}": tensor for field, tensor in _quantized_by_rows(linear.weight, scheme).items()}
-        )
-        schemes[layer] = scheme
-        return True
+        def take(layer: str, linear: torch.nn.Linear) -> bool:
+            if not held_quantized(layer, linear) or layer.endswith(whole):
+                return False
+            quantizing.add(layer, linear.weight)
+            schemes[layer] = scheme
+            return True
 
-    module = load_model(name, revision, trust_remote_code, dtype, take)
+        module = load_model(name, revision, trust_remote_code, dtype, take)
+        read = time.perf_counter() - started
+        fields = quantizing.fields()
+    seconds = time.perf_counter() - started
+    logging.getLogger("jaxtune.load").info(
+        "quantized %d layers as %s in %.1f s (%.1f s of quantizing on %d threads while reading, %.1f s after)",
+        len(fields),
+        scheme,
+        seconds,
+        quantizing.seconds,
+        quantizing.threads,
+        seconds - read,
+        extra={"phase": "quantized", "seconds": seconds, "quantizing_seconds": quantizing.seconds},
+    )
     order = [layer for layer, _ in module.named_modules() if layer in schemes]  # the model's, as quantize_base's
     return module, (
-        {key: stored[key] for layer in order for key in stored if key.rpartition(".")[0] == layer},
+        {f"{layer}.{field}": tensor for layer in order for field, tensor in fields[layer].items()},
         {layer: schemes[layer] for layer in order},
     )
-
-
-def _quantized_by_rows(weight: torch.Tensor, scheme: str, rows: int = 1024) -> dict[str, torch.Tensor]:
-    """`quantize(weight, scheme)`, `rows` rows at a time: the same codes and scales (each row's are its
-    own), with temporaries of `rows` rows in float32 instead of the whole weight's."""
-    parts = [quantize(weight[start : start + rows], scheme) for start in range(0, weight.shape[0], rows)]
-    return {
-        field: torch.cat([part[field] for part in parts]) if field != "levels" else parts[0][field]
-        for field in parts[0]
-    }
 
 
 def open_model(

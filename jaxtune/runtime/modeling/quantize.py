@@ -165,6 +165,66 @@ def _bits(value: float) -> int:
     return int(np.float32(value).view(np.int32))
 
 
+def quantize_by_rows(weight: torch.Tensor, scheme: str, rows: int = 1024) -> dict[str, torch.Tensor]:
+    """`quantize(weight, scheme)` (by `quantize_fast`), `rows` rows at a time: the same codes and scales
+    (each row's are its own), with temporaries of `rows` rows instead of the whole weight's."""
+    parts = [quantize_fast(weight[start : start + rows], scheme) for start in range(0, weight.shape[0], rows)]
+    return {
+        field: torch.cat([part[field] for part in parts]) if field != "levels" else parts[0][field]
+        for field in parts[0]
+    }
+
+
+class Quantizing:
+    """Weights quantized as they are handed in (`add`), on `threads` threads of their own (the host's
+    cores, by default), while the caller reads the next: XLA's CPU programs and PyTorch's copies let go
+    of the GIL. Host memory holds at most twice `threads` float weights beyond the caller's (each
+    thread's, and one waiting for it): `add` waits while that many are. `fields()` waits for them all."""
+
+    def __init__(self, scheme: str, threads: int | None = None):
+        import os
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        if threads is None:
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.scheme, self.threads = scheme, max(threads, 1)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="jaxtune-quantize")
+        self.room = threading.Semaphore(2 * self.threads)  # weights handed in and not yet quantized
+        self.pending: dict = {}
+        self.seconds = 0.0  # the threads' seconds of quantizing, summed
+        self.lock = threading.Lock()
+
+    def add(self, name: str, weight: torch.Tensor) -> None:
+        self.room.acquire()
+        try:
+            self.pending[name] = self.pool.submit(self._quantized, weight)
+        except BaseException:
+            self.room.release()
+            raise
+
+    def _quantized(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        import time
+
+        started = time.perf_counter()
+        try:
+            return quantize_by_rows(weight, self.scheme)
+        finally:
+            with self.lock:
+                self.seconds += time.perf_counter() - started
+            self.room.release()
+
+    def fields(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Each weight's fields, by the name it was added under, in the order they were added."""
+        return {name: future.result() for name, future in self.pending.items()}
+
+    def __enter__(self) -> Quantizing:
+        return self
+
+    def __exit__(self, *error) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 # GGUF's own blocks of 32 values (ggml's layouts), kept as the file holds them, each block's bytes
 # split into fields: `scales` (float16 d), `mins` (float16 m), `codes` (the low nibbles' bytes, or
 # int8 values), `high` (Q5_0's fifth bits, 4 bytes a block). Q4: a block's 16 bytes hold values

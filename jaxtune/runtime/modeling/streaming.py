@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
@@ -35,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 log = logging.getLogger(__name__)
 
 Take = Callable[[str, torch.nn.Linear], bool]
+PROGRESS_SECONDS = 10.0  # a load still reading says so this often
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -47,7 +49,9 @@ def load_model(
     name: str, revision: str | None, trust_remote_code: bool = False, dtype: str = "float32", take: Take | None = None
 ) -> PreTrainedModel:
     """The model `from_pretrained(name, dtype=dtype, attn_implementation="eager")` gives, in eval
-    mode, loaded a decoder layer at a time; each linear layer that `take` takes holds a placeholder weight."""
+    mode, loaded a decoder layer at a time; each linear layer that `take` takes holds a placeholder weight.
+    It says what it reads every `PROGRESS_SECONDS`, and once read, how long it took (INFO)."""
+    started = time.perf_counter()
     try:
         model = _stream(name, revision, trust_remote_code, getattr(torch, dtype), take)
     except NotStreamable as why:
@@ -57,6 +61,8 @@ def load_model(
             for layer, linear in list(_linears(model).items()):
                 if take(layer, linear):
                     _drop_weight(linear)
+    seconds = time.perf_counter() - started
+    log.info("read %s in %.1f s", name, seconds, extra={"phase": "read", "seconds": seconds})
     return model.eval()
 
 
@@ -131,7 +137,13 @@ def _stream(
         for file in files:
             handle = stack.enter_context(_open(file))
             tensors.update(dict.fromkeys(handle.keys(), handle))
-        for group in _groups(tensors):
+        groups = _groups(tensors)
+        log.info("reading %s: %d groups of tensors from %d files", name, len(groups), len(files))
+        started = reported = time.perf_counter()
+        for index, group in enumerate(groups):
+            if time.perf_counter() - reported >= PROGRESS_SECONDS:
+                reported = time.perf_counter()
+                log.info("reading %s: group %d of %d, %.0f s so far", name, index + 1, len(groups), reported - started)
             part, _ = convert_and_load_state_dict_in_model(
                 model=model, state_dict={key: tensors[key].get_slice(key) for key in group}, load_config=load_config
             )
