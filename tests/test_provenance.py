@@ -3,6 +3,7 @@ machine. A figure the docs quote names them (docs/hooks/figures.py)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -51,3 +52,14 @@ def test_a_fresh_clones_outputs_are_read_into_the_figures_a_result_keeps():
         ("485.56", "call", "tests/targets/test_recipes_fit.py"),
         ("289.62", "setup", "tests/real/test_gemma3.py"),
     ]
+
+
+def test_a_fresh_clones_suite_run_is_appended_to_the_runs_before_it(tmp_path):
+    from benchmarks.cpu import fresh_clone
+
+    path = tmp_path / "suite.json"
+    assert fresh_clone.with_runs_before(path, {"seconds": 1.0}) == {"runs": [{"seconds": 1.0}]}
+    path.write_text(json.dumps({"seconds": 1.0}))  # one run, as the file held before it kept a history
+    assert fresh_clone.with_runs_before(path, {"seconds": 2.0}) == {"runs": [{"seconds": 1.0}, {"seconds": 2.0}]}
+    path.write_text(json.dumps({"runs": [{"seconds": 1.0}, {"seconds": 2.0}]}))
+    assert fresh_clone.with_runs_before(path, {"seconds": 3.0})["runs"][-1] == {"seconds": 3.0}

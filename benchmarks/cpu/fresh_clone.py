@@ -1,7 +1,7 @@
 """`make demo` or `make test` as a new user runs them, in a fresh clone, timed and kept as a result.
 
     .venv/bin/python -m benchmarks.cpu.fresh_clone demo          # results/demo.json
-    .venv/bin/python -m benchmarks.cpu.fresh_clone test          # results/suite.json (the whole suite: about 30 min)
+    .venv/bin/python -m benchmarks.cpu.fresh_clone test          # appended to results/suite.json's runs (about 25 min)
     .venv/bin/python -m benchmarks.cpu.fresh_clone demo --recipe configs/smollm2-135m-offline-grpo.yaml --name grpo-demo
 
 Clones this checkout's HEAD into a temporary folder and runs the target there, the install included
@@ -9,8 +9,9 @@ Clones this checkout's HEAD into a temporary folder and runs the target there, t
 (every stage `Cached`) and keeps the report's figures (`report.json`: losses before and after, exact
 match, the train summary); with `--recipe`, the timed command is `jaxtune run RECIPE` after `make install`
 and `python -m jaxtune.offline.checkpoints` (the GGUF files the offline real-model recipes name).
-`test` keeps pytest's count and its slowest steps. The result names its commit, command and machine
-(`harness.provenance`): the docs quote the demo's and the suite's figures from it.
+`test` keeps pytest's count and its slowest steps, appended to the runs results/suite.json holds (the newest
+last). The result names its commit, command and machine (`harness.provenance`): the docs quote the demo's and
+the suite's newest run's figures from it.
 """
 
 from __future__ import annotations
@@ -110,9 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = args.out / f"{args.name or ('demo' if args.target == 'demo' else 'suite')}.json"
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.target == "test":  # the suite's runs are kept, each after those before it
+        result = with_runs_before(path, result)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(path)
     return 0
+
+
+def with_runs_before(path: Path, run: dict) -> dict:
+    """The history of fresh-clone suite runs in `path` with `run` appended: `{"runs": [oldest, ..., newest]}`.
+    A file holding one run (as results/suite.json did before it kept a history) is that run's history."""
+    found = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+    runs = found["runs"] if "runs" in found else [found]
+    return {"runs": [*runs, run]}
 
 
 if __name__ == "__main__":

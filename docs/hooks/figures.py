@@ -13,7 +13,9 @@ GitHub shows the text between the comments. The site's build renders every figur
 result and fails (`make docs` is strict) when the result or a key is missing, when the text differs
 from what the result holds, or when the result says a newer one replaced it (`superseded_by`): a page
 cannot quote a number its source does not hold. On the site each figure names its result, date and
-machine when pointed at, and every page that cites results ends with a table of them.
+machine when pointed at, and every page that cites results ends with a table of them. A result that keeps
+a history (`suite.json`: `{"runs": [oldest, ..., newest]}`) is cited by its newest run, `runs/-1/...`, and
+described by it.
 
 `python docs/hooks/figures.py` checks every page; `--write` rewrites the texts from the results.
 Standard library only: the docs environment installs no jaxtune.
@@ -131,8 +133,14 @@ def rewrite(text: str, results: Path | None = None) -> str:
     return FIGURE.sub(lambda m: m[0].replace(f"-->{m['text']}<!--", f"-->{cited(m).render(results)}<!--", 1), text)
 
 
+def newest(result: dict) -> dict:
+    """The run a result describes: its newest where it keeps a history of runs, else itself."""
+    return result["runs"][-1] if result.get("runs") else result
+
+
 def machine(result: dict) -> str:
     """The machine a result ran on, in a few words."""
+    result = newest(result)
     where = result.get("provenance", {}).get("machine") or result.get("machine") or {}
     if isinstance(where, str):
         return where
@@ -148,7 +156,7 @@ def sources(names: list[str], results: Path | None = None) -> str:
     are as a page in docs/ writes them (the repo_links hook, after this one, turns them into the repository's)."""
     rows = ["| result | date | machine | commit | command |", "|---|---|---|---|---|"]
     for name in names:
-        result = load(results or RESULTS, name)
+        result = newest(load(results or RESULTS, name))
         made = result.get("provenance", {})
         command = made.get("command") or result.get("command") or "not recorded"
         rows.append(
@@ -169,7 +177,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         return markdown
 
     def shown(match: re.Match) -> str:
-        result = load(RESULTS, match["result"])
+        result = newest(load(RESULTS, match["result"]))
         title = f"{match['result']}.json, {str(result.get('date', ''))[:10]}, {machine(result)}"
         return f'<span class="figure" title="{title}">{match["text"]}</span>'
 
