@@ -100,6 +100,11 @@ def test_every_part_runs_and_measures_every_case(tiny):
     )
     # jaxtune's own load lines, one a method: the torch and Tunix sides log theirs too, without one
     assert set(report["loaded"]) == {"lora", "full"} and all(v["seconds"] > 0 for v in report["loaded"].values())
+    # where the time before each method's first step went, phase by phase, in the report and as it happened
+    for method, phases in report["time_to_first_step"].items():
+        assert {"weights_built", "traced", "lowered", "compiled", "first_step_run"} <= set(phases), method
+        assert "read_and_placed" in phases or {"read", "placed"} <= set(phases), method
+    assert "Time to the first step, phase by phase:" in md and "- lora, first case 8x32: weights built" in md
     for case, result in report["train"].items():
         for side in SIDES:
             figures = result["sides"][side]
@@ -342,6 +347,7 @@ def test_shipped_shapes_are_the_published_models():
         # the text decoder of Gemma 3 27B as its published config builds it (the published 27.4B counts the vision
         # tower too)
         "gemma-3-27b": 27_009_002_240,
+        "llama-3.1-8b": 8_030_261_248,  # as published for Llama 3.1 8B
         "llama-3.1-70b": 70_553_706_496,  # as published for Llama 3.1 70B
         "llama-3.2-1b": 1_235_814_400,
         "qwen2.5-0.5b": 494_032_768,
@@ -366,6 +372,31 @@ def test_a_report_shows_only_what_the_run_asked_for_and_what_a_cut_case_did_run(
     assert "LoRA 8x512" not in cut
     row = next(line for line in cut.splitlines() if line.startswith("| full fine-tune 8x2048"))
     assert "first step ran in 321 s" in row and "layer, chunk 1024" in row and "cut at its limit" in row
+
+
+def test_the_load_phases_follow_one_another_and_add_up_to_the_whole():
+    """A quantized base reports its read and its quantizing (which overlaps the read): each phase is the seconds after
+    the one before, and with placing the model they add up to the seconds it took to open."""
+    from benchmarks.accelerator.jaxtune_model import load_phases
+
+    assert load_phases({"read": 10.0, "quantized": 14.0}, 20.0) == {
+        "read": 10.0,
+        "quantized_after_read": 4.0,
+        "placed": 6.0,
+    }
+    assert load_phases({"read": 3.0}, 5.0) == {"read": 3.0, "placed": 2.0}
+    assert load_phases({}, 5.0) == {"read_and_placed": 5.0}
+
+
+def test_a_few_layers_of_a_shape_keep_its_width():
+    """--layers 2: the shape's first two layers at its own width, each a layer as in the whole (Gemma 3: its first
+    two layer types)."""
+    from benchmarks.accelerator.shared import Settings, model_config
+
+    llama = model_config(Settings.make("llama-3.1-8b", False, layers=2))
+    assert (llama.num_hidden_layers, llama.hidden_size, llama.intermediate_size) == (2, 4096, 14336)
+    gemma = model_config(Settings.make("gemma-3-1b", False, layers=2))
+    assert gemma.num_hidden_layers == 2 and len(gemma.layer_types) == 2 and gemma.hidden_size == 1152
 
 
 def test_a_runs_recipe_overrides_reach_jaxtunes_side_through_its_children():

@@ -172,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         "--tiny", action="store_true", help="a toy model of the family, on the CPU, in float32 (make test)"
     )
     parser.add_argument(
+        "--layers",
+        type=int,
+        help="the shape's first N decoder layers, at its width (a deep model's cost per layer, on a smaller host)",
+    )
+    parser.add_argument(
         "--parts",
         action="append",
         choices=list(PARTS),
@@ -238,13 +243,16 @@ def main(argv: list[str] | None = None) -> int:
         tuple(args.overrides or ()),
         str(Path(f"{stem}-profile").resolve()) if args.profile else "",
         tuple(c for c in cases if len(c) == 3) or None,
+        args.layers,
     )
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="jaxtune-accelerator-") as folder:
         work = Path(folder)
         settings.save(work)
-        log(f"building {settings.model}{' (tiny)' if settings.tiny else ''} weights, {settings.dtype}")
+        layers = f", {settings.layers} layers" if settings.layers is not None else ""
+        log(f"building {settings.model}{' (tiny)' if settings.tiny else ''} weights, {settings.dtype}{layers}")
         weights = build_weights(settings, work / "model")
+        log(f"built {weights['parameters']:,} parameters' weights in {weights['seconds']:.1f} s")
         parts = run_parts(args.parts or default_parts(), work, deadline)
         md = write_report(stem, settings, weights, parts, work, date, time.perf_counter() - began, minutes)
     say(md)

@@ -10,7 +10,15 @@ import time
 from pathlib import Path
 
 from benchmarks.accelerator import grpo
-from benchmarks.accelerator.jaxtune_model import COMPILING, monitor_compiling, open_benchmark_model
+from benchmarks.accelerator.jaxtune_model import (
+    COMPILING,
+    describe_phases,
+    load_phases,
+    monitor_compiling,
+    open_benchmark_model,
+    show_runtime_lines,
+    ticking,
+)
 from benchmarks.accelerator.shared import (
     Results,
     Settings,
@@ -25,6 +33,7 @@ from benchmarks.accelerator.shared import (
 from benchmarks.common.harness import log
 
 PROFILE_STEPS = 3  # steps profiled after a case's timed ones (--profile)
+CPU_MATMUL_N = 1024
 
 # The sections in order, with the seconds each needs on one H200 for the Gemma 3 1B shape's first cases:
 # the time left is shared among the sections still to run in these proportions. GRPO's is a guess, not yet
@@ -41,6 +50,7 @@ def run(settings: Settings, folder: Path, work: Path, until: float) -> None:
     from jaxtune.runtime.measures import flops
 
     results = Results(work, "jaxtune")
+    show_runtime_lines()
     monitor_compiling()
     cache = os.environ.get(compile_cache.SHARED_FOLDER_VARIABLE)  # as `jaxtune run` keeps one, when given
     if cache:
@@ -66,11 +76,21 @@ def run_train(settings: Settings, folder: Path, results: Results, method: str, d
     from jaxtune.runtime.measures import flops
 
     start = time.perf_counter()
-    cfg, model = open_benchmark_model(settings, folder, method)
+    runtime = show_runtime_lines()
+    runtime.taken()
+    with ticking(f"jaxtune {method}: opening the model"):
+        cfg, model = open_benchmark_model(settings, folder, method)
+    seconds = time.perf_counter() - start
+    phases = load_phases(runtime.taken(), seconds)
     # the process's peak resident memory once loaded: a base quantized on the way never holds its float weights whole
     results.add(
-        event="loaded", method=method, seconds=time.perf_counter() - start, host_peak_bytes=process_rss()["peak_bytes"]
+        event="loaded",
+        method=method,
+        seconds=seconds,
+        phases=phases,
+        host_peak_bytes=process_rss()["peak_bytes"],
     )
+    log(f"jaxtune {method}: model opened in {seconds:.1f} s ({describe_phases(phases)})")
     for rows, length in settings.cases:  # counted before any case runs, so a cut case's other sides still get an MFU
         # attention as the model computes it: half the row causally, at most the window in a sliding layer
         per_token = flops.train_flops_per_token(model, flops.attended_keys(model.config, length))
@@ -128,7 +148,12 @@ def train_case(settings: Settings, cfg, model, initial: dict, case: tuple[int, i
         compiling={k: v - before.get(k, 0) for k, v in COMPILING.items() if v != before.get(k, 0)},
         **chosen.record(),
     )
-    log(f"{side} {case_name(rows, length)}: {chosen.describe(cfg.train.model_copy(update={'batch_size': rows}))}")
+    spent = {k: v - before.get(k, 0) for k, v in COMPILING.items() if v != before.get(k, 0)}
+    log(
+        f"{side} {case_name(rows, length)}: chosen in {time.perf_counter() - started:.1f} s ("
+        + describe_phases({k.removesuffix("_seconds"): v for k, v in spent.items() if k.endswith("_seconds")})
+        + f"): {chosen.describe(cfg.train.model_copy(update={'batch_size': rows}))}"
+    )
     split = chosen.split
     spec = steps.StepSpec(chosen.remat, chunk_tokens=chosen.chunk_tokens)
     train_step = steps.make_train_step(model, optimizer, spec)
@@ -229,11 +254,13 @@ def measured_matmul(settings: Settings) -> dict:
     measured peak MFU is also taken against."""
     import statistics
 
+    import jax
     import jax.numpy as jnp
 
     from benchmarks.common.harness import matmul_run
 
-    n = settings.matmul_n
+    # on a CPU (a --layers run of a real width on a host without an accelerator) a smaller one: 8192^3 takes minutes
+    n = settings.matmul_n if jax.devices()[0].platform != "cpu" else min(settings.matmul_n, CPU_MATMUL_N)
     run = matmul_run(n, jnp.dtype(settings.dtype))
     times = []
     for _ in range(10):

@@ -188,7 +188,8 @@ def build_report(
             for line in lines
             if line.get("event") == "loaded" and line.get("part") == "jaxtune"
         },
-        "train": train_results(settings, lines, parts, peak, matmul.get("flops_per_second")),
+        "train": (train := train_results(settings, lines, parts, peak, matmul.get("flops_per_second"))),
+        "time_to_first_step": time_to_first_step(settings, weights, lines, train),
         "decode": decode_results(lines, parts),
         **(
             {"grpo": grpo_results(settings, lines, parts, device.get("hbm_bandwidth"))}
@@ -196,6 +197,43 @@ def build_report(
             else {}
         ),
     }
+
+
+def time_to_first_step(settings: Settings, weights: dict, lines: list[dict], train: dict) -> dict:
+    """{method: {phase: seconds}}: where the time before each method's first step went, in order: the benchmark's
+    random weights built (the driver's, before any part), the checkpoint read, quantized (a quantized base: the read
+    included, which it overlaps), the model placed on the device (LoRA attached), then for the first case: its
+    program traced, lowered and compiled (every train.remat auto candidate's, summed), the rest of choosing, and the
+    first step run. What a child cut before a phase finished has no entry for it."""
+    out = {}
+    for line in lines:
+        if line.get("event") != "loaded" or line.get("part") != "jaxtune":
+            continue
+        phases = {"weights_built": weights.get("seconds"), **line.get("phases", {"opened": line["seconds"]})}
+        case = case_name(*settings.cases[0])
+        fig = train.get(case, {}).get("sides", {}).get(jaxtune_side(line["method"], settings.remats[0]), {})
+        spent = fig.get("compiling") or {}
+        for phase, key in (("traced", "trace_seconds"), ("lowered", "lower_seconds"), ("compiled", "compile_seconds")):
+            if key in spent:
+                phases[phase] = spent[key]
+        if fig.get("fit_seconds") is not None:
+            phases["chosen_otherwise"] = max(fig["fit_seconds"] - sum(spent.get(k, 0) for k in MONITORED_SECONDS), 0)
+        if fig.get("first_step_seconds") is not None:
+            phases["first_step_run"] = fig["first_step_seconds"]
+        out[line["method"]] = {"case": case, **{k: v for k, v in phases.items() if v is not None}}
+    return out
+
+
+MONITORED_SECONDS = ("trace_seconds", "lower_seconds", "compile_seconds", "cache_read_seconds")
+
+
+def time_to_first_step_rows(report: dict) -> list[str]:
+    rows = []
+    for method, phases in report.get("time_to_first_step", {}).items():
+        timed = {k: v for k, v in phases.items() if k != "case"}
+        before = ", ".join(f"{name.replace('_', ' ')} {fmt_seconds(v)}" for name, v in timed.items())
+        rows.append(f"- {method}, first case {phases['case']}: {before}; {fmt_seconds(sum(timed.values()))} in all.")
+    return ["", "Time to the first step, phase by phase:", *rows] if rows else []
 
 
 def write_report(
@@ -575,7 +613,14 @@ def markdown(report: dict) -> str:
     batches = decode_batch_rows(report) if "decode" in sections(report) else []
     return (
         "\n".join(
-            header + table + batches + grpo_section(report) + remat_rows(report) + profile_sections(report) + parts
+            header
+            + table
+            + time_to_first_step_rows(report)
+            + batches
+            + grpo_section(report)
+            + remat_rows(report)
+            + profile_sections(report)
+            + parts
         )
         + "\n"
     )

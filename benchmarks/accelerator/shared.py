@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common.harness import ROOT
+from benchmarks.common.harness import ROOT, log
 
 CONFIGS = ROOT / "benchmarks" / "configs"  # config.json of each published shape; no weights, no tokenizer
 RECIPES = {
@@ -30,6 +30,7 @@ TINY_SIZES = {
     "head_dim": 16,
     "vocab_size": 512,
 }
+PROGRESS_SECONDS = 10.0  # building the weights says how far it is this often
 TINY_WINDOW = 16  # shorter than the tiny cases' rows, so sliding-window layers mask something
 
 
@@ -65,6 +66,7 @@ class Settings:
     )
     grpo_cases: tuple[tuple[int, int, int], ...] = ((8, 8, 256),)  # (prompts, generations, new tokens) of a GRPO step
     grpo_prompt_length: int = 128  # tokens of every GRPO prompt (random ids, no padding)
+    layers: int | None = None  # decoder layers of the shape, its own count unless given (--layers)
 
     @classmethod
     def make(
@@ -77,8 +79,11 @@ class Settings:
         overrides: tuple[str, ...] = (),
         profile: str = "",
         grpo_cases: tuple[tuple[int, int, int], ...] | None = None,
+        layers: int | None = None,
     ) -> "Settings":
-        made = dataclasses.replace(cls._make(model, tiny, cases), remats=remats, overrides=overrides, profile=profile)
+        made = dataclasses.replace(
+            cls._make(model, tiny, cases), remats=remats, overrides=overrides, profile=profile, layers=layers
+        )
         made = dataclasses.replace(made, grpo_cases=grpo_cases) if grpo_cases else made
         return dataclasses.replace(made, sections=sections) if sections else made
 
@@ -162,6 +167,10 @@ def model_config(settings: Settings):
             raw["query_pre_attn_scalar"] = TINY_SIZES["head_dim"]
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             raw[key] = min(raw[key], 2) if isinstance(raw.get(key), int) else None
+    if settings.layers is not None:  # the shape's first layers at its width: each costs what it costs in the whole
+        raw["num_hidden_layers"] = settings.layers
+        if "layer_types" in raw:
+            raw["layer_types"] = raw["layer_types"][: settings.layers]
     return AutoConfig.for_model(raw.pop("model_type"), **raw)
 
 
@@ -186,8 +195,11 @@ def build_weights(settings: Settings, folder: Path) -> dict:
     parameters = sum(p.numel() for p in module.parameters())  # before to_empty's new Parameters untie the head
     groups = weight_groups(module)
     folder.mkdir(parents=True, exist_ok=True)
-    weight_map, total = {}, 0
+    weight_map, total, reported = {}, 0, time.perf_counter()
     for index, (path, (names, owner, whole)) in enumerate(groups.items()):
+        if time.perf_counter() - reported >= PROGRESS_SECONDS:
+            reported = time.perf_counter()
+            log(f"building weights: group {index + 1} of {len(groups)} ({path}), {reported - start:.0f} s so far")
         shard = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
         with torch.no_grad():
             owner.to_empty(device="cpu", recurse=whole)
