@@ -213,9 +213,11 @@ class ModelConfig(Section):
     )
     scan_layers: bool = Field(
         False,
-        description="trace the decoder layers once, as a scan over groups of alike layers (one layer for Llama or "
-        "Qwen, five sliding and one global for Gemma 3), so train and eval steps compile a group, not every layer; "
-        "the same loss and gradients up to float32 summation order. Decoding stays unrolled",
+        description="hold the decoder layers' tensors stacked, one array per weight and position in the layers' "
+        "repeating group (one layer for Llama or Qwen, five sliding and one global for Gemma 3), and trace the "
+        "group once, as a scan: train and eval steps compile one group, not every layer; the same loss and "
+        "gradients up to float32 summation order. Decoding runs each layer on its row of the stacks. Files "
+        "(checkpoints, adapters, exports) keep per-layer names",
     )
     chat_template: str | None = Field(
         None,

@@ -354,8 +354,8 @@ def compile_step(
         randomize_lora=False,
     )
     target = targets.resolve(target_name)
-    model = to_jax(module, make_placement(config.mesh, targets.devices(target)), shapes_only=True)
-    model.scan_layers = scan_layers or config.model.scan_layers
+    placement = make_placement(config.mesh, targets.devices(target))
+    model = to_jax(module, placement, shapes_only=True, scan_layers=scan_layers or config.model.scan_layers)
     with attention.choose(attention_core) if attention_core else _nothing():
         compiled = steps.compiled_train_step(
             model, steps.make_optimizer(config.train), 1, rows, length, steps.StepSpec(fit.fixed(config.train.remat))

@@ -101,8 +101,8 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
         placement = make_placement(mesh, devices)
     except ValueError as e:
         raise DoctorError(f"{e} of {target.describe(len(devices))}") from None
-    model = to_jax(module, placement, shapes_only=True)
-    model.scan_layers = config.model.scan_layers  # as `open_model` sets it: the program the run would compile
+    # the layers held as `open_model` holds them: the program the run would compile
+    model = to_jax(module, placement, shapes_only=True, scan_layers=config.model.scan_layers)
     try:
         chosen = fit.choose(
             model,
@@ -174,8 +174,7 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
 
-    model = to_jax(module, make_placement(config.mesh, devices), shapes_only=True)
-    model.scan_layers = config.model.scan_layers
+    model = to_jax(module, make_placement(config.mesh, devices), shapes_only=True, scan_layers=config.model.scan_layers)
     shards = model.placement.batch_shards
     rows = -(-config.eval.batch_size // shards) * shards  # as `inference.evaluate` rounds them
     length, prompts, new_tokens = config.data.max_length, config.generate.batch_size, config.generate.max_new_tokens

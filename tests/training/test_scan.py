@@ -1,5 +1,5 @@
-"""Decoder layers traced once (`runtime.modeling.scan`): one SGD step with the layers as a scan over
-groups of alike layers gives the unrolled step's loss and updated weights, for every family.
+"""Decoder layers held stacked and traced once (`runtime.modeling.stacked`): one SGD step with the layers as a
+scan over groups of alike layers gives the unrolled step's loss and updated weights, for every family.
 
 Bound: the scan runs the same float32 operations on the same values; only XLA's fusion and
 summation order may differ, so the loss may move by a few float32 ulps of its ~5.6 (6e-7 seen)
@@ -17,7 +17,7 @@ from jaxtune.offline.architectures import FAMILIES
 from jaxtune.runtime.compiled import programs, steps
 from jaxtune.runtime.devices.mesh import make_placement
 from jaxtune.runtime.modeling import model as rt_model
-from jaxtune.runtime.modeling import scan
+from jaxtune.runtime.modeling import stacked as scan
 from tests.conftest import VOCAB, tiny_model
 
 pytestmark = pytest.mark.training
@@ -40,8 +40,7 @@ def step(family: str, remat: str, scanned: bool, monkeypatch) -> tuple[float, di
     module = rt_model.attach_lora(tiny_model(family, layers=LAYERS), LoraConfig(r=4, target_modules="all-linear"))
     for dropout in (m for m in module.modules() if isinstance(m, torch.nn.Dropout)):
         dropout.p = 0.0  # GPT-2's default 0.1: a scan's groups draw other keys, so other masks
-    model = rt_model.to_jax(module, make_placement(MeshConfig()))
-    model.scan_layers = scanned
+    model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=scanned)
     cfg = TrainConfig(
         batch_size=2,
         max_steps=1,
@@ -66,7 +65,7 @@ def step(family: str, remat: str, scanned: bool, monkeypatch) -> tuple[float, di
         weights, model.buffers, steps.init_optimizer(model, optimizer, weights), batch, ids, steps.step_key(0, 0), 1.0
     )
     monkeypatch.undo()
-    return float(loss), {k: np.asarray(v) for k, v in weights.items()}, groups
+    return float(loss), {k: np.asarray(v) for k, v in model.flat(weights).items()}, groups
 
 
 @pytest.mark.parametrize(
@@ -87,8 +86,8 @@ def test_layers_group_by_the_period_of_what_they_are_called_with():
     gemma = [("sliding", 1)] * 5 + [("global", 2)]
     assert scan.period(gemma * 4 + gemma[:2]) == 6  # Gemma 3 1B: 26 layers, 4 groups of 6 and 2 more
     assert scan.period([("a",), ("b",), ("c",)]) == 3  # nothing repeats: one group, run unrolled
-    assert scan.plain(((torch.zeros(2), None), {"mask": torch.ones(1), "window": 16}))
-    assert not scan.plain(((torch.zeros(2),), {"cache": object()}))  # decoding's KV cache: unrolled
+    assert scan._plain(((torch.zeros(2), None), {"mask": torch.ones(1), "window": 16}))
+    assert not scan._plain(((torch.zeros(2),), {"cache": object()}))  # decoding's KV cache: unrolled
 
 
 def test_decoding_a_scanned_model_gives_the_unrolled_tokens():
@@ -100,7 +99,8 @@ def test_decoding_a_scanned_model_gives_the_unrolled_tokens():
     prompts = np.random.default_rng(1).integers(3, VOCAB, (2, 9)).tolist()
     unrolled = greedy_generate(model, prompts, 2, 6, eos_ids=(), pad_id=0)
     programs.clear()
-    model.scan_layers = True
+    model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=True)
+    assert model.layout is not None and model.layout.groups >= 2
     assert greedy_generate(model, prompts, 2, 6, eos_ids=(), pad_id=0) == unrolled
 
 
@@ -113,7 +113,6 @@ def test_a_scanned_step_over_a_quantized_base_is_the_unrolled_one(remat):
 
     module = rt_model.attach_lora(tiny_model("llama", layers=4), LoraConfig(r=4, target_modules="all-linear"))
     assert quantize.quantize_base(module, "nf4")
-    model = rt_model.to_jax(module, make_placement(MeshConfig()))
     cfg = TrainConfig(batch_size=2, max_steps=1, warmup_steps=0, optimizer="sgd", learning_rate=1.0, remat=remat)
     optimizer = steps.make_optimizer(cfg)
     ids = np.random.default_rng(0).integers(3, VOCAB, (1, 2, 48)).astype(np.int32)
@@ -121,10 +120,117 @@ def test_a_scanned_step_over_a_quantized_base_is_the_unrolled_one(remat):
     losses = []
     for scanned in (False, True):
         programs.clear()
-        model.scan_layers = scanned
+        model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=scanned)
         weights = {k: v.copy() for k, v in model.weights.items()}
         step = steps.make_train_step(model, optimizer, steps.StepSpec(remat))
         opt_state = steps.init_optimizer(model, optimizer, weights)
         loss, _, _ = step(weights, model.buffers, opt_state, batch, ids, steps.step_key(0, 0), 1.0)
         losses.append(float(loss))
     assert abs(losses[1] - losses[0]) <= BOUND * abs(losses[0]), losses
+
+
+def test_a_layout_stacks_each_group_position_and_gives_back_per_layer_names():
+    """Gemma 3's 1B pattern: 26 layers, groups of six (five sliding, one global), two layers left unrolled."""
+    layout = scan.Layout(tuple(f"model.layers.{i}." for i in range(26)), period=6, groups=4)
+    flat = {f"model.layers.{i}.mlp.up_proj.weight": np.full((3, 2), i, np.float32) for i in range(26)}
+    flat["model.norm.weight"] = np.ones(2, np.float32)
+    held = layout.stacked(flat)
+    assert held["model.layers.stack5.mlp.up_proj.weight"].shape == (4, 3, 2)
+    assert held["model.layers.stack5.mlp.up_proj.weight"][:, 0, 0].tolist() == [5, 11, 17, 23]
+    assert "model.layers.24.mlp.up_proj.weight" in held and "model.norm.weight" in held  # after the last group
+    back = layout.flat(held)
+    assert back.keys() == flat.keys() and all(np.array_equal(back[k], flat[k]) for k in flat)
+    # an optimizer state's arrays, keyed by pytree paths, split and stacked again the same way
+    state = {f"[0].mu['{k}']": v for k, v in held.items()} | {"[0].count": np.int32(3)}
+    per_layer = layout.flat_paths(state)
+    assert "[0].mu['model.layers.23.mlp.up_proj.weight']" in per_layer and "[0].count" in per_layer
+    again = layout.stacked_paths(per_layer, list(state))
+    assert again.keys() == state.keys() and all(np.array_equal(again[k], state[k]) for k in state)
+
+
+def test_a_stacked_run_writes_the_unrolled_runs_checkpoint_and_resumes_from_either(tmp_path):
+    """Files keep per-layer names: a checkpoint written from stacked weights and optimizer state has the names,
+    shapes and values of the unrolled one's, and each layout resumes from the other's."""
+    from jaxtune.runtime.train import checkpoint
+
+    module = rt_model.attach_lora(tiny_model("llama", layers=4), LoraConfig(r=4, target_modules="all-linear"))
+    optimizer = steps.make_optimizer(TrainConfig())
+    models, states, written = {}, {}, {}
+    for scanned in (False, True):
+        model = models[scanned] = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=scanned)
+        opt_state = states[scanned] = steps.init_optimizer(model, optimizer)
+        moved = jax_tree_map(lambda a: a + 0.5 if np.issubdtype(a.dtype, np.floating) else a, opt_state)
+        checkpoint.save(tmp_path / str(scanned), 1, model.weights, moved, {"log": []}, model.layout)
+        path = checkpoint.complete(tmp_path / str(scanned))[-1]
+        written[scanned] = {name: load(path / name) for name in ("weights.safetensors", "optimizer.safetensors")}
+    assert models[True].layout is not None and models[True].weights.keys() != models[False].weights.keys()
+    for name, unrolled in written[False].items():
+        stacked = written[True][name]
+        assert stacked.keys() == unrolled.keys(), name
+        assert all(np.array_equal(stacked[k], unrolled[k]) for k in unrolled), name
+    for scanned, model in models.items():
+        resumed = checkpoint.latest(tmp_path / str(not scanned), states[scanned], model.layout)
+        assert resumed.weights.keys() == model.weights.keys()
+        assert all(np.array_equal(resumed.weights[k], np.asarray(v)) for k, v in model.weights.items())
+        expected = jax_tree_map(lambda a: a + 0.5 if np.issubdtype(a.dtype, np.floating) else a, states[scanned])
+        assert all(np.array_equal(a, b) for a, b in zip(jax_tree_leaves(resumed.opt_state), jax_tree_leaves(expected)))
+
+
+def jax_tree_leaves(tree):
+    import jax
+
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+def jax_tree_map(fn, tree):
+    import jax
+
+    return jax.tree.map(lambda a: fn(np.asarray(a)), tree)
+
+
+def load(path):
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_stacked_programs_size_does_not_grow_with_depth(family):
+    """The scanned step traces one group, whatever the depth: its lowered program and the decoder layers'
+    forward calls while tracing are the same for 4 groups and 16; unrolled, both grow with the layers."""
+    from torchax import interop  # noqa: F401  (the step traces through torchax)
+
+    def traced(layers: int, scanned: bool) -> tuple[int, int]:
+        programs.clear()
+        module = rt_model.attach_lora(tiny_model(family, layers=layers), LoraConfig(r=4))
+        model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=scanned)
+        layer_class = type(rt_model_layers(module)[0])
+        calls = []
+        original = layer_class.forward
+
+        def counted(self, *args, **kwargs):
+            calls.append(1)
+            return original(self, *args, **kwargs)
+
+        layer_class.forward = counted
+        try:
+            optimizer = steps.make_optimizer(TrainConfig())
+            arguments = steps.train_step_arguments(model, optimizer, 1, 2, 32)
+            with model.env:
+                lowered = steps.shared_train_step(model, optimizer).lower(model, *arguments)
+        finally:
+            layer_class.forward = original
+        return len(lowered.as_text()), len(calls)
+
+    period = 2 if family == "gemma3" else 1  # the tiny Gemma 3 alternates sliding and global layers
+    (short, short_calls), (deep, deep_calls) = traced(4 * period, True), traced(16 * period, True)
+    assert short_calls == deep_calls == period, (short_calls, deep_calls)
+    assert deep <= 1.05 * short, (short, deep)
+    (unrolled_short, _), (unrolled_deep, unrolled_calls) = traced(4 * period, False), traced(16 * period, False)
+    assert unrolled_calls == 16 * period and unrolled_deep > 2 * unrolled_short  # what the scan spares
+
+
+def rt_model_layers(module):
+    from jaxtune.runtime.modeling.remat import decoder_layers
+
+    return decoder_layers(module)

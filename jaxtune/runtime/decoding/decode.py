@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from jaxtune.runtime.compiled import programs
 from jaxtune.runtime.decoding.sampling import Sampling, next_token
 from jaxtune.runtime.modeling.model import JaxModel
+from jaxtune.runtime.modeling.stacked import held
 
 
 def kv_shape(model: JaxModel, batch: int, length: int) -> tuple[int, int, int, int]:
@@ -58,20 +59,22 @@ def _cached_forward(model: JaxModel) -> Callable:
 
     def forward(weights, buffers, kv, ids, mask, cache_position, position_ids):
         cache = _static_cache(kv, cache_position[0])
-        out = torch.func.functional_call(
-            model.module,
-            (model.for_compute(weights), buffers),
-            args=(),
-            kwargs={
-                "input_ids": ids,
-                "attention_mask": mask,
-                cache_argument: cache,
-                "cache_position": cache_position,
-                "position_ids": position_ids,
-                "use_cache": True,
-                "logits_to_keep": 1,
-            },
-        )
+        tensors = {**model.for_compute(weights), **buffers}
+        with held(model.module, model.layout, tensors) as called_with:  # stacked layers: each on its row
+            out = torch.func.functional_call(
+                model.module,
+                called_with,
+                args=(),
+                kwargs={
+                    "input_ids": ids,
+                    "attention_mask": mask,
+                    cache_argument: cache,
+                    "cache_position": cache_position,
+                    "position_ids": position_ids,
+                    "use_cache": True,
+                    "logits_to_keep": 1,
+                },
+            )
         return out.logits[:, -1], [(layer.keys, layer.values) for layer in cache.layers]
 
     return forward

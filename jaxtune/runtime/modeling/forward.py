@@ -67,11 +67,11 @@ def model_kwargs(batch: dict, fused: bool) -> dict:
 
 
 @contextlib.contextmanager
-def tracing(model: JaxModel, training: bool, remat: str, fused: bool):
+def tracing(model: JaxModel, training: bool, remat: str, fused: bool, tensors: dict):
     """Module state while a step is traced: train mode (dropout), keyed or remat layers, the attention used,
-    and with `model.scan_layers` the layers as one scan."""
-    from jaxtune.runtime.modeling.remat import decoder_layers, keyed_layers
-    from jaxtune.runtime.modeling.scan import scanned_layers
+    and stacked layers run as a scan. Yields (the module, the tensors to call it with)."""
+    from jaxtune.runtime.modeling.remat import keyed_layers
+    from jaxtune.runtime.modeling.stacked import held
 
     module = model.module
     module.train(training)
@@ -79,9 +79,9 @@ def tracing(model: JaxModel, training: bool, remat: str, fused: bool):
         with (
             keyed_layers(module, remat) if training or remat != "none" else contextlib.nullcontext(),
             attention.fused(module, fused, model.placement.mesh),
-            scanned_layers(decoder_layers(module)) if model.scan_layers else contextlib.nullcontext(),
+            held(module, model.layout, tensors) as called_with,
         ):
-            yield module
+            yield module, called_with
     finally:
         module.eval()
 
@@ -91,8 +91,8 @@ def forward_logits(model: JaxModel, training: bool = False, remat: str = "none",
     fused = fused and attention.supported(model.module)
 
     def forward(weights, buffers, batch):
-        with tracing(model, training, remat, fused) as module:
-            tensors = (model.for_compute(weights), buffers)
+        tensors = {**model.for_compute(weights), **buffers}
+        with tracing(model, training, remat, fused, tensors) as (module, tensors):
             return torch.func.functional_call(module, tensors, args=(), kwargs=model_kwargs(batch, fused)).logits
 
     return forward
@@ -122,9 +122,9 @@ def forward_token_nll(
         )
 
     def forward(weights, buffers, batch, labels):
-        with tracing(model, training, remat, fused):
-            tensors = {**model.for_compute(weights), **buffers}
-            hidden = parts.hidden(tensors, model_kwargs(batch, fused))  # (b, t, d)
+        tensors = {**model.for_compute(weights), **buffers}
+        with tracing(model, training, remat, fused, tensors) as (_, called_with):
+            hidden = parts.hidden(called_with, model_kwargs(batch, fused))  # (b, t, d)
             hidden = _tempered(hidden, temperature)  # a linear head's logits / T
             nll = parts.nll(tensors, hidden, labels, model.placement.mesh.devices.flat[0].platform, chunk_tokens)
         return nll, labels[:, 1:] != IGNORE_INDEX

@@ -22,6 +22,7 @@ from jaxtune.runtime.modeling.quantize import (
     load_base,
     quantize_base,
 )
+from jaxtune.runtime.modeling.stacked import Layout, layout_of
 from jaxtune.runtime.modeling.streaming import is_placeholder, load_model
 
 
@@ -42,7 +43,16 @@ class JaxModel:
     placement: Placement
     dtype: jnp.dtype  # what the model computes in; the KV cache holds this
     casts: dict[str, torch.dtype] = field(default_factory=dict)
-    scan_layers: bool = False  # trace the decoder layers once, as a scan over groups of alike layers (`scan`)
+    layout: Layout | None = None  # where the decoder layers' tensors are held stacked (`stacked`), else None
+
+    @property
+    def scan_layers(self) -> bool:
+        """Whether the decoder layers are held stacked and traced once, as a scan over groups."""
+        return self.layout is not None
+
+    def flat(self, tensors: dict) -> dict:
+        """`tensors` in this model's layout (weights, gradients) with per-layer names, as files hold them."""
+        return tensors if self.layout is None else self.layout.flat(tensors)
 
     @property
     def config(self):
@@ -171,9 +181,7 @@ def open_model(
     if left := [name for name, tensor in module.named_parameters() if is_placeholder(tensor)]:
         raise ModelError(f"layers left without weights after loading: {', '.join(left[:5])}")
     weights = load_weights(trained) if trained is not None else None
-    model = to_jax(module, placement, weights)
-    model.scan_layers = cfg.scan_layers
-    return model
+    return to_jax(module, placement, weights, scan_layers=cfg.scan_layers)
 
 
 def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
@@ -220,36 +228,67 @@ def to_jax(
     placement: Placement,
     trained: dict[str, np.ndarray] | None = None,
     shapes_only: bool = False,
+    scan_layers: bool = False,
 ) -> JaxModel:
     """Split trainable from frozen tensors and place both on the mesh, each split as its name
-    says (`jaxtune.runtime.devices.sharding`); `trained` overrides weights.
+    says (`jaxtune.runtime.devices.sharding`); `trained` overrides weights (per-layer names).
 
     Frozen tensors keep the module's dtype; trainable ones become float32 master weights. With
     `shapes_only` the tensors are `jax.ShapeDtypeStruct`s (a module on the meta device will do):
-    enough to compile a step and read XLA's memory plan for a model too big to build here.
+    enough to compile a step and read XLA's memory plan for a model too big to build here. With
+    `scan_layers` the decoder layers' tensors are stacked on the host as `stacked.Layout` says and
+    placed once, each stack split as its layers' tensors are, its layer axis whole.
     """
+    from jaxtune.runtime.modeling.remat import decoder_layers
+
     _use_eager_attention(module)
-    convert = _to_shape if shapes_only else _to_array
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
     transposed = _transposed_weights(module)
+    layout = layout_of(module, decoder_layers(module)) if scan_layers else None
+    if trained is not None:
+        _check_names(trained, {name for name, p in module.named_parameters() if p.requires_grad})
+    # name -> (tensor, sharding, dtype it is held in or None for its own); weights trained, buffers frozen
     weights, buffers, casts = {}, {}, {}
     for name, param in module.named_parameters():
         sharding = placement.parameter_sharding(name, tuple(param.shape), name in transposed)
         if param.requires_grad:
-            weights[name] = convert(param, sharding, jnp.float32)
+            value = torch.from_numpy(np.asarray(trained[name])) if trained is not None else param
+            weights[name] = (value, sharding, jnp.float32)
             if param.dtype != torch.float32:
                 casts[name] = param.dtype
         else:
-            buffers[name] = convert(param, sharding)
+            buffers[name] = (param, sharding, None)
     for name, buf in module.named_buffers():
-        buffers[name] = convert(buf, placement.parameter_sharding(name, tuple(buf.shape)))
-    if trained is not None:
-        _check_names(trained, weights)
-        weights = {
-            name: placement.put(np.asarray(trained[name], np.float32), weights[name].sharding) for name in weights
-        }
+        buffers[name] = (buf, placement.parameter_sharding(name, tuple(buf.shape)), None)
+    if layout is not None:
+        weights, buffers = (layout.stacked(tree, _stacked_entry) for tree in (weights, buffers))
+        # both names: the stacked one for steps, the per-layer one for PyTorch's own forward (`parity`)
+        casts |= {layout.member(name)[0]: dtype for name, dtype in casts.items() if layout.member(name)}
+    convert = _to_shape if shapes_only else _to_array
     dtype = jnp.dtype(str(base.dtype).removeprefix("torch."))
-    return JaxModel(module=module, weights=weights, buffers=buffers, placement=placement, dtype=dtype, casts=casts)
+    return JaxModel(
+        module=module,
+        weights={name: convert(*entry) for name, entry in weights.items()},
+        buffers={name: convert(*entry) for name, entry in buffers.items()},
+        placement=placement,
+        dtype=dtype,
+        casts=casts,
+        layout=layout,
+    )
+
+
+def _stacked_entry(entries: list[tuple]) -> tuple:
+    """Layers' (tensor, sharding, dtype) entries as one: their tensors stacked (meta ones stay meta), their
+    sharding with the layer axis whole in front."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    tensors = [tensor.detach() for tensor, _, _ in entries]
+    _, sharding, dtype = entries[0]
+    if any(t.is_meta for t in tensors):
+        stacked = torch.empty((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, device="meta")
+    else:
+        stacked = torch.stack(tensors)
+    return stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)), dtype
 
 
 def _transposed_weights(module: torch.nn.Module) -> set[str]:
@@ -272,10 +311,11 @@ def _to_array(tensor: torch.Tensor, sharding, dtype=None) -> jax.Array:
     """The tensor as a JAX array placed by `sharding`, in its own dtype unless `dtype` is given."""
     value = tensor.detach()
     own = jnp.dtype(str(value.dtype).removeprefix("torch."))
-    if value.dtype == torch.bfloat16:  # numpy has no bfloat16; go through float32
-        value = value.float()
-    host = value.numpy().astype(dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own)
-    return place(host, sharding)
+    if value.dtype == torch.bfloat16:  # numpy has no bfloat16: the same bits, read as ml_dtypes' bfloat16
+        host = value.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    else:
+        host = value.numpy()
+    return place(host.astype(dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own), sharding)
 
 
 def _to_shape(tensor: torch.Tensor, sharding, dtype=None) -> jax.ShapeDtypeStruct:
@@ -284,7 +324,7 @@ def _to_shape(tensor: torch.Tensor, sharding, dtype=None) -> jax.ShapeDtypeStruc
     return jax.ShapeDtypeStruct(tuple(tensor.shape), dtype, sharding=sharding)
 
 
-def _check_names(trained: dict[str, np.ndarray], expected: dict[str, jax.Array]) -> None:
+def _check_names(trained: dict[str, np.ndarray], expected) -> None:
     missing = sorted(set(expected) - set(trained))
     extra = sorted(set(trained) - set(expected))
     if missing or extra:

@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from jaxtune.runtime.modeling.stacked import Layout
+
 PREFIX = "step-"
 KEEP = 2  # the newest checkpoints kept; older ones are removed once a newer one is complete
 
@@ -57,8 +59,12 @@ def arrays_to_tree(arrays: dict[str, np.ndarray], template: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def save(folder: Path, step: int, weights: dict, opt_state: Any, state: dict) -> Path:
-    """Write checkpoint `step` into `folder` atomically and drop all but the newest `KEEP`."""
+def save(folder: Path, step: int, weights: dict, opt_state: Any, state: dict, layout: Layout | None = None) -> Path:
+    """Write checkpoint `step` into `folder` atomically and drop all but the newest `KEEP`. With the `layout`
+    the weights and optimizer state are held in, both are written in per-layer names, as an unstacked run's."""
+    arrays = tree_to_arrays(opt_state)
+    if layout is not None:
+        weights, arrays = layout.flat(weights), layout.flat_paths(arrays)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"{PREFIX}{step:08d}"
     temp = folder / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
@@ -68,9 +74,7 @@ def save(folder: Path, step: int, weights: dict, opt_state: Any, state: dict) ->
         {k: np.asarray(jax.device_get(v), order="C") for k, v in weights.items()}, str(temp / "weights.safetensors")
     )
     # asarray, not ascontiguousarray: the latter turns 0-d leaves (counts, norms) into shape (1,)
-    save_file(
-        {k: np.asarray(v, order="C") for k, v in tree_to_arrays(opt_state).items()}, str(temp / "optimizer.safetensors")
-    )
+    save_file({k: np.asarray(v, order="C") for k, v in arrays.items()}, str(temp / "optimizer.safetensors"))
     with open(temp / "state.json", "w") as handle:
         json.dump({**state, "step": step}, handle)
         handle.flush()
@@ -135,13 +139,19 @@ def newest_step(folder: Path) -> int:
     return int(json.loads((found[-1] / "state.json").read_text())["step"]) if found else 0
 
 
-def latest(folder: Path, opt_template: Any) -> Checkpoint | None:
-    """The newest complete checkpoint, its optimizer state rebuilt on `opt_template`'s structure."""
+def latest(folder: Path, opt_template: Any, layout: Layout | None = None) -> Checkpoint | None:
+    """The newest complete checkpoint, its optimizer state rebuilt on `opt_template`'s structure; with a
+    `layout`, its weights and optimizer state stacked as that layout holds them."""
     found = complete(folder)
     if not found:
         return None
     path = found[-1]
     state = json.loads((path / "state.json").read_text())
     weights = load_file(str(path / "weights.safetensors"))
-    opt_state = arrays_to_tree(load_file(str(path / "optimizer.safetensors")), opt_template)
+    arrays = load_file(str(path / "optimizer.safetensors"))
+    if layout is not None:
+        weights = layout.stacked(weights)
+        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(opt_template)[0]]
+        arrays = layout.stacked_paths(arrays, paths)
+    opt_state = arrays_to_tree(arrays, opt_template)
     return Checkpoint(path=path, step=int(state["step"]), weights=weights, opt_state=opt_state, state=state)

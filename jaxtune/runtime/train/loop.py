@@ -39,6 +39,7 @@ from jaxtune.runtime.devices.mesh import fetch
 from jaxtune.runtime.measures import fit, memory
 from jaxtune.runtime.modeling import attention
 from jaxtune.runtime.modeling.model import JaxModel
+from jaxtune.runtime.modeling.stacked import Layout
 from jaxtune.runtime.train import checkpoint
 
 Shape = tuple[int, int, int]  # rows, length and segments of one micro-batch
@@ -194,7 +195,7 @@ def run(
                     on_log([record])
                     window_start = time.perf_counter()
             if saving:
-                last_checkpoint = save_checkpoint(checkpoint_dir, step, weights, opt_state, log, cfg)
+                last_checkpoint = save_checkpoint(checkpoint_dir, step, weights, opt_state, log, cfg, model.layout)
                 stops.saved()
                 window_start = time.perf_counter()
             if stop:
@@ -217,7 +218,7 @@ def run(
         **source.summary(log),
     )
     weights, opt_state = fetch((weights, opt_state))
-    return TrainResult(weights=weights, opt_state=opt_state, log=log, summary=summary, memory=plan)
+    return TrainResult(weights=model.flat(weights), opt_state=opt_state, log=log, summary=summary, memory=plan)
 
 
 def _record(
@@ -255,7 +256,7 @@ def resume(model: JaxModel, optimizer, checkpoint_dir: Path | None, on_log: Call
     placed on the mesh as the step's outputs are (a state on one device would compile the step twice),
     else the model's own at step 0. A resumed log is passed to `on_log` first, so the run's log is whole."""
     weights, opt_state = model.weights, steps.init_optimizer(model, optimizer)
-    resumed = checkpoint.latest(checkpoint_dir, opt_state) if checkpoint_dir else None
+    resumed = checkpoint.latest(checkpoint_dir, opt_state, model.layout) if checkpoint_dir else None
     if resumed is None:
         return weights, opt_state, 0, [], None
     put = model.placement.put
@@ -265,13 +266,15 @@ def resume(model: JaxModel, optimizer, checkpoint_dir: Path | None, on_log: Call
     return weights, opt_state, resumed.step, resumed.state["log"], str(resumed.path)
 
 
-def save_checkpoint(folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig) -> str:
-    """Checkpoint `step` (every process gathers the state, process 0 writes it); its path."""
+def save_checkpoint(
+    folder: Path, step: int, weights, opt_state, log: list[dict], cfg: TrainConfig, layout: Layout | None = None
+) -> str:
+    """Checkpoint `step` (every process gathers the state, process 0 writes it, in per-layer names); its path."""
     state = {"micro_batches": step * cfg.grad_accumulation, "rng": {"seed": cfg.seed, "step": step}, "log": log}
     host_weights, host_state = fetch((weights, opt_state))
     path = folder / f"{checkpoint.PREFIX}{step:08d}"
     if processes.writes():
-        path = checkpoint.save(folder, step, host_weights, host_state, state)
+        path = checkpoint.save(folder, step, host_weights, host_state, state, layout)
     processes.barrier(f"checkpoint {step}")
     return str(path)
 

@@ -4,6 +4,7 @@ with the eval split's loss as the loop's eval.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -194,9 +195,7 @@ def _evaluator(
     categories = [""] * len(ids)
 
     def run(weights) -> float:
-        trained = JaxModel(
-            model.module, weights, model.buffers, model.placement, model.dtype, model.casts, model.scan_layers
-        )
+        trained = dataclasses.replace(model, weights=weights)
         if objective.pairs:
             return evaluate_pairs(
                 trained,
