@@ -12,6 +12,10 @@
 #   bash benchmarks/tpu/v5e_session.sh grpo      # a GRPO step at 8 prompts x 8 answers x 256 tokens (its first step
 #                                                # compiles three train-step candidates, the sampler and the update)
 #   bash benchmarks/tpu/v5e_session.sh scan      # the Gemma LoRA step with model.scan_layers
+#   bash benchmarks/tpu/v5e_session.sh stacked   # the Gemma LoRA step cold, unrolled then with its layers stacked and
+#                                                # scanned, each from an empty cache, then the stacked one again with
+#                                                # another learning rate, seed and step count
+#   bash benchmarks/tpu/v5e_session.sh llama8b   # Llama 3.1 8B's shape over an nf4 base, LoRA 4 x 1024, layers stacked
 #   bash benchmarks/tpu/v5e_session.sh rerun     # the Gemma LoRA step's first step cold (no cache), then again with another
 #                                                # learning rate and seed: the kept plan and executable, no trace or compile
 #   bash benchmarks/tpu/v5e_session.sh gemma4b   # Gemma 3 4B LoRA, bf16 base, at 8 x 1024 and 1 x 16384, with defaults
@@ -31,7 +35,7 @@
 # A lent machine's copy has no .git: set JAXTUNE_COMMIT to the commit it copies (git rev-parse --short=12 HEAD, here)
 # so that every result records it (benchmarks/common/harness.provenance).
 set -euo pipefail
-part=${1:?which part: peers, llama, decode, grpo, scan, rerun, gemma4b, long, gemma12b, real or stages}
+part=${1:?which part: peers, llama, decode, grpo, scan, stacked, llama8b, rerun, gemma4b, long, gemma12b, real or stages}
 out=${OUT:-/tmp/v5e}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -61,6 +65,17 @@ grpo)
 scan)
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --set model.scan_layers=true \
         --minutes 4 --out "$out/scan" ;;
+stacked)
+    for scan in false true; do
+        rm -rf "$JAXTUNE_COMPILE_CACHE"
+        python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes "${MINUTES:-3}" \
+            --set model.scan_layers=$scan --out "$out/stacked-$scan"
+    done
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 2 \
+        --set model.scan_layers=true --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/stacked-rerun" ;;
+llama8b)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model llama-3.1-8b --cases 4x1024 \
+        --set model.base_quantization=nf4 --set model.scan_layers=true --minutes "${MINUTES:-9}" --out "$out/llama8b-nf4" ;;
 rerun)
     rm -rf "$JAXTUNE_COMPILE_CACHE"
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 4 --out "$out/rerun-cold"

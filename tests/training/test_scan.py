@@ -234,3 +234,19 @@ def rt_model_layers(module):
     from jaxtune.runtime.modeling.remat import decoder_layers
 
     return decoder_layers(module)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_stacked_model_counts_the_flops_of_its_layers(quantized):
+    """MFU's model FLOPs count each row of a stack as the layer it is: the unrolled model's count."""
+    from jaxtune.runtime.measures.flops import train_flops_per_token
+    from jaxtune.runtime.modeling import quantize
+
+    module = rt_model.attach_lora(tiny_model("gemma3", layers=LAYERS), LoraConfig(r=4, target_modules="all-linear"))
+    if quantized:
+        assert quantize.quantize_base(module, "int8")
+    counts = [
+        train_flops_per_token(rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=s), 24.0)
+        for s in (False, True)
+    ]
+    assert counts[0] == counts[1] and counts[0]["total"] > 0, counts

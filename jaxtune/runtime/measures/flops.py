@@ -68,15 +68,18 @@ def _matmul_entries(model: JaxModel) -> tuple[int, int]:
     entries = {"frozen": sum(quantized.values()), "trained": 0}
     head = "frozen"
     for kind, tree in (("frozen", model.buffers), ("trained", model.weights)):
-        for name, value in tree.items():
+        for held, value in tree.items():
+            # a stacked tensor (`stacked.Layout`) counts as its layers' tensors: one per row
+            members = model.layout.members(held) if model.layout is not None else None
+            name, shape = (members[0], value.shape[1:]) if members else (held, value.shape)
             if name.rsplit(".", 1)[0] in quantized:  # counted once, above, as the weight it stands for
                 continue
-            if value.ndim != 2 or any(p in name for p in POSITION_TABLES):
+            if len(shape) != 2 or any(p in name for p in POSITION_TABLES):
                 continue
-            if tuple(value.shape) == vocab:
+            if tuple(shape) == vocab:
                 head = "trained" if kind == "trained" else head
                 continue
-            entries[kind] += int(np.prod(value.shape))
+            entries[kind] += int(np.prod(shape)) * (len(members) if members else 1)
     entries[head] += vocab[0] * vocab[1]
     return entries["frozen"], entries["trained"]
 
