@@ -41,6 +41,21 @@ def answering_server(pid: int):
     return None
 
 
+def watching_guard(pid: int):
+    """The guard among `pid`'s children, once it watches: it has imported psutil, its last step
+    before its loop (a guard still starting up would add its interpreter's start to the 5 s)."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        if "jaxtune.host.temporary_server" in command(child):
+            try:
+                if any("_psutil_linux" in m.path for m in child.memory_maps()):
+                    return child
+            except psutil.Error:
+                return None
+    return None
+
+
 def test_a_killed_jaxtune_run_leaves_no_process_within_5_seconds(tmp_path):
     import psutil
 
@@ -61,9 +76,12 @@ def test_a_killed_jaxtune_run_leaves_no_process_within_5_seconds(tmp_path):
         if server := answering_server(run.pid):
             break
         time.sleep(0.05)
-    time.sleep(0.5)  # jaxtune starts the guard as soon as its server answers
+    # jaxtune starts the guard once its server answers; killed before that, it could leave the server.
+    while not (guard := watching_guard(run.pid)):
+        assert run.poll() is None and time.monotonic() < deadline, "no guard watches the temporary server"
+        time.sleep(0.05)
     children = psutil.Process(run.pid).children(recursive=True)
-    assert server in children
+    assert server in children and guard in children
     run.kill()
     run.wait()
     _, alive = psutil.wait_procs(children, timeout=5)
