@@ -260,16 +260,18 @@ def to_jax(
             buffers[name] = (param, sharding, None)
     for name, buf in module.named_buffers():
         buffers[name] = (buf, placement.parameter_sharding(name, tuple(buf.shape)), None)
-    if layout is not None:
-        weights, buffers = (layout.stacked(tree, _stacked_entry) for tree in (weights, buffers))
+    if layout is not None:  # each stack made as it is placed, so that the host holds one at a time
+        weights, buffers = (
+            layout.stacked(tree, lambda rows: lambda: _stacked_entry(rows)) for tree in (weights, buffers)
+        )
         # both names: the stacked one for steps, the per-layer one for PyTorch's own forward (`parity`)
         casts |= {layout.member(name)[0]: dtype for name, dtype in casts.items() if layout.member(name)}
     convert = _to_shape if shapes_only else _to_array
     dtype = jnp.dtype(str(base.dtype).removeprefix("torch."))
     return JaxModel(
         module=module,
-        weights={name: convert(*entry) for name, entry in weights.items()},
-        buffers={name: convert(*entry) for name, entry in buffers.items()},
+        weights={name: convert(*(entry() if callable(entry) else entry)) for name, entry in weights.items()},
+        buffers={name: convert(*(entry() if callable(entry) else entry)) for name, entry in buffers.items()},
         placement=placement,
         dtype=dtype,
         casts=casts,
