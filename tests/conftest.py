@@ -48,13 +48,23 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # extra the target tests use) JAX would first look for a TPU and print libtpu's warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The plans of the steps the suite compiles for a target's compile-only TPU or GPU devices (recipe fits,
-# doctor --target) are read from, and a new one written to, this committed file (`compile_cache`): each
-# of those compiles takes minutes on 2 cores, and its outcome is a function of its key alone (the lowered
-# program, the devices, the compiler's version and flags). A change to a program, a recipe or the
-# compiler is another key: that step is compiled for real and its plan added here (commit the file with
-# the change; delete it and run `PYTHONHASHSEED=0 pytest -m target` to drop the records nothing reads any
-# more). `make test` runs with PYTHONHASHSEED=0: Gemma 3's programs trace in the order of a set of strings.
-os.environ.setdefault("JAXTUNE_PLANS_FILE", os.path.join(os.path.dirname(__file__), "targets", "plans.json"))
+# doctor --target) are read from the committed tests/targets/plans.json (`compile_cache`): each of those
+# compiles takes minutes on 2 cores, and its outcome is a function of its key alone (the lowered program,
+# the devices, the compiler's version and flags). The suite reads a copy of that file in a folder of its
+# own, removed when the session ends, and a step whose key misses is compiled for real and its plan kept
+# in the copy alone: the suite never writes the checkout. A key misses where the program, a recipe, the
+# compiler or its flags differ from the recording run's (XLA_FLAGS above holds this module's flags once
+# per import of it: twice in a process, as conftest and as tests.conftest, and once more in the xdist
+# controller, so record under -n as `make test` runs). To record plans into the committed file, name it:
+# `JAXTUNE_PLANS_FILE=tests/targets/plans.json PYTHONHASHSEED=0 pytest -m target -n 2` (commit the file
+# with the change; delete it first to drop the records nothing reads any more). `make test` runs with
+# PYTHONHASHSEED=0: Gemma 3's programs trace in the order of a set of strings.
+COMMITTED_PLANS = os.path.join(os.path.dirname(__file__), "targets", "plans.json")
+if "JAXTUNE_PLANS_FILE" not in os.environ:  # this module runs twice in a process (as conftest, tests.conftest)
+    _plans_folder = tempfile.mkdtemp(prefix="jaxtune-plans-")  # xdist's workers inherit it
+    atexit.register(shutil.rmtree, _plans_folder, ignore_errors=True)
+    shutil.copyfile(COMMITTED_PLANS, os.path.join(_plans_folder, "plans.json"))
+    os.environ["JAXTUNE_PLANS_FILE"] = os.path.join(_plans_folder, "plans.json")
 # No executables kept whole, nor plans recalled, across the suite's tests: a test that fakes a plan or a
 # refusal must not find another test's. tests/training/test_kept_executables.py turns them on in a
 # folder of its own.

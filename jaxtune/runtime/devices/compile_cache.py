@@ -105,10 +105,21 @@ def _without_locations(body: re.Match) -> str:
     return body[1] + hashlib.sha256(text.encode("utf-8")).hexdigest() + body[3]
 
 
+# A Triton kernel for the GPU travels in its custom call as MLIR bytecode (`ir = "..."` in its backend config),
+# and that bytecode's locations name the files that traced it (the checkout's, the installed transformers') and
+# the frames that called it, which differ with what the process traced before. Without Triton's dialect the
+# bytecode does not read back reliably, so the key leaves it out: the call's name, grid, warps, operands and
+# results stay in the key, and a GPU plan's memory figures and costs do not read the kernel's body (XLA:GPU
+# counts no flops on compile-only devices, and the kernel's buffers are its operands and results).
+_TRITON_IR = re.compile(r'(\bir = ")(?:[^"\\]|\\.)*(")')
+
+
 def program_text(lowered) -> str:
     """The lowered program as the key hashes it: the same wherever the code is installed (a checkout's
-    .venv, CI's, a TPU machine's), so that plans.json's records hold in a fresh clone too."""
-    return _KERNEL_BODY.sub(_without_locations, _KERNEL_LOCATIONS.sub("", lowered.as_text()))
+    .venv, CI's, a TPU machine's) and whatever the process traced before, so that plans.json's records
+    hold in a fresh clone too."""
+    text = _KERNEL_BODY.sub(_without_locations, _KERNEL_LOCATIONS.sub("", lowered.as_text()))
+    return _TRITON_IR.sub(r"\1\2", text)
 
 
 def program_key(lowered, devices) -> str:
