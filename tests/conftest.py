@@ -15,6 +15,11 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="jaxtune-prefect-")
 atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Prefect's temporary servers (a `jaxtune run` a test starts without a server, Prefect's test harness)
+# are given 10 minutes to answer, in this process and every process it starts: jaxtune's own 120 s
+# (`jaxtune.cli.main._local_servers`, which a setting here overrides) was too few for a new database's
+# migration on 2 cores kept busy by other work (load 12). tests/safety/test_localhost.py checks the 120.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "600")
 # XLA:CPU built for compile time, in this process and every process it starts: the suite compiles
 # about 900 distinct programs for models that run in milliseconds: JAX's compile events add up to
 # about 40% of its 1,950 s of CPU.
@@ -187,7 +192,7 @@ def prefect_server(request):
     url_file = getattr(request.config, "workerinput", {}).get(SHARED_SERVER)
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         if url_file is None:
-            with prefect_test_harness(server_startup_timeout=120):
+            with prefect_test_harness(server_startup_timeout=600):
                 yield
             return
         shared = wait_for_server(Path(url_file))  # its database named as the harness names its own

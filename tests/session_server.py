@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-STARTUP_SECONDS = 300  # the suite's two workers import and collect beside it on 2 cores
+STARTUP_SECONDS = 600  # the suite's two workers import and collect beside it on 2 cores, maybe under other load
 
 
 class SessionServer:

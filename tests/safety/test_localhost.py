@@ -139,6 +139,7 @@ print(PREFECT_RUNNER_SERVER_HOST.value(), PREFECT_SERVER_API_HOST.value(), start
 def test_jaxtune_points_the_servers_prefect_starts_at_loopback(tmp_path):
     """`jaxtune serve`'s runner webserver and a Prefect API server read their host from these settings."""
     env = _clean_env(tmp_path / "home")
+    env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", None)  # the suite's own (tests/conftest.py)
     # Prefect's own default for the runner webserver is "localhost", which is not what we set.
     default = subprocess.run(
         [sys.executable, "-c", "from prefect.settings import PREFECT_RUNNER_SERVER_HOST as h; print(h.value())"],
