@@ -360,11 +360,11 @@ def test_shipped_shapes_are_the_published_models():
 
 
 def test_a_report_shows_only_what_the_run_asked_for_and_what_a_cut_case_did_run():
-    """The committed v5e reports: a run of fixed policies alone has no auto column and no rows of sections
-    it did not run; a case cut during its timed steps still shows its first step and the choice."""
+    """The v5e reports kept in benchmarks/unrecorded: a run of fixed policies alone has no auto column and no
+    rows of sections it did not run; a case cut during its timed steps still shows its first step and the choice."""
     from benchmarks.accelerator.report import markdown
 
-    results = BENCHMARKS / "results"
+    results = BENCHMARKS / "unrecorded"
     fixed = markdown(json.loads((results / "accelerator-v5e-layer-2048.json").read_text()))
     assert "| case | remat layer |" in fixed and "auto (chosen)" not in fixed
     assert "not measured: jaxtune done" not in fixed and "greedy decode" not in fixed
