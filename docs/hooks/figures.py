@@ -135,7 +135,8 @@ def rewrite(text: str, results: Path | None = None) -> str:
 
 def newest(result: dict) -> dict:
     """The run a result describes: its newest where it keeps a history of runs, else itself."""
-    return result["runs"][-1] if result.get("runs") else result
+    runs = result.get("runs")
+    return runs[-1] if isinstance(runs, list) and runs else result
 
 
 def machine(result: dict) -> str:
