@@ -103,3 +103,21 @@ def test_a_weight_holding_an_infinity_or_a_nan_quantizes_as_the_reference(scheme
 def test_a_weight_whose_inputs_do_not_split_into_blocks_is_refused():
     with pytest.raises(ValueError, match="does not split into blocks"):
         quantize_fast(torch.zeros(4, BLOCK + 2), "int8")
+
+
+def test_without_a_cpu_backend_the_reference_quantizes(monkeypatch):
+    """JAX_PLATFORMS naming only an accelerator leaves JAX no CPU device to run the fast program on."""
+    import jax
+
+    def no_cpu(backend=None):
+        raise RuntimeError(f"Unknown backend {backend}")
+
+    _host_program.cache_clear()
+    monkeypatch.setattr(jax, "devices", no_cpu)
+    try:
+        assert _host_program("nf4", BLOCK) is None
+        weight = torch.randn(8, 2 * BLOCK)
+        reference, fast = quantize(weight, "nf4"), quantize_fast(weight, "nf4")
+        assert all(torch.equal(fast[k], reference[k]) for k in reference)
+    finally:
+        _host_program.cache_clear()

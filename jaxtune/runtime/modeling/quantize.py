@@ -94,7 +94,10 @@ def quantize_fast(weight: torch.Tensor, scheme: str, block: int = BLOCK) -> dict
         raise ValueError(f"a weight of {in_features} inputs does not split into blocks of {block}")
     value = weight.detach().contiguous()
     host = value.view(torch.int16).numpy().view(_bfloat16()) if value.dtype == torch.bfloat16 else value.numpy()
-    codes, scales, rare = _host_program(scheme, block)(host)
+    program = _host_program(scheme, block)
+    if program is None:  # no CPU backend (JAX_PLATFORMS names only an accelerator)
+        return quantize(weight, scheme, block)
+    codes, scales, rare = program(host)
     if rare:
         return quantize(weight, scheme, block)
     fields = {
@@ -115,8 +118,9 @@ def _bfloat16():
 
 @functools.cache
 def _host_program(scheme: str, block: int):
-    """`quantize`'s steps in jnp, jitted, its input put on the host's CPU device: codes, scales
-    (bfloat16) and whether a block is too small or not finite for it, of a weight as numpy gives it.
+    """`quantize`'s steps in jnp, jitted, its input put on the host's CPU device (None where JAX has
+    none): codes, scales (bfloat16) and whether a block is too small or not finite for it, of a
+    weight as numpy gives it.
     A value whose magnitude is below the float32 normal range (2**-126) divided by a scale of at
     least 2**-120 stays below 2**-6, so reading it as zero changes no code: it lies inside the
     interval of zero's code (nf4's nearest midpoints are -0.0455 and 0.0398; int8's and int4's 0.5)."""
@@ -154,7 +158,10 @@ def _host_program(scheme: str, block: int):
         nibbles = nibbles.reshape(out_features, in_features // 2, 2)
         return nibbles[..., 0] | (nibbles[..., 1] << 4), scales, rare
 
-    cpu = jax.devices("cpu")[0]
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS=tpu, say: quantize's own
+        return None
     return lambda weight: program(jax.device_put(weight, cpu))
 
 
