@@ -122,7 +122,7 @@ class PrefectServer:
         server = self.start(
             "server", str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)
         )
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300  # its first start creates and migrates the database
         while not self.healthy():
             if server.poll() is not None or time.monotonic() > deadline:
                 self.__exit__(None, None, None)
@@ -148,7 +148,7 @@ class PrefectServer:
         out = self.prefect("deployment", "run", f"finetune/{name}", *args)
         return uuid.UUID(re.search(r"UUID: ([0-9a-f-]{36})", out).group(1))
 
-    def work_once(self, pool: str = "jaxtune", timeout: float = 600) -> str:
+    def work_once(self, pool: str = "jaxtune", timeout: float = 1200) -> str:
         """`prefect worker start --run-once`: executes the runs already due, then exits."""
         return self.prefect("worker", "start", "--pool", pool, "--run-once", timeout=timeout)
 
