@@ -250,3 +250,37 @@ def test_a_stacked_model_counts_the_flops_of_its_layers(quantized):
         for s in (False, True)
     ]
     assert counts[0] == counts[1] and counts[0]["total"] > 0, counts
+
+
+def test_a_scanned_group_keeps_no_unpacked_codes_of_a_quantized_base(monkeypatch):
+    """What the scan keeps for the backward pass, once a group: the group's input, its arguments and the outputs of
+    its matmuls; never a quantized base's unpacked codes (a byte a weight, the base's size again over nf4's half
+    byte) nor what its dequantizing's barrier passes through, which are recomputed from the codes."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxtune.runtime.modeling import quantize
+
+    module = rt_model.attach_lora(tiny_model("llama", layers=4, hidden_size=256, intermediate_size=512), LoraConfig())
+    assert quantize.quantize_base(module, "nf4")
+    model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=True)
+    kept = []
+    checkpoint = scan.jax.checkpoint
+
+    def recording(fn, **kwargs):
+        wrapped = checkpoint(fn, **kwargs)
+
+        def run(*args):
+            shapes = scan.jax.tree.map(lambda a: scan.jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+            kept.extend((str(aval.dtype), why) for aval, why in saved_residuals(wrapped, *shapes))
+            return wrapped(*args)
+
+        return run
+
+    monkeypatch.setattr(scan.jax, "checkpoint", recording)
+    optimizer = steps.make_optimizer(TrainConfig())
+    programs.clear()
+    with model.env:
+        steps.shared_train_step(model, optimizer).lower(model, *steps.train_step_arguments(model, optimizer, 1, 2, 64))
+    outputs = [(dtype, why) for dtype, why in kept if not why.startswith("from the argument")]
+    assert any("dot_general" in why for _, why in outputs), kept  # the matmuls' outputs are kept
+    assert not [why for dtype, why in outputs if dtype == "uint8" or "optimization_barrier" in why], outputs

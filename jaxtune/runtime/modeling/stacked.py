@@ -178,7 +178,9 @@ def layout_of(module: torch.nn.Module, layers: list[torch.nn.Module]) -> Layout 
 # Elementwise, layout and reduction ops: what a scan's body recomputes in the backward pass rather than keep
 # per group. Unrolled, XLA fuses them into their consumers and keeps their (often bfloat16) inputs; a scan
 # keeps what autodiff chose to save, stacked over the groups: a norm's float32 upcast of the hidden states,
-# the MLP's activations beside the matmul outputs they come from (measured: twice the unrolled step's temporaries).
+# the MLP's activations beside the matmul outputs they come from (measured: twice the unrolled step's temporaries),
+# and over a quantized base each layer's unpacked codes (a byte a weight) and the optimization barrier that ties
+# its dequantizing to the layer's input (`quantize._tied_to_input`): both are recomputed from the codes instead.
 RECOMPUTED_IN_SCAN = frozenset(
     {
         "abs", "add", "broadcast_in_dim", "clamp", "concatenate", "convert_element_type", "copy", "cos", "div",
@@ -186,6 +188,7 @@ RECOMPUTED_IN_SCAN = frozenset(
         "logistic", "max", "min", "mul", "neg", "pow", "reduce_max", "reduce_min", "reduce_sum", "reshape",
         "rsqrt", "select_n", "sign", "sin", "slice", "sqrt", "square", "squeeze", "sub", "tanh", "transpose",
         "and", "or", "not", "eq", "ne", "lt", "le", "gt", "ge", "shift_left", "shift_right_logical",
+        "optimization_barrier", "stop_gradient", "stack", "split", "rem", "floor", "ceil", "round", "expm1",
     }
 )  # fmt: skip
 
