@@ -67,9 +67,10 @@ def model_kwargs(batch: dict, fused: bool) -> dict:
 
 
 @contextlib.contextmanager
-def tracing(model: JaxModel, training: bool, remat: str, fused: bool, tensors: dict):
+def tracing(model: JaxModel, training: bool, remat: str, fused: bool, weights: dict, buffers: dict):
     """Module state while a step is traced: train mode (dropout), keyed or remat layers, the attention used,
-    and stacked layers run as a scan. Yields (the module, the tensors to call it with)."""
+    and stacked layers run as a scan. Yields (the module, all its tensors in the dtypes it computes in,
+    the tensors to call it with: those outside the stacks where the layers are stacked)."""
     from jaxtune.runtime.modeling.remat import keyed_layers
     from jaxtune.runtime.modeling.stacked import held
 
@@ -79,9 +80,10 @@ def tracing(model: JaxModel, training: bool, remat: str, fused: bool, tensors: d
         with (
             keyed_layers(module, remat) if training or remat != "none" else contextlib.nullcontext(),
             attention.fused(module, fused, model.placement.mesh),
-            held(module, model.layout, tensors) as called_with,
         ):
-            yield module, called_with
+            tensors = {**model.for_compute(weights), **buffers}
+            with held(module, model.layout, tensors) as called_with:
+                yield module, tensors, called_with
     finally:
         module.eval()
 
@@ -91,9 +93,8 @@ def forward_logits(model: JaxModel, training: bool = False, remat: str = "none",
     fused = fused and attention.supported(model.module)
 
     def forward(weights, buffers, batch):
-        tensors = {**model.for_compute(weights), **buffers}
-        with tracing(model, training, remat, fused, tensors) as (module, tensors):
-            return torch.func.functional_call(module, tensors, args=(), kwargs=model_kwargs(batch, fused)).logits
+        with tracing(model, training, remat, fused, weights, buffers) as (module, _, called_with):
+            return torch.func.functional_call(module, called_with, args=(), kwargs=model_kwargs(batch, fused)).logits
 
     return forward
 
@@ -122,8 +123,7 @@ def forward_token_nll(
         )
 
     def forward(weights, buffers, batch, labels):
-        tensors = {**model.for_compute(weights), **buffers}
-        with tracing(model, training, remat, fused, tensors) as (_, called_with):
+        with tracing(model, training, remat, fused, weights, buffers) as (_, tensors, called_with):
             hidden = parts.hidden(called_with, model_kwargs(batch, fused))  # (b, t, d)
             hidden = _tempered(hidden, temperature)  # a linear head's logits / T
             nll = parts.nll(tensors, hidden, labels, model.placement.mesh.devices.flat[0].platform, chunk_tokens)
