@@ -15,6 +15,7 @@ installs it).
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import time
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         from benchmarks.common.harness import provenance
 
-        result = {"family": args.family, "target": args.target, "width": WIDTH, "rows": args.rows}
+        date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        result = {"date": date, "family": args.family, "target": args.target, "width": WIDTH, "rows": args.rows}
         result |= {"length": args.length, "cases": cases, "deep_over_shallow": ratios, "provenance": provenance()}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
