@@ -8,6 +8,7 @@ import signal
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from jaxtune.config import LoraConfig, MeshConfig, TrainConfig
 from jaxtune.errors import NonFiniteLoss, TrainingGaveUp, TrainingStopped
@@ -131,6 +132,32 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(reference, tmp_pat
         {"reached": 4, "resumed_from": 4, "lost_steps": 0, "stopped_by": "killed", "restart": False}
     ]
     assert [r["step"] for r in resumed.log if "loss" in r] == list(range(1, 9))
+    for name, value in uninterrupted.weights.items():
+        np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
+
+
+def test_a_stacked_run_checkpoints_per_layer_names_and_resumes_to_the_uninterrupted_runs_weights(tmp_path, monkeypatch):
+    """Layers held stacked (`model.scan_layers`): the checkpoints and the result hold the unrolled model's per-layer
+    names, and a run stopped after step 5 resumes from step 4's checkpoint to the very weights of a run never
+    stopped."""
+
+    def stacked_model():
+        module = rt_model.attach_lora(tiny_model("gemma3", layers=4), LoraConfig(r=4, target_modules="all-linear"))
+        return rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=True)
+
+    names = set(rt_model.to_jax(stacked_model().module, make_placement(MeshConfig())).weights)
+    model = stacked_model()
+    assert model.layout is not None and set(model.weights) != names
+    uninterrupted, _ = run(model=model)
+    assert set(uninterrupted.weights) == names
+    real_step = steps.make_train_step
+    monkeypatch.setattr(steps, "make_train_step", stops_after(5))
+    with pytest.raises(Killed):
+        run(model=stacked_model(), checkpoint_dir=tmp_path)
+    assert set(load_file(str(checkpoint.complete(tmp_path)[-1] / "weights.safetensors"))) == names
+    monkeypatch.setattr(steps, "make_train_step", real_step)
+    resumed, _ = run(model=stacked_model(), checkpoint_dir=tmp_path)
+    assert resumed.summary.resumed_from == 4
     for name, value in uninterrupted.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
 
