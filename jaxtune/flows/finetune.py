@@ -42,7 +42,7 @@ from jaxtune.artifacts.locks import StoreLocks
 from jaxtune.config import OFFLINE, JaxtuneConfig, load_config, names_recipe
 from jaxtune.errors import ConfigError, TrainingStopped
 from jaxtune.flows import browse
-from jaxtune.host import processes
+from jaxtune.host import launch, processes
 from jaxtune.tasks import (
     BUILD_STAGES,
     STAGES,
@@ -370,6 +370,10 @@ def finetune(
     any run a termination signal ends, so the restart automation starts it again; or Cancelled,
     if it was being cancelled.
     """
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_API_URL
+
+    launch.record_run(flow_run.id, PREFECT_API_URL.value())  # for the gang to end it, should it kill this process
     if config is None:
         config = load_recipe(recipe, overrides)
     elif recipe != OFFLINE or overrides:

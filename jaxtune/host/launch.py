@@ -12,21 +12,28 @@ A job of several hosts runs on Ray (`--ray`): `jaxtune.host.ray_job` reserves th
 process through a Ray actor and restarts the job after a failure. The gang loop that watches and
 stops the processes (`watch`, `stop`) is this module's, for both.
 
+Each process records its finetune flow run in a file the gang names (RUN_FILE): a process stopped
+because another failed may be killed in a collective before its flow run ends, and the gang then
+ends that run Cancelled, saying which process failed (`stop`).
+
 Composing the processes' commands (`plan`) imports neither JAX nor Prefect.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from jaxtune.errors import LaunchError
@@ -36,6 +43,8 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Between asking the other processes to stop and killing them: a process stopped by SIGTERM in
 # training first writes a checkpoint of its step (as on a spot VM's notice, which gives 30 s).
 GRACE_SECONDS = 30.0
+# The file where a process of the job records its flow run (`record_run`), for `stop` to end it.
+RUN_FILE = "JAXTUNE_RUN_FILE"
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,9 @@ class Member(Protocol):
     def kill(self) -> None:
         """SIGKILL to it and what it started, even where it exited (its children may not have), and wait."""
 
+    def flow_run(self) -> dict | None:
+        """The flow run it recorded (`record_run`), or None."""
+
 
 @dataclass
 class Local:
@@ -155,6 +167,7 @@ class Local:
 
     index: int
     child: subprocess.Popen
+    run_file: str | None = None
 
     def poll(self) -> int | None:
         code = self.child.poll()
@@ -166,6 +179,21 @@ class Local:
     def kill(self) -> None:
         _signal_group(self.child, signal.SIGKILL)
         self.child.wait()
+
+    def flow_run(self) -> dict | None:
+        try:
+            return json.loads(Path(self.run_file).read_text()) if self.run_file else None
+        except (OSError, ValueError):  # none recorded, or cut short by a kill
+            return None
+
+
+def record_run(run_id: str, api: str | None) -> None:
+    """In a process of a job: record its flow run `run_id` on the Prefect server at `api` in the file
+    the gang named, once (a subflow's run is not the process's). A run on a temporary server (no
+    `api`) ends with its process, and is not recorded."""
+    path = os.environ.get(RUN_FILE)
+    if path and api and not os.path.exists(path):
+        Path(path).write_text(json.dumps({"id": str(run_id), "api": api}))
 
 
 def watch(
@@ -195,15 +223,41 @@ def watch(
 
 def stop(members: Sequence[Member], grace: float = GRACE_SECONDS) -> None:
     """SIGTERM every running member, then SIGKILL every one (what a member started outlives it when
-    it is killed, by us or by JAX's fatal-error handler) once all exited or `grace` s passed."""
+    it is killed, by us or by JAX's fatal-error handler) once all exited or `grace` s passed. The
+    flow runs of the members stopped that did not end them (killed in a collective with a failed
+    peer) end Cancelled, with why."""
+    failed = next(((m.index, status) for m in members if (status := m.poll()) not in (None, 0)), None)
     alive = [m for m in members if m.poll() is None]
     for member in alive:
         member.terminate()
     deadline = time.monotonic() + grace
     while any(m.poll() is None for m in alive) and time.monotonic() < deadline:
         time.sleep(0.05)
+    runs = [run for m in alive if (run := m.flow_run())]  # before the kill, which ends a Ray member's actor
     for member in members:
         member.kill()
+    why = f"process {failed[0]} failed with status {failed[1]}" if failed else "the job was stopped"
+    cancel_runs(runs, f"stopped: {why}")
+
+
+def cancel_runs(runs: Sequence[dict], message: str) -> None:
+    """Set each of `runs` (as `record_run` wrote them) that is not in a final state Cancelled, with `message`."""
+    if not runs:
+        return
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelled
+
+    for run in runs:
+        try:
+            with temporary_settings({PREFECT_API_URL: run["api"]}), get_client(sync_client=True) as client:
+                state = client.read_flow_run(run["id"]).state
+                if state is None or not state.is_final():
+                    client.set_flow_run_state(run["id"], Cancelled(message=message), force=True)
+        except (httpx.HTTPError, ObjectNotFound):  # the server is gone, or lost the run: nothing to end
+            pass
 
 
 def run(
@@ -219,6 +273,7 @@ def run(
     lock = threading.Lock()
     members: list[Local] = []
     relays: list[_Prefixer] = []
+    records = tempfile.TemporaryDirectory(prefix="jaxtune-launch-")  # each process's RUN_FILE
 
     def say(line: str) -> None:
         with lock:
@@ -234,15 +289,16 @@ def run(
     previous = _take(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     try:
         for process in processes:
+            run_file = os.path.join(records.name, f"{process.index}.json")
             child = subprocess.Popen(
                 process.argv,
-                env=process.env,
+                env={**process.env, RUN_FILE: run_file},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # a Ctrl-C here is handled here, once
             )
-            members.append(Local(process.index, child))
+            members.append(Local(process.index, child, run_file))
             prefix = f"[{process.index}] ".encode()
             relays += [_Prefixer(child.stdout, stdout, prefix, lock), _Prefixer(child.stderr, stderr, prefix, lock)]
             relays[-2].start()
@@ -252,10 +308,12 @@ def run(
         status = 130
     except BaseException:
         stop(members)
+        records.cleanup()
         raise
     finally:
         _take(signal.SIGTERM, previous)  # a second SIGTERM ends the launcher; the processes have theirs
     stop(members)
+    records.cleanup()
     for relay in relays:
         if relay.ident is not None:  # a Ctrl-C can land between creating a relay and starting it
             relay.join(timeout=5)

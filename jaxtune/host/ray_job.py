@@ -37,9 +37,11 @@ stdout), while the job runs. Ray itself is imported only here, when a job starts
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -94,6 +96,7 @@ class JobProcess:
         self.relay: threading.Thread | None = None
         self.lines: list[str] = []
         self.lock = threading.Lock()
+        self.records = tempfile.mkdtemp(prefix="jaxtune-process-")  # the child's RUN_FILE
 
     def address(self) -> str:
         """HOST:PORT for the job's coordinator on this node (process 0's)."""
@@ -106,7 +109,8 @@ class JobProcess:
 
     def start(self, arguments: Sequence[str], index: int, count: int, coordinator: str, cpu_devices: int | None):
         variables = launch.job_env(index, count, coordinator, cpu_devices, os.environ)
-        env = {**os.environ, **variables, "PYTHONHASHSEED": "0"}
+        run_file = os.path.join(self.records, "flow-run.json")
+        env = {**os.environ, **variables, "PYTHONHASHSEED": "0", launch.RUN_FILE: run_file}
         child = subprocess.Popen(
             [sys.executable, "-m", "jaxtune.cli", *arguments],
             env=env,
@@ -117,7 +121,7 @@ class JobProcess:
             preexec_fn=_dies_with_parent(),
             text=True,
         )
-        self.child = launch.Local(index, child)
+        self.child = launch.Local(index, child, run_file)
         self.relay = threading.Thread(target=self._relay, args=(child.stdout,), daemon=True)
         self.relay.start()
         return child.pid
@@ -145,6 +149,10 @@ class JobProcess:
     def kill(self) -> None:
         if self.child is not None:
             self.child.kill()
+        shutil.rmtree(self.records, ignore_errors=True)
+
+    def flow_run(self) -> dict | None:
+        return self.child.flow_run() if self.child is not None else None
 
 
 class _Remote:
@@ -177,6 +185,12 @@ class _Remote:
         except Exception:  # the actor is gone, and its child with it (_dies_with_parent)
             pass
         self.ray.kill(self.actor)
+
+    def flow_run(self) -> dict | None:
+        try:
+            return self.ray.get(self.actor.flow_run.remote(), timeout=60)
+        except Exception:  # the actor is gone: its record with it
+            return None
 
 
 def _dies_with_parent() -> Callable[[], None] | None:

@@ -103,6 +103,45 @@ def test_a_failing_process_stops_the_others_and_gives_its_status(tmp_path):
     assert not marker.exists()
 
 
+MEMBER = """
+import sys, time
+from pathlib import Path
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL
+from prefect.states import Running
+from jaxtune.host import launch
+
+@flow(name="member")
+def member():
+    pass
+
+with get_client(sync_client=True) as client:
+    run = client.create_flow_run(member, state=Running())
+launch.record_run(run.id, PREFECT_API_URL.value())
+Path(sys.argv[1]).write_text(str(run.id))
+time.sleep(60)  # as in a collective with a dead peer: ended by a signal, its run left Running
+"""
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_process_stopped_because_another_failed_ends_its_flow_run_cancelled_saying_so(tmp_path):
+    """Process 0 records its Running flow run as `jaxtune run` does, and dies of the SIGTERM that
+    process 1's failure brings it, its run not ended: the gang ends it Cancelled, naming process 1."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    started = tmp_path / "run-id"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(Path(__file__).parents[2])}
+    member = launch.Process(0, [sys.executable, "-c", MEMBER, str(started)], env, "member")
+    failing = launch.Process(1, _script(f"while [ ! -s {started} ]; do sleep 0.05; done; exit 3"), env, "exit 3")
+    status = launch.run([member, failing], io.BytesIO(), io.BytesIO(), poll_seconds=0.02)
+    assert status == 3
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(started.read_text()).state
+    assert (state.name, state.message) == ("Cancelled", "stopped: process 1 failed with status 3")
+
+
 def test_a_process_killed_by_a_signal_exits_as_a_shell_reports_it():
     status, *_ = _run(["kill -9 $$", "sleep 30"])
     assert status == 128 + 9
