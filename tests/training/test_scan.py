@@ -284,3 +284,21 @@ def test_a_scanned_group_keeps_no_unpacked_codes_of_a_quantized_base(monkeypatch
     outputs = [(dtype, why) for dtype, why in kept if not why.startswith("from the argument")]
     assert any("dot_general" in why for _, why in outputs), kept  # the matmuls' outputs are kept
     assert not [why for dtype, why in outputs if dtype == "uint8" or "optimization_barrier" in why], outputs
+
+
+def test_a_stacked_model_matches_pytorch_logits_and_gradients():
+    """The parity checks run PyTorch's own forward on the per-layer tensors a stacked model holds as stacks:
+    the eval stage's logits parity, and the loss and gradients, named per layer, against PyTorch's."""
+    from jaxtune.runtime.measures import parity
+
+    module = rt_model.attach_lora(tiny_model("gemma3", layers=LAYERS), LoraConfig(r=4, target_modules="all-linear"))
+    model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=True)
+    assert model.layout is not None
+    rows = np.random.default_rng(2).integers(3, VOCAB, (2, 24))
+    found = parity.logits_parity(model, rows.tolist(), pad_id=0)
+    assert found["max_abs_diff"] <= BOUND * max(found["max_abs_logit"], 1.0), found
+    batch = {"input_ids": rows.astype(np.int32), "attention_mask": np.ones_like(rows, np.int32)}
+    loss, grads = parity.jax_loss_and_grads(model, batch, batch["input_ids"])
+    torch_loss, torch_grads = parity.torch_loss_and_grads(model, batch, batch["input_ids"])
+    assert grads.keys() == torch_grads.keys() and abs(loss - torch_loss) <= BOUND * abs(torch_loss)
+    assert max(float(np.max(np.abs(grads[k] - torch_grads[k]))) for k in grads) <= BOUND

@@ -36,7 +36,7 @@ def _torch_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 def _torch_forward(model: JaxModel, weights: dict[str, torch.Tensor], batch: dict[str, np.ndarray]) -> torch.Tensor:
     kwargs = {**_torch_batch(batch), "use_cache": False}
-    buffers = _to_torch(model.buffers)
+    buffers = _to_torch(model.flat(model.buffers))  # PyTorch's own forward: per-layer names
     return torch.func.functional_call(
         model.module, (model.for_compute(weights), buffers), args=(), kwargs=kwargs
     ).logits
@@ -55,20 +55,20 @@ def jax_logits(model: JaxModel, batch: dict[str, np.ndarray]) -> np.ndarray:
 def torch_logits(model: JaxModel, batch: dict[str, np.ndarray]) -> np.ndarray:
     """The same logits from PyTorch eager."""
     with torch.no_grad():
-        return _torch_forward(model, _to_torch(model.weights), batch).float().numpy()
+        return _torch_forward(model, _to_torch(model.flat(model.weights)), batch).float().numpy()
 
 
 def jax_loss_and_grads(
     model: JaxModel, batch: dict[str, np.ndarray], labels: np.ndarray
 ) -> tuple[float, dict[str, np.ndarray]]:
     loss, grads = steps.make_loss_and_grad(model)(model.weights, model.buffers, dict(batch), labels)
-    return float(loss), {name: np.asarray(g, dtype=np.float32) for name, g in grads.items()}
+    return float(loss), {name: np.asarray(g, dtype=np.float32) for name, g in model.flat(grads).items()}
 
 
 def torch_loss_and_grads(
     model: JaxModel, batch: dict[str, np.ndarray], labels: np.ndarray
 ) -> tuple[float, dict[str, np.ndarray]]:
-    weights = {name: value.requires_grad_(True) for name, value in _to_torch(model.weights).items()}
+    weights = {name: value.requires_grad_(True) for name, value in _to_torch(model.flat(model.weights)).items()}
     loss = steps.mean_token_loss(_torch_forward(model, weights, batch), torch.from_numpy(np.asarray(labels)).long())
     loss.backward()
     return float(loss.detach()), {name: w.grad.float().numpy() for name, w in weights.items()}
