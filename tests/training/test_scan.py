@@ -302,3 +302,26 @@ def test_a_stacked_model_matches_pytorch_logits_and_gradients():
     torch_loss, torch_grads = parity.torch_loss_and_grads(model, batch, batch["input_ids"])
     assert grads.keys() == torch_grads.keys() and abs(loss - torch_loss) <= BOUND * abs(torch_loss)
     assert max(float(np.max(np.abs(grads[k] - torch_grads[k]))) for k in grads) <= BOUND
+
+
+def test_a_stacked_eval_step_draws_no_keys(monkeypatch):
+    """Only keyed layers (training, or remat) draw keys, as unrolled: a stacked eval step draws none from torchax's
+    generator, whose concrete seed a traced draw would close over (the offline pipeline's final_eval then called
+    its logits program with one argument fewer than it was compiled for)."""
+    from jaxtune.runtime.modeling import remat
+
+    drawn = []
+    real = remat.next_key
+    monkeypatch.setattr(remat, "next_key", lambda: drawn.append(1) or real())
+    module = rt_model.attach_lora(tiny_model("gemma3", layers=LAYERS), LoraConfig(r=4))
+    model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=True)
+    rows = np.random.default_rng(3).integers(3, VOCAB, (2, 16)).astype(np.int32)
+    batch = {"input_ids": rows, "attention_mask": np.ones_like(rows)}
+    programs.clear()
+    with model.env:
+        steps.shared_eval_step(model).lower(model, model.weights, model.buffers, batch, rows)
+    assert drawn == []
+    optimizer = steps.make_optimizer(TrainConfig())
+    with model.env:  # a train step's layers are keyed: each group position of each group draws its own
+        steps.shared_train_step(model, optimizer).lower(model, *steps.train_step_arguments(model, optimizer, 1, 2, 16))
+    assert len(drawn) >= model.layout.groups * model.layout.period

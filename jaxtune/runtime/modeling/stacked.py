@@ -273,7 +273,13 @@ def layers_from(layout: Layout, layers: list[torch.nn.Module], tensors: dict) ->
 
     def run_scanned(hidden):
         p = layout.period
-        keys = jax.numpy.stack([jax.numpy.stack([next_key() for _ in range(p)]) for _ in range(layout.groups)])
+        # Keyed layers (a train step's, or remat's: `remat.keyed_layers`) draw their dropout from a key of their
+        # own, each group its own keys; the others draw none, so that an eval step holds no random numbers.
+        keyed = any(own)
+        if keyed:
+            keys = jax.numpy.stack([jax.numpy.stack([next_key() for _ in range(p)]) for _ in range(layout.groups)])
+        else:
+            keys = jax.numpy.zeros((layout.groups, p), jax.numpy.uint32)  # unused
         flat = [_flat_call(calls[q]) for q in range(p)]
         invariant = [interop.jax_view(v) for leaves, _ in flat for v in leaves if isinstance(v, torch.Tensor)]
         weights = [interop.jax_view(stack) for stack in stacks]
@@ -287,7 +293,7 @@ def layers_from(layout: Layout, layers: list[torch.nn.Module], tensors: dict) ->
                     tree, [next(inputs) if isinstance(v, torch.Tensor) else v for v in leaves]
                 )
                 params = interop.torch_view(group[q])
-                with torchax_env().override_property(prng=group_keys[q]):
+                with torchax_env().override_property(prng=group_keys[q]) if keyed else contextlib.nullcontext():
                     h = torch.func.functional_call(layers[q], params, args=(h, *args), kwargs=kwargs, strict=False)
             return interop.jax_view(h)
 
