@@ -412,3 +412,13 @@ def test_a_runs_recipe_overrides_reach_jaxtunes_side_through_its_children():
     cfg = recipe(loaded, "lora")
     assert (cfg.model.scan_layers, cfg.train.remat, cfg.model.dtype) == (True, "layer", "float32")
     assert recipe(Settings.make("gemma-3-1b", tiny=True), "lora").model.scan_layers is False
+
+
+def test_a_remat_set_as_a_config_override_is_refused_naming_the_option_that_sets_it(capsys):
+    """The train cases run each of --remat's policies (default auto), which would silently replace a
+    `--set train.remat=...`: that is an error naming --remat."""
+    from benchmarks.accelerator.bench import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--tiny", "--set", "train.remat=matmuls"])
+    assert exit_.value.code == 2 and "--remat" in capsys.readouterr().err

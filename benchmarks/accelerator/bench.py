@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         run_child(args.child, Path(args.work), args.until)
         return 0
 
+    if any(o.partition("=")[0].strip() == "train.remat" for o in args.overrides or ()):
+        parser.error("--set train.remat=...: the train cases' remat is --remat (each runs every case; default auto)")
     from benchmarks.accelerator.report import write_report
 
     began = time.perf_counter()
