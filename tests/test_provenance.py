@@ -58,11 +58,18 @@ def test_a_fresh_clones_suite_run_is_appended_to_the_runs_before_it(tmp_path):
     from benchmarks.cpu import fresh_clone
 
     path = tmp_path / "suite.json"
-    assert fresh_clone.with_runs_before(path, {"seconds": 1.0}) == {"runs": [{"seconds": 1.0}]}
-    path.write_text(json.dumps({"seconds": 1.0}))  # one run, as the file held before it kept a history
-    assert fresh_clone.with_runs_before(path, {"seconds": 2.0}) == {"runs": [{"seconds": 1.0}, {"seconds": 2.0}]}
-    path.write_text(json.dumps({"runs": [{"seconds": 1.0}, {"seconds": 2.0}]}))
-    assert fresh_clone.with_runs_before(path, {"seconds": 3.0})["runs"][-1] == {"seconds": 3.0}
+
+    def run(seconds: float) -> dict:
+        return {"date": f"day {seconds:g}", "provenance": {"commit": f"c{seconds:g}"}, "seconds": seconds}
+
+    def history(*runs: dict) -> dict:  # the file is dated and attributed as its newest run
+        return {"date": runs[-1]["date"], "provenance": runs[-1]["provenance"], "runs": list(runs)}
+
+    assert fresh_clone.with_runs_before(path, run(1.0)) == history(run(1.0))
+    path.write_text(json.dumps(run(1.0)))  # one run, as the file held before it kept a history
+    assert fresh_clone.with_runs_before(path, run(2.0)) == history(run(1.0), run(2.0))
+    path.write_text(json.dumps(history(run(1.0), run(2.0))))
+    assert fresh_clone.with_runs_before(path, run(3.0)) == history(run(1.0), run(2.0), run(3.0))
 
 
 def lacking_provenance(result: dict) -> list[str]:

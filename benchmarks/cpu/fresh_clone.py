@@ -119,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def with_runs_before(path: Path, run: dict) -> dict:
-    """The history of fresh-clone suite runs in `path` with `run` appended: `{"runs": [oldest, ..., newest]}`.
-    A file holding one run (as results/suite.json did before it kept a history) is that run's history."""
+    """The history of fresh-clone suite runs in `path` with `run` appended: `{"runs": [oldest, ..., newest]}`,
+    the file itself dated and attributed as its newest run. A file holding one run (as results/suite.json did
+    before it kept a history) is that run's history."""
     found = json.loads(path.read_text()) if path.is_file() else {"runs": []}
     runs = found["runs"] if "runs" in found else [found]
-    return {"runs": [*runs, run]}
+    return {"date": run["date"], "provenance": run["provenance"], "runs": [*runs, run]}
 
 
 if __name__ == "__main__":
