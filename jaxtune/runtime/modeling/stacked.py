@@ -276,15 +276,13 @@ def layers_from(layout: Layout, layers: list[torch.nn.Module], tensors: dict) ->
         # Keyed layers (a train step's, or remat's: `remat.keyed_layers`) draw their dropout from a key of their
         # own, each group its own keys; the others draw none, so that an eval step holds no random numbers.
         keyed = any(own)
-        if keyed:
-            keys = jax.numpy.stack([jax.numpy.stack([next_key() for _ in range(p)]) for _ in range(layout.groups)])
-        else:
-            keys = jax.numpy.zeros((layout.groups, p), jax.numpy.uint32)  # unused
+        draw = lambda: jax.numpy.stack([next_key() for _ in range(p)])  # noqa: E731  (a group's keys)
+        keys = [jax.numpy.stack([draw() for _ in range(layout.groups)])] if keyed else []  # scanned with the weights
         flat = [_flat_call(calls[q]) for q in range(p)]
         invariant = [interop.jax_view(v) for leaves, _ in flat for v in leaves if isinstance(v, torch.Tensor)]
         weights = [interop.jax_view(stack) for stack in stacks]
 
-        def group_forward(h, constants, group, group_keys):
+        def group_forward(h, constants, group, group_keys=None):
             inputs = iter(interop.torch_view(list(constants)))
             h = interop.torch_view(h)
             for q in range(p):
@@ -305,7 +303,7 @@ def layers_from(layout: Layout, layers: list[torch.nn.Module], tensors: dict) ->
         def body(h, xs):
             return group_forward(h, invariant, *xs), None
 
-        h, _ = jax.lax.scan(body, interop.jax_view(hidden), (weights, keys))
+        h, _ = jax.lax.scan(body, interop.jax_view(hidden), (weights, *keys))
         return interop.torch_view(h)
 
     def run_all(hidden: torch.Tensor) -> torch.Tensor:
