@@ -15,6 +15,10 @@
 #   bash benchmarks/tpu/v5e_session.sh stacked   # the Gemma LoRA step cold, unrolled then with its layers stacked and
 #                                                # scanned, each from an empty cache, then the stacked one again with
 #                                                # another learning rate, seed and step count
+#   bash benchmarks/tpu/v5e_session.sh scanned   # layers stacked, each from an empty cache: the Gemma LoRA step cold, then
+#                                                # again with another learning rate and seed; Gemma 3 4B LoRA at 8 x 1024
+#   bash benchmarks/tpu/v5e_session.sh scanned-12b  # layers stacked: Gemma 3 12B LoRA over an nf4 base at 4 x 1024
+#   bash benchmarks/tpu/v5e_session.sh scanned-more # layers stacked: Gemma 3 1B full fine-tune at 4 x 4096, the GRPO step
 #   bash benchmarks/tpu/v5e_session.sh llama8b   # Llama 3.1 8B's shape over an nf4 base, LoRA 4 x 1024, layers stacked
 #   bash benchmarks/tpu/v5e_session.sh rerun     # the Gemma LoRA step's first step cold (no cache), then again with another
 #                                                # learning rate and seed: the kept plan and executable, no trace or compile
@@ -35,7 +39,7 @@
 # A lent machine's copy has no .git: set JAXTUNE_COMMIT to the commit it copies (git rev-parse --short=12 HEAD, here)
 # so that every result records it (benchmarks/common/harness.provenance).
 set -euo pipefail
-part=${1:?which part: peers, llama, decode, grpo, scan, stacked, llama8b, rerun, gemma4b, long, gemma12b, real or stages}
+part=${1:?which part: peers, llama, decode, grpo, scan, stacked, scanned, scanned-12b, scanned-more, llama8b, rerun, gemma4b, long, gemma12b, real or stages}
 out=${OUT:-/tmp/v5e}
 mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -73,6 +77,24 @@ stacked)
     done
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 2 \
         --set model.scan_layers=true --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/stacked-rerun" ;;
+scanned)
+    rm -rf "$JAXTUNE_COMPILE_CACHE"
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 2 \
+        --set model.scan_layers=true --out "$out/scanned-gemma3-1b"
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 1.2 \
+        --set model.scan_layers=true --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/scanned-gemma3-1b-rerun"
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-4b --cases 8x1024 $WIDE \
+        --set model.scan_layers=true --minutes "${MINUTES:-3}" --out "$out/scanned-gemma3-4b" ;;
+scanned-12b)
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-12b --cases 4x1024 \
+        --set model.base_quantization=nf4 $WIDE --set model.scan_layers=true --minutes "${MINUTES:-4}" \
+        --out "$out/scanned-gemma3-12b-nf4" ;;
+scanned-more)
+    rm -rf "$JAXTUNE_COMPILE_CACHE"
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section full --cases 4x4096 --set model.scan_layers=true \
+        --minutes 2.5 --out "$out/scanned-gemma3-1b-full"
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section grpo --cases 8x8x256 --set model.scan_layers=true \
+        --minutes "${MINUTES:-4.5}" --out "$out/scanned-grpo" ;;
 llama8b)
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model llama-3.1-8b --cases 4x1024 \
         --set model.base_quantization=nf4 --set model.scan_layers=true --minutes "${MINUTES:-9}" --out "$out/llama8b-nf4" ;;

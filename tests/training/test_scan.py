@@ -26,7 +26,7 @@ BOUND = 1e-5
 LAYERS = 6  # Gemma 3's tiny pattern alternates sliding and global layers: 3 groups of 2
 
 
-def step(family: str, remat: str, scanned: bool, monkeypatch) -> tuple[float, dict, list[int]]:
+def step(family: str, remat: str, scanned: bool, monkeypatch, module=None) -> tuple[float, dict, list[int]]:
     programs.clear()
     groups = []
     real_scan = scan.jax.lax.scan
@@ -37,7 +37,9 @@ def step(family: str, remat: str, scanned: bool, monkeypatch) -> tuple[float, di
         return real_scan(body, init, xs, **kwargs)
 
     monkeypatch.setattr(scan.jax.lax, "scan", counting)
-    module = rt_model.attach_lora(tiny_model(family, layers=LAYERS), LoraConfig(r=4, target_modules="all-linear"))
+    module = rt_model.attach_lora(
+        module or tiny_model(family, layers=LAYERS), LoraConfig(r=4, target_modules="all-linear")
+    )
     for dropout in (m for m in module.modules() if isinstance(m, torch.nn.Dropout)):
         dropout.p = 0.0  # GPT-2's default 0.1: a scan's groups draw other keys, so other masks
     model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=scanned)
@@ -75,6 +77,36 @@ def test_a_scanned_step_is_the_unrolled_one(family, remat, monkeypatch):
     loss, weights, unrolled_scans = step(family, remat, False, monkeypatch)
     scanned_loss, scanned_weights, groups = step(family, remat, True, monkeypatch)
     assert unrolled_scans == [] and len(groups) == 1 and groups[0] >= 2, groups  # the layers did run as one scan
+    assert abs(scanned_loss - loss) <= BOUND * abs(loss)
+    assert scanned_weights.keys() == weights.keys()
+    assert max(float(np.max(np.abs(scanned_weights[k] - weights[k]))) for k in weights) <= BOUND
+
+
+def gemma_in_runs(groups: int = 2):
+    """A tiny Gemma 3 of Gemma's own pattern, shortened: two sliding-window layers then one global, twice."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxtune.config import TinyModelConfig
+    from jaxtune.offline.architectures import tiny_config
+    from tests.conftest import BOS, EOS, PAD
+
+    shape = TinyModelConfig(
+        architecture="gemma3", hidden_size=64, intermediate_size=128, num_hidden_layers=3 * groups,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=VOCAB,
+    )  # fmt: skip
+    config = tiny_config("gemma3", shape, VOCAB, PAD, BOS, EOS)
+    config.layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * groups
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("remat", ["none", "layer"])
+def test_a_run_of_alike_layers_is_one_scan_inside_the_group_and_the_step_is_the_unrolled_one(remat, monkeypatch):
+    """Gemma's sliding-window layers of a group are one run: a scan over its rows inside the scan over
+    groups, so the group's body traces one sliding layer and one global, not all of them."""
+    loss, weights, _ = step("gemma3", remat, False, monkeypatch, gemma_in_runs())
+    scanned_loss, scanned_weights, scans = step("gemma3", remat, True, monkeypatch, gemma_in_runs())
+    assert scans == [2, 2], scans  # over the 2 groups, then over the run's 2 sliding layers
     assert abs(scanned_loss - loss) <= BOUND * abs(loss)
     assert scanned_weights.keys() == weights.keys()
     assert max(float(np.max(np.abs(scanned_weights[k] - weights[k]))) for k in weights) <= BOUND
@@ -129,14 +161,20 @@ def test_a_scanned_step_over_a_quantized_base_is_the_unrolled_one(remat):
     assert abs(losses[1] - losses[0]) <= BOUND * abs(losses[0]), losses
 
 
-def test_a_layout_stacks_each_group_position_and_gives_back_per_layer_names():
-    """Gemma 3's 1B pattern: 26 layers, groups of six (five sliding, one global), two layers left unrolled."""
-    layout = scan.Layout(tuple(f"model.layers.{i}." for i in range(26)), period=6, groups=4)
+def test_a_layout_stacks_each_run_of_alike_layers_and_gives_back_per_layer_names():
+    """Gemma 3's 1B pattern: 26 layers, groups of six (a run of five sliding, one global), two layers left
+    unrolled. The five sliding layers of a group are one stack's rows [g, j], the global ones another's [g]."""
+    assert scan.runs_of(["s"] * 5 + ["g"]) == (5, 1) and scan.runs_of(["a"]) == (1,)
+    assert scan.runs_of(["a", "b", "b", "a"]) == (1, 2, 1)
+    layout = scan.Layout(tuple(f"model.layers.{i}." for i in range(26)), period=6, groups=4, runs=(5, 1))
     flat = {f"model.layers.{i}.mlp.up_proj.weight": np.full((3, 2), i, np.float32) for i in range(26)}
     flat["model.norm.weight"] = np.ones(2, np.float32)
     held = layout.stacked(flat)
-    assert held["model.layers.stack5.mlp.up_proj.weight"].shape == (4, 3, 2)
-    assert held["model.layers.stack5.mlp.up_proj.weight"][:, 0, 0].tolist() == [5, 11, 17, 23]
+    assert held["model.layers.stack1.mlp.up_proj.weight"].shape == (4, 3, 2)
+    assert held["model.layers.stack1.mlp.up_proj.weight"][:, 0, 0].tolist() == [5, 11, 17, 23]
+    assert held["model.layers.stack0.mlp.up_proj.weight"].shape == (4, 5, 3, 2)
+    assert held["model.layers.stack0.mlp.up_proj.weight"][2, :, 0, 0].tolist() == [12, 13, 14, 15, 16]
+    assert layout.member("model.layers.15.mlp.up_proj.weight") == ("model.layers.stack0.mlp.up_proj.weight", (2, 3))
     assert "model.layers.24.mlp.up_proj.weight" in held and "model.norm.weight" in held  # after the last group
     back = layout.flat(held)
     assert back.keys() == flat.keys() and all(np.array_equal(back[k], flat[k]) for k in flat)

@@ -70,8 +70,9 @@ def _matmul_entries(model: JaxModel) -> tuple[int, int]:
     for kind, tree in (("frozen", model.buffers), ("trained", model.weights)):
         for held, value in tree.items():
             # a stacked tensor (`stacked.Layout`) counts as its layers' tensors: one per row
-            members = model.layout.members(held) if model.layout is not None else None
-            name, shape = (members[0], value.shape[1:]) if members else (held, value.shape)
+            rows = model.layout.rows(held) if model.layout is not None else None
+            members = rows[1] if rows else None
+            name, shape = (members[0], value.shape[len(rows[0]) :]) if rows else (held, value.shape)
             if name.rsplit(".", 1)[0] in quantized:  # counted once, above, as the weight it stands for
                 continue
             if len(shape) != 2 or any(p in name for p in POSITION_TABLES):

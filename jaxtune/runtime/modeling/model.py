@@ -262,7 +262,7 @@ def to_jax(
         buffers[name] = (buf, placement.parameter_sharding(name, tuple(buf.shape)), None)
     if layout is not None:  # each stack made as it is placed, so that the host holds one at a time
         weights, buffers = (
-            layout.stacked(tree, lambda rows: lambda: _stacked_entry(rows)) for tree in (weights, buffers)
+            layout.stacked(tree, lambda rows, lead: lambda: _stacked_entry(rows, lead)) for tree in (weights, buffers)
         )
         # both names: the stacked one for steps, the per-layer one for PyTorch's own forward (`parity`)
         casts |= {layout.member(name)[0]: dtype for name, dtype in casts.items() if layout.member(name)}
@@ -279,18 +279,18 @@ def to_jax(
     )
 
 
-def _stacked_entry(entries: list[tuple]) -> tuple:
-    """Layers' (tensor, sharding, dtype) entries as one: their tensors stacked (meta ones stay meta), their
-    sharding with the layer axis whole in front."""
+def _stacked_entry(entries: list[tuple], lead: tuple[int, ...]) -> tuple:
+    """Layers' (tensor, sharding, dtype) entries as one: their tensors stacked with the leading axes `lead`
+    (meta ones stay meta), their sharding with the layer axes whole in front."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     tensors = [tensor.detach() for tensor, _, _ in entries]
     _, sharding, dtype = entries[0]
     if any(t.is_meta for t in tensors):
-        stacked = torch.empty((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, device="meta")
+        stacked = torch.empty((*lead, *tensors[0].shape), dtype=tensors[0].dtype, device="meta")
     else:
-        stacked = torch.stack(tensors)
-    return stacked, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)), dtype
+        stacked = torch.stack(tensors).reshape(*lead, *tensors[0].shape)
+    return stacked, NamedSharding(sharding.mesh, PartitionSpec(*[None] * len(lead), *sharding.spec)), dtype
 
 
 def _transposed_weights(module: torch.nn.Module) -> set[str]:

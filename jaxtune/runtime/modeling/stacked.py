@@ -62,71 +62,130 @@ def period(signatures: list) -> int:
     return next(p for p in range(1, n + 1) if all(signatures[i] == signatures[i + p] for i in range(n - p)))
 
 
+def runs_of(signatures: list) -> tuple[int, ...]:
+    """The lengths of the runs of alike neighbours in one group's signatures: (5, 1) for Gemma 3's five
+    sliding-window layers and one global, (1,) for Llama's one layer."""
+    runs = [1]
+    for before, after in zip(signatures, signatures[1:]):
+        if after == before:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return tuple(runs)
+
+
+def _stack(rows: list, lead: tuple[int, ...]) -> np.ndarray:
+    return np.stack(rows).reshape(*lead, *np.shape(rows[0]))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where each decoder layer's tensors live: `prefixes[i]` is layer i's name prefix in the model's
-    tensor names ('model.layers.3.'); layers `g * period + q` for g < `groups` are row g of group
-    position q's stack."""
+    tensor names ('model.layers.3.'); layers `g * period + q` for g < `groups` are the stacked ones.
+    A group's positions fall in `runs` of alike neighbours (lengths, in order; one position each where
+    not given), and each run's tensors are held as one stack: rows `[g]` where the run is one layer
+    (Llama's `stack0`, Gemma's global `stack1`), `[g, j]` where it is several (Gemma's five sliding
+    layers, `stack0`), which the step scans over in turn."""
 
     prefixes: tuple[str, ...]
     period: int
     groups: int
+    runs: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.runs:
+            object.__setattr__(self, "runs", (1,) * self.period)
+        if sum(self.runs) != self.period:
+            raise ValueError(f"runs {self.runs} do not add up to the period {self.period}")
 
     @property
     def stacked_layers(self) -> int:
         return self.period * self.groups
 
-    def stack_prefix(self, q: int) -> str:
-        container = self.prefixes[q].rstrip(".").rpartition(".")[0]
-        return f"{container}.{STACK}{q}."
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Each run's first position in the group."""
+        return tuple(sum(self.runs[:r]) for r in range(len(self.runs)))
 
-    def member(self, name: str) -> tuple[str, int, int] | None:
-        """(stacked name, group, position) of a per-layer tensor name, None for one outside the stacked layers."""
+    def run_of(self, q: int) -> tuple[int, int]:
+        """(run, index in the run) of group position q."""
+        r = max(r for r, start in enumerate(self.starts) if start <= q)
+        return r, q - self.starts[r]
+
+    def lead(self, r: int) -> tuple[int, ...]:
+        """The leading axes of run r's stacks: (groups,) or (groups, run length)."""
+        return (self.groups,) if self.runs[r] == 1 else (self.groups, self.runs[r])
+
+    def stack_prefix(self, r: int) -> str:
+        container = self.prefixes[self.starts[r]].rstrip(".").rpartition(".")[0]
+        return f"{container}.{STACK}{r}."
+
+    def member(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """(stacked name, row) of a per-layer tensor name, None for one outside the stacked layers."""
         for i in range(self.stacked_layers):
             if name.startswith(self.prefixes[i]):
                 g, q = divmod(i, self.period)
-                return self.stack_prefix(q) + name[len(self.prefixes[i]) :], g, q
+                r, j = self.run_of(q)
+                return self.stack_prefix(r) + name[len(self.prefixes[i]) :], (g,) if self.runs[r] == 1 else (g, j)
         return None
+
+    def _run(self, stacked: str) -> tuple[int, str] | None:
+        for r in range(len(self.runs)):
+            if stacked.startswith(prefix := self.stack_prefix(r)):
+                return r, stacked[len(prefix) :]
+        return None
+
+    def rows(self, stacked: str) -> tuple[tuple[int, ...], list[str]] | None:
+        """A stacked tensor's leading axes and the per-layer names of its rows, in order; None for a name
+        that is not stacked."""
+        found = self._run(stacked)
+        if found is None:
+            return None
+        r, rest = found
+        start = self.starts[r]
+        names = [
+            self.prefixes[g * self.period + start + j] + rest for g in range(self.groups) for j in range(self.runs[r])
+        ]
+        return self.lead(r), names
 
     def members(self, stacked: str) -> list[str] | None:
         """The per-layer names of a stacked tensor's rows, in order; None for a name that is not stacked."""
-        for q in range(self.period):
-            prefix = self.stack_prefix(q)
-            if stacked.startswith(prefix):
-                rest = stacked[len(prefix) :]
-                return [self.prefixes[g * self.period + q] + rest for g in range(self.groups)]
-        return None
+        found = self.rows(stacked)
+        return None if found is None else found[1]
 
-    def stacked(self, flat: Mapping, stack: Callable = np.stack) -> dict:
-        """Per-layer tensors -> the layout's: each group position's rows stacked by `stack` (numpy's, or
-        any function of a list), the others as they are, in the order their first member came."""
+    def stacked(self, flat: Mapping, stack: Callable = _stack) -> dict:
+        """Per-layer tensors -> the layout's: each run's rows stacked by `stack(rows, leading axes)` (numpy's,
+        or any function of the rows in order), the others as they are, in the order their first member came."""
         out: dict = {}
-        rows: dict[str, list] = {}
+        rows: dict[str, dict] = {}
         for name, value in flat.items():
             found = self.member(name)
             if found is None:
                 out[name] = value
                 continue
-            stacked, g, _ = found
+            stacked, row = found
             if stacked not in rows:
-                rows[stacked] = [None] * self.groups
+                rows[stacked] = {}
                 out[stacked] = None  # its place in the order
-            rows[stacked][g] = value
+            rows[stacked][row] = value
         for stacked, values in rows.items():
-            if any(v is None for v in values):
-                raise ValueError(f"{stacked}: layers {[i for i, v in enumerate(values) if v is None]} are missing")
-            out[stacked] = stack(values)
+            lead, names = self.rows(stacked)
+            missing = [n for n, row in zip(names, np.ndindex(*lead)) if row not in values]
+            if missing:
+                raise ValueError(f"{stacked}: {', '.join(missing)} missing")
+            out[stacked] = stack([values[row] for row in np.ndindex(*lead)], lead)
         return out
 
     def flat(self, tensors: Mapping) -> dict:
         """The layout's tensors -> per-layer names, each stacked one split into its rows."""
         out: dict = {}
         for name, value in tensors.items():
-            members = self.members(name)
-            if members is None:
+            found = self.rows(name)
+            if found is None:
                 out[name] = value
             else:
-                out.update({member: value[g] for g, member in enumerate(members)})
+                lead, names = found
+                out.update({member: value[row] for member, row in zip(names, np.ndindex(*lead))})
         return out
 
     def flat_paths(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -135,11 +194,14 @@ class Layout:
         out = {}
         for path, value in arrays.items():
             name = _quoted_name(path)
-            members = self.members(name) if name is not None else None
-            if members is None or np.ndim(value) == 0 or np.shape(value)[0] != self.groups:
+            found = self.rows(name) if name is not None else None
+            if found is None or tuple(np.shape(value)[: len(found[0])]) != found[0]:
                 out[path] = value
             else:
-                out.update({path.replace(f"'{name}'", f"'{m}'"): value[g] for g, m in enumerate(members)})
+                lead, names = found
+                out.update(
+                    {path.replace(f"'{name}'", f"'{m}'"): value[row] for m, row in zip(names, np.ndindex(*lead))}
+                )
         return out
 
     def stacked_paths(self, arrays: Mapping[str, np.ndarray], paths: list[str]) -> dict[str, np.ndarray]:
@@ -147,12 +209,13 @@ class Layout:
         out = {}
         for path in paths:
             name = _quoted_name(path)
-            members = self.members(name) if name is not None else None
-            if path in arrays or members is None:
+            found = self.rows(name) if name is not None else None
+            if path in arrays or found is None:
                 out[path] = arrays[path] if path in arrays else None
             else:
-                parts = [arrays.get(path.replace(f"'{name}'", f"'{m}'")) for m in members]
-                out[path] = None if any(p is None for p in parts) else np.stack(parts)
+                lead, names = found
+                parts = [arrays.get(path.replace(f"'{name}'", f"'{m}'")) for m in names]
+                out[path] = None if any(p is None for p in parts) else _stack(parts, lead)
         return {path: value for path, value in out.items() if value is not None}
 
 
@@ -172,7 +235,7 @@ def layout_of(module: torch.nn.Module, layers: list[torch.nn.Module]) -> Layout 
     groups = len(layers) // p
     if groups < 2:
         return None
-    return Layout(tuple(names[id(layer)] + "." for layer in layers), p, groups)
+    return Layout(tuple(names[id(layer)] + "." for layer in layers), p, groups, runs_of(signatures[:p]))
 
 
 # Elementwise, layout and reduction ops: what a scan's body recomputes in the backward pass rather than keep
@@ -229,6 +292,12 @@ def _scannable(layout: Layout, calls: list) -> bool:
     return all(keys[i] == keys[i % layout.period] for i in range(len(keys)))
 
 
+def _alike_runs(layout: Layout, calls: list) -> list[bool]:
+    """For each run of the group, whether its layers are all called alike (so one scan over them serves)."""
+    keys = [_call_key(call) for call in calls[: layout.period]]
+    return [len({keys[s + j] for j in range(n)}) == 1 for s, n in zip(layout.starts, layout.runs)]
+
+
 def held(module: torch.nn.Module, layout: Layout | None, tensors: dict):
     """A context yielding the tensors to call `module` with: `tensors` as they are where the layers are not
     stacked, else those outside the stacks, the stacked layers reading theirs (`layers_from`)."""
@@ -252,11 +321,11 @@ def layers_from(layout: Layout, layers: list[torch.nn.Module], tensors: dict) ->
     count = len(layers)
     stacks = [
         {
-            name[len(layout.stack_prefix(q)) :]: v
+            name[len(layout.stack_prefix(r)) :]: v
             for name, v in tensors.items()
-            if name.startswith(layout.stack_prefix(q))
+            if name.startswith(layout.stack_prefix(r))
         }
-        for q in range(layout.period)
+        for r in range(len(layout.runs))
     ]
     rest = {name: v for name, v in tensors.items() if layout.members(name) is None}
     calls: list = [None] * count
@@ -267,8 +336,10 @@ def layers_from(layout: Layout, layers: list[torch.nn.Module], tensors: dict) ->
     def run_unrolled(hidden):
         for i in range(layout.stacked_layers):
             g, q = divmod(i, layout.period)
-            row = {name: v[g] for name, v in stacks[q].items()}
-            hidden = torch.func.functional_call(layers[i], row, args=(hidden, *calls[i][0]), kwargs=calls[i][1])
+            r, j = layout.run_of(q)
+            row = (g,) if layout.runs[r] == 1 else (g, j)
+            weights = {name: v[row] for name, v in stacks[r].items()}
+            hidden = torch.func.functional_call(layers[i], weights, args=(hidden, *calls[i][0]), kwargs=calls[i][1])
         return hidden
 
     def run_scanned(hidden):
@@ -281,25 +352,54 @@ def layers_from(layout: Layout, layers: list[torch.nn.Module], tensors: dict) ->
         flat = [_flat_call(calls[q]) for q in range(p)]
         invariant = [interop.jax_view(v) for leaves, _ in flat for v in leaves if isinstance(v, torch.Tensor)]
         weights = [interop.jax_view(stack) for stack in stacks]
+        alike = _alike_runs(layout, calls)
+
+        def layer_forward(q, h, args, kwargs, params, key):
+            """Group position q's layer on hidden states h (JAX values in and out), as a checkpoint that keeps
+            what `SAVED_IN_SCAN` says (the scans' linearizing would otherwise keep everything the layer computes:
+            float32 upcasts, activations, per layer). The calls' tensors (masks, rotary tables) are arguments,
+            not values it closes over: layer remat's closure conversion inside cannot take those."""
+            leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, torch.Tensor))
+            tensors = [interop.jax_view(v) for v in leaves if isinstance(v, torch.Tensor)]
+
+            def run(h, tensors, params, key):
+                inputs = iter(interop.torch_view(list(tensors)))
+                values = [next(inputs) if isinstance(v, torch.Tensor) else v for v in leaves]
+                args, kwargs = jax.tree_util.tree_unflatten(tree, values)
+                with torchax_env().override_property(prng=key) if keyed else contextlib.nullcontext():
+                    out = torch.func.functional_call(
+                        layers[q], interop.torch_view(params), args=(interop.torch_view(h), *args), kwargs=kwargs,
+                        strict=False,
+                    )  # fmt: skip
+                return interop.jax_view(out)
+
+            return jax.checkpoint(run, policy=SAVED_IN_SCAN, prevent_cse=False)(h, tensors, params, key)
 
         def group_forward(h, constants, group, group_keys=None):
             inputs = iter(interop.torch_view(list(constants)))
-            h = interop.torch_view(h)
-            for q in range(p):
-                leaves, tree = flat[q]
-                args, kwargs = jax.tree_util.tree_unflatten(
-                    tree, [next(inputs) if isinstance(v, torch.Tensor) else v for v in leaves]
-                )
-                params = interop.torch_view(group[q])
-                with torchax_env().override_property(prng=group_keys[q]) if keyed else contextlib.nullcontext():
-                    h = torch.func.functional_call(layers[q], params, args=(h, *args), kwargs=kwargs, strict=False)
-            return interop.jax_view(h)
+            called = []  # each position's (args, kwargs), the tensors among them the scan's invariants
+            for leaves, tree in flat:
+                values = [next(inputs) if isinstance(v, torch.Tensor) else v for v in leaves]
+                called.append(jax.tree_util.tree_unflatten(tree, values))
+            for r, (start, n) in enumerate(zip(layout.starts, layout.runs)):
+                key = lambda q: group_keys[q] if keyed else None  # noqa: E731
+                if n == 1:
+                    h = layer_forward(start, h, *called[start], group[r], key(start))
+                elif alike[r]:  # the run's layers, alike and called alike: one scan over their rows
 
-        # The calls' tensors (masks, rotary tables) are arguments of the group's function, not values it closes
-        # over (layer remat's closure conversion inside cannot take those), and loop invariants of the scan,
-        # kept once rather than once a group.
-        group_forward = jax.checkpoint(group_forward, policy=SAVED_IN_SCAN, prevent_cse=False)
+                    def one(h, xs, start=start):
+                        params, *drawn = xs
+                        return layer_forward(start, h, *called[start], params, drawn[0] if keyed else None), None
 
+                    run_keys = [group_keys[start : start + n]] if keyed else []
+                    h, _ = jax.lax.scan(one, h, (group[r], *run_keys))
+                else:  # called otherwise (a mask of its own): each on its row
+                    for j in range(n):
+                        row = jax.tree_util.tree_map(lambda v, j=j: v[j], group[r])
+                        h = layer_forward(start + j, h, *called[start + j], row, key(start + j))
+            return h
+
+        # The calls' tensors (masks, rotary tables) are loop invariants of the scan, kept once rather than once a group.
         def body(h, xs):
             return group_forward(h, invariant, *xs), None
 
