@@ -16,7 +16,8 @@
 #                                                # scanned, each from an empty cache, then the stacked one again with
 #                                                # another learning rate, seed and step count
 #   bash benchmarks/tpu/v5e_session.sh scanned   # layers stacked, each from an empty cache: the Gemma LoRA step cold, then
-#                                                # again with another learning rate and seed; Gemma 3 4B LoRA at 8 x 1024
+#                                                # again with another learning rate and seed; Gemma 3 4B LoRA at 8 x 1024 (the recipe's r=8
+#                                                # on the attention projections, as the unrolled run of the issue)
 #   bash benchmarks/tpu/v5e_session.sh scanned-12b  # layers stacked: Gemma 3 12B LoRA over an nf4 base at 4 x 1024
 #   bash benchmarks/tpu/v5e_session.sh scanned-more # layers stacked: Gemma 3 1B full fine-tune at 4 x 4096, the GRPO step
 #   bash benchmarks/tpu/v5e_session.sh llama8b   # Llama 3.1 8B's shape over an nf4 base, LoRA 4 x 1024, layers stacked
@@ -83,8 +84,8 @@ scanned)
         --set model.scan_layers=true --out "$out/scanned-gemma3-1b"
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --cases 8x512 --minutes 1.2 \
         --set model.scan_layers=true --set train.learning_rate=5e-5 --set train.seed=7 --out "$out/scanned-gemma3-1b-rerun"
-    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-4b --cases 8x1024 $WIDE \
-        --set model.scan_layers=true --minutes "${MINUTES:-3}" --out "$out/scanned-gemma3-4b" ;;
+    python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-4b --cases 8x1024 \
+        --set model.scan_layers=true --minutes "${MINUTES:-3.5}" --out "$out/scanned-gemma3-4b" ;;
 scanned-12b)
     python3 -m benchmarks.accelerator.bench --parts jaxtune --section lora --model gemma-3-12b --cases 4x1024 \
         --set model.base_quantization=nf4 $WIDE --set model.scan_layers=true --minutes "${MINUTES:-4}" \

@@ -101,12 +101,24 @@ def gemma_in_runs(groups: int = 2):
 
 
 @pytest.mark.parametrize("remat", ["none", "layer"])
-def test_a_run_of_alike_layers_is_one_scan_inside_the_group_and_the_step_is_the_unrolled_one(remat, monkeypatch):
-    """Gemma's sliding-window layers of a group are one run: a scan over its rows inside the scan over
-    groups, so the group's body traces one sliding layer and one global, not all of them."""
+def test_the_alike_layers_of_a_run_trace_once_and_the_step_is_the_unrolled_one(remat, monkeypatch):
+    """Gemma's sliding-window layers of a group are one run, one stack: the group's body traces one sliding
+    layer and one global, whatever the run's length, and the step is the unrolled one."""
     loss, weights, _ = step("gemma3", remat, False, monkeypatch, gemma_in_runs())
-    scanned_loss, scanned_weights, scans = step("gemma3", remat, True, monkeypatch, gemma_in_runs())
-    assert scans == [2, 2], scans  # over the 2 groups, then over the run's 2 sliding layers
+    module = gemma_in_runs()
+    layer_class = type(module.model.layers[0])
+    traced = []
+    real_forward = layer_class.forward
+
+    def counted(self, *args, **kwargs):
+        traced.append(self.config.layer_types[self.layer_idx])
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(layer_class, "forward", counted)
+    scanned_loss, scanned_weights, scans = step("gemma3", remat, True, monkeypatch, module)
+    assert scans == [2], scans  # one scan, over the 2 groups
+    assert sorted(set(traced)) == ["full_attention", "sliding_attention"]
+    assert traced.count("sliding_attention") == traced.count("full_attention"), traced  # not twice as many
     assert abs(scanned_loss - loss) <= BOUND * abs(loss)
     assert scanned_weights.keys() == weights.keys()
     assert max(float(np.max(np.abs(scanned_weights[k] - weights[k]))) for k in weights) <= BOUND
@@ -315,6 +327,7 @@ def test_a_scanned_group_keeps_no_unpacked_codes_of_a_quantized_base(monkeypatch
         return run
 
     monkeypatch.setattr(scan.jax, "checkpoint", recording)
+    monkeypatch.setattr(scan, "traced_once", lambda fn: fn)  # the layers' bodies in sight of `saved_residuals`
     optimizer = steps.make_optimizer(TrainConfig())
     programs.clear()
     with model.env:
