@@ -26,7 +26,9 @@ BOUND = 1e-5
 LAYERS = 6  # Gemma 3's tiny pattern alternates sliding and global layers: 3 groups of 2
 
 
-def step(family: str, remat: str, scanned: bool, monkeypatch, module=None) -> tuple[float, dict, list[int]]:
+def step(
+    family: str, remat: str, scanned: bool, monkeypatch, module=None, optimizer: str = "sgd"
+) -> tuple[float, dict, list[int]]:
     programs.clear()
     groups = []
     real_scan = scan.jax.lax.scan
@@ -47,7 +49,7 @@ def step(family: str, remat: str, scanned: bool, monkeypatch, module=None) -> tu
         batch_size=2,
         max_steps=1,
         warmup_steps=0,
-        optimizer="sgd",
+        optimizer=optimizer,
         learning_rate=1.0,
         weight_decay=0.0,
         max_grad_norm=1e9,
@@ -80,6 +82,34 @@ def test_a_scanned_step_is_the_unrolled_one(family, remat, monkeypatch):
     assert abs(scanned_loss - loss) <= BOUND * abs(loss)
     assert scanned_weights.keys() == weights.keys()
     assert max(float(np.max(np.abs(scanned_weights[k] - weights[k]))) for k in weights) <= BOUND
+
+
+def full_adafactor_step(scanned: bool) -> dict:
+    """One full fine-tuning Adafactor step of a tiny Llama wide enough (128) for Adafactor to factor its
+    matrices' second moments, so that its updates' root mean square is not 1 and its clipping acts."""
+    programs.clear()
+    module = tiny_model("llama", layers=LAYERS, hidden_size=128, intermediate_size=256)
+    model = rt_model.to_jax(module, make_placement(MeshConfig()), scan_layers=scanned)
+    cfg = TrainConfig(batch_size=2, max_steps=1, warmup_steps=0, optimizer="adafactor", learning_rate=1e-2)
+    optimizer = steps.make_optimizer(cfg)
+    ids = np.random.default_rng(0).integers(3, VOCAB, (1, 2, 48)).astype(np.int32)
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    weights = {k: v.copy() for k, v in model.weights.items()}
+    opt_state = steps.init_optimizer(model, optimizer, weights)
+    _, weights, _ = steps.make_train_step(model, optimizer)(
+        weights, model.buffers, opt_state, batch, ids, steps.step_key(0, 0), 1.0
+    )
+    return {k: np.asarray(v) for k, v in model.flat(weights).items()}
+
+
+def test_adafactor_clips_a_stacked_weights_update_a_layer_at_a_time(monkeypatch):
+    """Adafactor scales each weight's update to a root mean square of at most 1: a stacked weight's layers
+    are clipped each on its own, as the unrolled model's weights are, not as one block."""
+    weights = full_adafactor_step(False)
+    assert max(float(np.max(np.abs(full_adafactor_step(True)[k] - weights[k]))) for k in weights) <= BOUND
+    monkeypatch.setattr(scan, "leading_axes", lambda name: 0)  # the whole stack one block: another update
+    as_one_block = full_adafactor_step(True)
+    assert max(float(np.max(np.abs(as_one_block[k] - weights[k]))) for k in weights) > 100 * BOUND
 
 
 def gemma_in_runs(groups: int = 2):

@@ -21,6 +21,7 @@ import torch
 from jaxtune.config import REMAT_POLICIES, TrainConfig
 from jaxtune.runtime.compiled import programs
 from jaxtune.runtime.compiled.preference import OBJECTIVE_INPUTS, SFT, Objective, summed_objective
+from jaxtune.runtime.modeling import stacked
 from jaxtune.runtime.modeling.forward import forward_logits, forward_token_nll, token_nll  # noqa: F401  (re-exported)
 from jaxtune.runtime.modeling.model import JaxModel
 
@@ -98,9 +99,14 @@ def _optimizer(name: str, weight_decay: float, max_grad_norm: float) -> optax.Gr
 
     def chain(learning_rate):
         if name == "adafactor":
-            # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting.
-            update = optax.adafactor(
-                learning_rate, multiply_by_parameter_scale=False, weight_decay_rate=weight_decay or None
+            # Plain steps of size lr (HF's scale_parameter=False, relative_step=False), the fine-tuning setting:
+            # optax.adafactor's chain (so its state), its update clipped a layer at a time where layers are stacked.
+            update = optax.chain(
+                optax.scale_by_factored_rms(),
+                clip_by_layer_rms(1.0),
+                optax.scale_by_learning_rate(learning_rate, flip_sign=False),
+                *([optax.add_decayed_weights(weight_decay)] if weight_decay else []),
+                optax.scale(-1),
             )
         elif name == "sgd":
             update = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate, momentum=0.9))
@@ -113,6 +119,23 @@ def _optimizer(name: str, weight_decay: float, max_grad_norm: float) -> optax.Gr
     # Its value is a placeholder: every step writes its own rate (`with_learning_rate`).
     _MADE[settings] = optax.inject_hyperparams(chain)(learning_rate=jnp.asarray(0.0, jnp.float32))
     return _MADE[settings]
+
+
+def clip_by_layer_rms(threshold: float) -> optax.GradientTransformation:
+    """optax.clip_by_block_rms (each update scaled to a root mean square of at most `threshold`), with each
+    layer's row of a stacked tensor (`stacked.leading_axes`) a block of its own, as the unrolled model's is."""
+
+    def clip(path, update):
+        name = getattr(path[-1], "key", None) if path else None
+        axes = tuple(range(stacked.leading_axes(name), update.ndim))
+        rms = jnp.sqrt(jnp.mean(jnp.square(update), axis=axes, keepdims=True))
+        return update / jnp.maximum(1.0, rms / threshold)
+
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(clip, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def with_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
@@ -200,7 +223,8 @@ def _train_step_fn(model: JaxModel, optimizer: optax.GradientTransformation, spe
         scale = 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
         with jax.named_scope(OPTIMIZER_SCOPE):  # the update's ops, named for a profile to tell apart
             grads = jax.tree.map(lambda g: g * scale, grads)
-            updates, opt_state = optimizer.update(grads, with_learning_rate(opt_state, lr), weights)
+            with stacked.layout_of_step(model.layout):  # a stacked weight's layers: blocks of their own
+                updates, opt_state = optimizer.update(grads, with_learning_rate(opt_state, lr), weights)
             weights = optax.apply_updates(weights, updates)
         return nll * scale, weights, opt_state
 

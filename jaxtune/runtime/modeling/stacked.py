@@ -19,6 +19,7 @@ convert where weights leave and enter the runtime.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -217,6 +218,27 @@ class Layout:
                 parts = [arrays.get(path.replace(f"'{name}'", f"'{m}'")) for m in names]
                 out[path] = None if any(p is None for p in parts) else _stack(parts, lead)
         return {path: value for path, value in out.items() if value is not None}
+
+
+_TRACED: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("stacked_layout", default=None)
+
+
+@contextlib.contextmanager
+def layout_of_step(layout: Layout | None) -> Iterator[None]:
+    """While a step of a model in `layout` is traced: what `leading_axes` reads."""
+    token = _TRACED.set(layout)
+    try:
+        yield
+    finally:
+        _TRACED.reset(token)
+
+
+def leading_axes(name: str | None) -> int:
+    """How many leading axes of the tensor `name` run over layers in the step being traced (`layout_of_step`):
+    1 or 2 for a stacked tensor, 0 for any other, or outside a step."""
+    layout = _TRACED.get()
+    found = layout.rows(name) if layout is not None and name is not None else None
+    return len(found[0]) if found else 0
 
 
 def _quoted_name(path: str) -> str | None:
