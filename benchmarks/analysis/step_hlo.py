@@ -355,7 +355,7 @@ def compile_step(
     )
     target = targets.resolve(target_name)
     placement = make_placement(config.mesh, targets.devices(target))
-    model = to_jax(module, placement, shapes_only=True, scan_layers=scan_layers or config.model.scan_layers)
+    model = to_jax(module, placement, shapes_only=True, scan_layers=scan_layers or config.model.layers_stacked)
     with attention.choose(attention_core) if attention_core else _nothing():
         compiled = steps.compiled_train_step(
             model, steps.make_optimizer(config.train), 1, rows, length, steps.StepSpec(fit.fixed(config.train.remat))

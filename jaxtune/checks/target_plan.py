@@ -102,7 +102,7 @@ def _compile(module, config: JaxtuneConfig, target, devices: list, mesh) -> tupl
     except ValueError as e:
         raise DoctorError(f"{e} of {target.describe(len(devices))}") from None
     # the layers held as `open_model` holds them: the program the run would compile
-    model = to_jax(module, placement, shapes_only=True, scan_layers=config.model.scan_layers)
+    model = to_jax(module, placement, shapes_only=True, scan_layers=config.model.layers_stacked)
     try:
         chosen = fit.choose(
             model,
@@ -174,7 +174,8 @@ def _other_steps(module, config: JaxtuneConfig, target, devices: list) -> list[R
     from jaxtune.runtime.devices.mesh import make_placement
     from jaxtune.runtime.modeling.model import to_jax
 
-    model = to_jax(module, make_placement(config.mesh, devices), shapes_only=True, scan_layers=config.model.scan_layers)
+    placement = make_placement(config.mesh, devices)
+    model = to_jax(module, placement, shapes_only=True, scan_layers=config.model.layers_stacked)
     shards = model.placement.batch_shards
     rows = -(-config.eval.batch_size // shards) * shards  # as `inference.evaluate` rounds them
     length, prompts, new_tokens = config.data.max_length, config.generate.batch_size, config.generate.max_new_tokens

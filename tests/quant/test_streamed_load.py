@@ -203,7 +203,7 @@ def test_open_model_holds_what_it_held_loading_whole(tmp_path, scheme, lora):
     module = rt_model.load_torch_model(folder, None, False, "bfloat16")
     module = rt_model.attach_lora(module, lora) if lora is not None else module.requires_grad_(False)
     quantize.quantize_base(module, scheme)
-    theirs = rt_model.to_jax(module, placement)
+    theirs = rt_model.to_jax(module, placement, scan_layers=cfg.layers_stacked)  # auto: stacked over a quantized base
     ours = rt_model.open_model(folder, None, cfg, placement, lora=lora)
     assert_same_jax_model(ours, theirs)
     if lora is not None and lora.modules_to_save:
@@ -221,12 +221,12 @@ def test_open_model_reads_the_stored_base_instead_of_the_layers_it_replaces(tmp_
     placement = make_placement(MeshConfig())
     module = rt_model.attach_lora(rt_model.load_torch_model(folder, None, False, "bfloat16"), lora)
     quantize.load_base(module, stored, schemes)
-    theirs = rt_model.to_jax(module, placement)
+    cfg = ModelConfig(name=folder, base_quantization="int4", dtype="bfloat16")
+    theirs = rt_model.to_jax(module, placement, scan_layers=cfg.layers_stacked)
 
     dropped = []
     drop = streaming._drop_weight
     monkeypatch.setattr(streaming, "_drop_weight", lambda linear: dropped.append(linear) or drop(linear))
-    cfg = ModelConfig(name=folder, base_quantization="int4", dtype="bfloat16")
     assert_same_jax_model(rt_model.open_model(folder, None, cfg, placement, lora=lora, base=(stored, schemes)), theirs)
     assert len(dropped) == len(schemes)
 

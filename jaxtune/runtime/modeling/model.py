@@ -181,7 +181,7 @@ def open_model(
     if left := [name for name, tensor in module.named_parameters() if is_placeholder(tensor)]:
         raise ModelError(f"layers left without weights after loading: {', '.join(left[:5])}")
     weights = load_weights(trained) if trained is not None else None
-    return to_jax(module, placement, weights, scan_layers=cfg.scan_layers)
+    return to_jax(module, placement, weights, scan_layers=cfg.layers_stacked)
 
 
 def attach_lora(model: PreTrainedModel, cfg: LoraConfig) -> torch.nn.Module:
