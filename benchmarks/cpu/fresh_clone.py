@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "JAX_PLATFORMS", "PYTHONPATH")}
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     made = provenance()  # this checkout's machine and command; the commit is the clone's
+    load_before = os.getloadavg()  # (1, 5, 15 min): other work sharing the cores slows the run
     with tempfile.TemporaryDirectory(prefix="jaxtune-fresh-clone-") as temporary:
         clone = Path(temporary) / "jaxtune"
         subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": {**made, "command": f"{made['command']} (then in the clone: {figures['command']})"},
         "fresh_clone": True,
         **figures,
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
     }
     path = args.out / f"{args.name or ('demo' if args.target == 'demo' else 'suite')}.json"
     args.out.mkdir(parents=True, exist_ok=True)
