@@ -152,3 +152,12 @@ def test_a_figure_reads_the_gib_a_compilers_refusal_names_and_fails_on_words_tha
     assert figures.problems(text, "p.md") == []
     with pytest.raises(figures.FigureError, match="names no GiB that exceed"):
         figures.on_page_markdown(text.replace("tried/0", "tried/1"), page, None, None)
+
+
+def test_no_page_cites_the_newest_suite_run():
+    """fresh_clone appends each run to results/suite.json: a figure of its newest run (runs/-1) would be
+    outdated by the next recorded run, and that clone's suite would fail the figure check."""
+    figures = _hook("figures")
+    cited = [m.group(0) for path in figures.pages() for m in figures.FIGURE.finditer(path.read_text())]
+    suite = [c for c in cited if "suite:" in c]
+    assert suite and not [c for c in suite if "suite:runs/-" in c or "suite:date" in c or "suite:provenance" in c]
