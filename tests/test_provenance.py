@@ -47,6 +47,10 @@ def test_a_fresh_clones_outputs_are_read_into_the_figures_a_result_keeps():
     )
     summary = fresh_clone.SUMMARY.search(pytest_tail)
     assert (summary["counts"], summary["seconds"]) == ("1298 passed, 1 skipped, 303 warnings", "3361.25")
+    failed_tail = "FAILED tests/test_docs.py::test_figures - Assert\n1 failed, 1358 passed, 1 skipped in 2593.43s"
+    failed = fresh_clone.SUMMARY.search(failed_tail)
+    assert (failed["counts"], failed["seconds"]) == ("1 failed, 1358 passed, 1 skipped", "2593.43")
+    assert [m["test"] for m in fresh_clone.FAILED.finditer(failed_tail)] == ["tests/test_docs.py::test_figures"]
     slow = [(m["seconds"], m["when"], m["test"].split("::")[0]) for m in fresh_clone.SLOW.finditer(pytest_tail)]
     assert slow == [
         ("485.56", "call", "tests/targets/test_recipes_fit.py"),

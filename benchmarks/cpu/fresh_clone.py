@@ -10,8 +10,9 @@ Clones this checkout's HEAD into a temporary folder and runs the target there, t
 match, the train summary); with `--recipe`, the timed command is `jaxtune run RECIPE` after `make install`
 and `python -m jaxtune.offline.checkpoints` (the GGUF files the offline real-model recipes name).
 `test` keeps pytest's count and its slowest steps, appended to the runs results/suite.json holds (the newest
-last). The result names its commit, command and machine (`harness.provenance`): the docs quote the demo's and
-the suite's newest run's figures from it.
+last), a failed run too (`green` false, the tests that failed under `failed`). The result names its commit,
+command and machine (`harness.provenance`): the docs quote the demo's figures and the suite's runs by their
+place in its history.
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ from pathlib import Path
 
 from benchmarks.common.harness import RESULTS, ROOT, provenance
 
-SUMMARY = re.compile(r"^=*\s*(?P<counts>\d+ passed.*?) in (?P<seconds>[\d.]+)s", re.M)
+SUMMARY = re.compile(r"^=*\s*(?P<counts>\d+ (?:failed|passed).*?) in (?P<seconds>[\d.]+)s", re.M)
+FAILED = re.compile(r"^(?:FAILED|ERROR) (?P<test>\S+)", re.M)
 SLOW = re.compile(r"^(?P<seconds>[\d.]+)s (?P<when>call|setup|teardown)\s+(?P<test>\S+)$", re.M)
 
 
-def timed(command: list[str], folder: Path, env: dict) -> tuple[float, str]:
-    """Seconds and output (stdout and stderr) of `command` run in `folder`; exits naming it if it fails."""
+def timed(command: list[str], folder: Path, env: dict, check: bool = True) -> tuple[float, str, int]:
+    """Seconds, output (stdout and stderr) and exit status of `command` run in `folder`; with `check`, exits
+    naming it where it fails."""
     started = time.perf_counter()
     done = subprocess.run(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seconds = time.perf_counter() - started
-    if done.returncode != 0:
+    if check and done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {done.returncode} in {folder}:\n{done.stdout[-4000:]}")
-    return seconds, done.stdout
+    return seconds, done.stdout, done.returncode
 
 
 def stage_states(output: str) -> dict[str, str]:
@@ -56,9 +59,9 @@ def demo(clone: Path, env: dict, recipe: str | None) -> dict:
         command = [".venv/bin/jaxtune", "run", recipe]
     else:
         command = ["make", "demo"]
-    first, output = timed(command, clone, env)
+    first, output, _ = timed(command, clone, env)
     print(f"{' '.join(command)}: {first:.0f} s", file=sys.stderr)
-    again, output_again = timed(command, clone, env)
+    again, output_again, _ = timed(command, clone, env)
     print(f"again: {again:.0f} s", file=sys.stderr)
     # `jaxtune run` prints the report's folder after the stages' states
     folders = [Path(line) for line in output.splitlines() if line.startswith("/")]
@@ -74,10 +77,13 @@ def demo(clone: Path, env: dict, recipe: str | None) -> dict:
 
 
 def suite(clone: Path, env: dict) -> dict:
-    seconds, output = timed(["make", "test"], clone, env)
+    """A `make test` run's figures, green or not: a failed run is kept in the history too, with what failed."""
+    seconds, output, status = timed(["make", "test"], clone, env, check=False)
     summary = SUMMARY.search(output)
     return {
         "command": "make test",
+        "green": status == 0,
+        "failed": [m["test"] for m in FAILED.finditer(output)],
         "seconds": round(seconds, 1),
         "minutes": round(seconds / 60, 2),
         "pytest": {"counts": summary["counts"], "seconds": float(summary["seconds"])} if summary else None,
@@ -117,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         result = with_runs_before(path, result)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(path)
+    if result.get("runs") and not result["runs"][-1].get("green", True):
+        print(f"make test failed in the clone: {', '.join(result['runs'][-1]['failed']) or 'see its output'}")
+        return 1
     return 0
 
 
