@@ -411,7 +411,7 @@ def test_a_runs_recipe_overrides_reach_jaxtunes_side_through_its_children():
     assert loaded == made and loaded.overrides == ("model.scan_layers=true", "train.remat=layer")
     cfg = recipe(loaded, "lora")
     assert (cfg.model.scan_layers, cfg.train.remat, cfg.model.dtype) == (True, "layer", "float32")
-    assert recipe(Settings.make("gemma-3-1b", tiny=True), "lora").model.scan_layers is False
+    assert recipe(Settings.make("gemma-3-1b", tiny=True), "lora").model.layers_stacked is False  # auto, a bf16 base
 
 
 def test_a_remat_set_as_a_config_override_is_refused_naming_the_option_that_sets_it(capsys):
