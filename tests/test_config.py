@@ -180,3 +180,12 @@ def test_the_renamed_train_on_prompt_names_its_replacement():
     assert str(raised.value) == (
         "--set: data.train_on_prompt: renamed; use data.loss_on=all (true) or data.loss_on=all_assistant (false)"
     )
+
+
+def test_scan_layers_auto_stacks_the_layers_over_a_quantized_base_only():
+    from jaxtune.config import ModelConfig
+
+    assert ModelConfig().scan_layers == "auto" and not ModelConfig().layers_stacked
+    assert all(ModelConfig(base_quantization=q).layers_stacked for q in ("int8", "int4", "nf4", "gguf"))
+    assert ModelConfig(scan_layers=True).layers_stacked
+    assert not ModelConfig(scan_layers=False, base_quantization="nf4").layers_stacked

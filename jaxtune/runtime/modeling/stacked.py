@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -103,15 +104,18 @@ class Layout:
     def stacked_layers(self) -> int:
         return self.period * self.groups
 
-    @property
+    @functools.cached_property
     def starts(self) -> tuple[int, ...]:
         """Each run's first position in the group."""
         return tuple(sum(self.runs[:r]) for r in range(len(self.runs)))
 
+    @functools.cached_property
+    def _positions(self) -> tuple[tuple[int, int], ...]:
+        return tuple((r, j) for r, n in enumerate(self.runs) for j in range(n))
+
     def run_of(self, q: int) -> tuple[int, int]:
         """(run, index in the run) of group position q."""
-        r = max(r for r, start in enumerate(self.starts) if start <= q)
-        return r, q - self.starts[r]
+        return self._positions[q]
 
     def lead(self, r: int) -> tuple[int, ...]:
         """The leading axes of run r's stacks: (groups,) or (groups, run length)."""
@@ -321,7 +325,7 @@ def _scannable(layout: Layout, calls: list) -> bool:
 
 
 def _alike_runs(layout: Layout, calls: list) -> list[bool]:
-    """For each run of the group, whether its layers are all called alike (so one scan over them serves)."""
+    """For each run of the group, whether its layers are all called alike (so they share one traced function)."""
     keys = [_call_key(call) for call in calls[: layout.period]]
     return [len({keys[s + j] for j in range(n)}) == 1 for s, n in zip(layout.starts, layout.runs)]
 
